@@ -1,0 +1,3 @@
+from lstune.cli.app import main
+
+main()
