@@ -1,0 +1,28 @@
+"""`lstune presets`: the model presets shipped with lstune."""
+
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("presets", help="List the model presets (configs shipped with lstune; random-initialised).")(
+        _presets_command
+    )
+
+
+def _presets_command() -> None:
+    from rich.table import Table
+
+    from lstune.cli.render import console
+    from lstune.models.presets import list_presets
+
+    table = Table("preset", "architecture", "layers", "hidden", "heads q/kv", "vocab", "real model")
+    for name, preset in list_presets().items():
+        c = preset.config
+        heads = f"{c['num_attention_heads']}/{c.get('num_key_value_heads', c['num_attention_heads'])}"
+        table.add_row(
+            name, c["model_type"], str(c["num_hidden_layers"]), str(c["hidden_size"]), heads,
+            str(c["vocab_size"]), preset.hub_id or "-",
+        )
+    console().print(table)

@@ -1,0 +1,122 @@
+"""Everything lstune draws on a terminal: progress, notes, config and summary tables (rich)."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from lstune.config.parse import format_length
+
+
+@cache
+def console() -> Console:
+    return Console(highlight=False)
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_config(config) -> None:
+    import yaml
+
+    view = config.to_dict()
+    console().print("# resolved config (use as a recipe with --config)")
+    console().print(yaml.safe_dump(view, sort_keys=False).rstrip(), markup=False)
+
+
+def _step_line(m: dict[str, Any]) -> str:
+    return (
+        f"step {m['step']:>5}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
+        f"{m['tokens_per_s']:,.0f} tok/s  {m['step_time_s']:.2f} s/step  "
+        f"peak mem {human_bytes(m['peak_device_mem_bytes'])}  rss {human_bytes(m['host_rss_bytes'])}"
+    )
+
+
+class RichReporter:
+    """A live progress bar on a terminal; plain step lines when output is a file or pipe."""
+
+    def __init__(self, con: Console, *, log_every: int = 1):
+        self.con = con
+        self.log_every = log_every
+        self.progress: Progress | None = None
+        self.task = None
+
+    def start(self, plan: dict[str, Any]) -> None:
+        table = Table(show_header=False, box=None, pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in plan.items():
+            table.add_row(key.replace("_", " "), _format_plan_value(key, value))
+        self.con.print(table)
+        if self.con.is_terminal:
+            self.progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(), TimeRemainingColumn(), console=self.con, transient=False,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=plan["steps"], completed=plan["start_step"], status="")
+
+    def note(self, text: str) -> None:
+        self.con.print(f"[cyan]lstune[/cyan]: {text}", markup=True, highlight=False)
+
+    def step(self, metrics: dict[str, Any]) -> None:
+        if self.progress is not None:
+            status = (
+                f"loss {metrics['loss']:.4f} · {metrics['tokens_per_s']:,.0f} tok/s · "
+                f"{metrics['step_time_s']:.2f} s/step · lr {metrics['lr']:.1e} · gnorm {metrics['grad_norm']:.2f} · "
+                f"mem {human_bytes(metrics['peak_device_mem_bytes'])} · rss {human_bytes(metrics['host_rss_bytes'])}"
+            )
+            self.progress.update(self.task, completed=metrics["step"], status=status)
+        if metrics["step"] % self.log_every == 0 and self.progress is None:
+            self.con.print(_step_line(metrics), markup=False)
+
+    def end(self, result: Any) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+
+def _format_plan_value(key: str, value: Any) -> str:
+    if key == "seq_len":
+        return f"{format_length(value)} ({value:,} tokens)"
+    if key in ("parameters", "trainable_parameters"):
+        return f"{value:,}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items())
+    return str(value)
+
+
+def print_summary(result) -> None:
+    history = result.history
+    table = Table(title="lstune train: " + ("interrupted" if result.interrupted else "done"))
+    table.add_column("")
+    table.add_column("", justify="right")
+    table.add_row("steps", f"{result.steps_done} / {result.max_steps}")
+    if history:
+        first, last = history[0], history[-1]
+        mean = lambda key: sum(h[key] for h in history) / len(history)  # noqa: E731
+        table.add_row("loss (first → last)", f"{first['loss']:.4f} → {last['loss']:.4f}")
+        table.add_row("mean tokens/s", f"{mean('tokens_per_s'):,.0f}")
+        table.add_row("mean step time", f"{mean('step_time_s'):.2f} s")
+        table.add_row("peak device memory", human_bytes(max(h["peak_device_mem_bytes"] for h in history)))
+        table.add_row("peak host RSS", human_bytes(max(h["host_rss_bytes"] for h in history)))
+    table.add_row("metrics", str(result.output_dir / "metrics.jsonl"))
+    if result.last_checkpoint:
+        table.add_row("last checkpoint", str(result.last_checkpoint))
+    if result.final_dir:
+        table.add_row("final model", str(result.final_dir))
+    if result.merged_dir:
+        table.add_row("merged model", str(result.merged_dir))
+    console().print(table)
+    if result.interrupted and result.last_checkpoint:
+        console().print(f"resume with: lstune train --output-dir {result.output_dir} --resume ...(same flags)", markup=False)

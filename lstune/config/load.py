@@ -1,0 +1,124 @@
+"""Recipe (YAML) + flags → one validated TrainConfig, reporting every problem at once.
+
+Precedence: flags > recipe > defaults. Nothing heavy is imported here: this runs before any model or
+data is touched, so a typo costs a second, not a model load.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from lstune.config.schema import TrainConfig
+from lstune.errors import ConfigError
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML recipe; ConfigError when missing, unreadable or not a mapping."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError([f"--config {str(path)!r} does not exist; give the path of a YAML recipe (see recipes/)."])
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"--config {str(path)!r} is not valid YAML: {exc}"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {str(path)!r} must be a mapping of keys to values, e.g. `seq_len: 32k`."])
+    return data
+
+
+def build_config(
+    recipe: dict[str, Any] | None = None,
+    flags: dict[str, Any] | None = None,
+    *,
+    recipe_name: str = "the recipe",
+) -> TrainConfig:
+    """Merge recipe values and flags (None = not given) into a TrainConfig; raise ConfigError listing
+    every invalid or unknown key."""
+    by_name = {f.name: f for f in fields(TrainConfig)}
+    problems: list[str] = []
+    values: dict[str, Any] = {}
+
+    for key, raw in (recipe or {}).items():
+        name = str(key).replace("-", "_")
+        if name not in by_name:
+            problems.append(_unknown_key(str(key), recipe_name, by_name))
+            continue
+        values[name] = (raw, f"{key} in {recipe_name}")
+    for name, raw in (flags or {}).items():
+        if raw is not None:
+            values[name] = (raw, flag_name(name))
+
+    parsed: dict[str, Any] = {}
+    for name, (raw, where) in values.items():
+        if raw is None:
+            parsed[name] = None
+            continue
+        try:
+            parsed[name] = by_name[name].metadata["parser"](raw)
+        except ValueError as exc:
+            problems.append(f"{where} {str(raw)!r} {exc}.")
+
+    config = TrainConfig(**{k: v for k, v in parsed.items()})
+    problems.extend(_cross_check(config, set(values)))
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+# Names users bring from other trainers, mapped to ours for the "did you mean" hint.
+_ALIASES = {
+    "learning_rate": "lr",
+    "batch_size": "micro_batch_size",
+    "per_device_train_batch_size": "micro_batch_size",
+    "gradient_accumulation_steps": "grad_accum",
+    "max_seq_len": "seq_len",
+    "sequence_length": "seq_len",
+    "max_length": "seq_len",
+    "model_name_or_path": "model",
+    "dataset": "data",
+    "save_steps": "save_every",
+    "num_train_epochs": "epochs",
+    "warmup": "warmup_steps",
+    "lr_scheduler_type": "schedule",
+}
+
+
+def _unknown_key(key: str, recipe_name: str, by_name: dict) -> str:
+    name = key.replace("-", "_")
+    candidates = list(by_name) + list(_ALIASES)
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.7)
+    close = [_ALIASES.get(c, c) for c in close]
+    hint = f" Did you mean '{close[0]}'?" if close else " See `lstune train --help` for the keys."
+    return f"unknown key '{key}' in {recipe_name}.{hint}"
+
+
+def _cross_check(c: TrainConfig, given: set[str]) -> list[str]:
+    problems = []
+    if c.resume and c.overwrite:
+        problems.append("--resume and --overwrite contradict each other; resume keeps the run, overwrite erases it. Pick one.")
+    if c.lora_r == 0:
+        for key in ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout"):
+            if key in given:
+                problems.append(f"{flag_name(key)} needs LoRA; add --lora-r 16 (or another rank), or drop it.")
+    if c.max_steps is not None and c.epochs is not None:
+        problems.append("--max-steps and --epochs both given; keep one.")
+    if c.save_every is not None and c.max_steps is not None and c.save_every > c.max_steps:
+        problems.append(
+            f"--save-every {c.save_every} is more than --max-steps {c.max_steps}: no checkpoint would be saved before the end; lower it."
+        )
+    if c.resume and c.resume != "latest" and c.output_dir is None and not Path(c.resume).exists():
+        problems.append(f"--resume {c.resume!r} does not exist; give a checkpoint folder or 'latest' with --output-dir.")
+    if c.resume == "latest" and c.output_dir is None:
+        problems.append("--resume needs --output-dir (the run to continue), or a checkpoint path: --resume runs/x/checkpoint-100.")
+    return problems

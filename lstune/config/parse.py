@@ -1,0 +1,151 @@
+"""Parsers for config values given as flags (strings) or recipe values (YAML scalars).
+
+Each parser returns the typed value or raises `ValueError` whose message completes the sentence
+"<key> <value> ..." — the caller adds the key and collects every error before reporting.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_LENGTH_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)i?[bB]?\s*$")
+_UNITS = {"": 1, "k": 1024, "m": 1024**2}
+_BYTE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+LENGTH_HINT = "use e.g. 32768, 32k, 500K, 1M, 1.5M"
+
+
+def parse_length(value: Any) -> int:
+    """Token counts: 32768, '32k' (= 32768), '500K', '1M' (= 1048576), '1.5M'. k = 1024, M = 1024²."""
+    if isinstance(value, bool):
+        raise ValueError(f"is not a length; {LENGTH_HINT}")
+    if isinstance(value, int):
+        n = value
+    else:
+        match = _LENGTH_RE.match(str(value))
+        if not match:
+            raise ValueError(f"is not a length; {LENGTH_HINT}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+        n = number * _UNITS[unit]
+        if n != int(n):
+            raise ValueError(f"is not a whole number of tokens; {LENGTH_HINT}")
+        n = int(n)
+    if n < 2:
+        raise ValueError("must be at least 2 tokens")
+    return n
+
+
+def parse_bytes(value: Any) -> int:
+    """Byte sizes: 1073741824, '64G', '64GiB', '512MB' (binary units)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        match = _BYTES_RE.match(str(value))
+        if not match:
+            raise ValueError("is not a size; use e.g. 64G, 512M, 1T")
+        n = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
+    if n < 0:
+        raise ValueError("must not be negative")
+    return n
+
+
+def parse_int(value: Any, *, minimum: int | None = None) -> int:
+    if isinstance(value, bool):
+        raise ValueError("is not a whole number")
+    try:
+        n = int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        raise ValueError("is not a whole number") from None
+    if minimum is not None and n < minimum:
+        raise ValueError(f"must be at least {minimum}")
+    return n
+
+
+def parse_float(value: Any, *, minimum: float | None = None, maximum: float | None = None) -> float:
+    if isinstance(value, bool):
+        raise ValueError("is not a number")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("is not a number") from None
+    if minimum is not None and x < minimum:
+        raise ValueError(f"must be at least {minimum}")
+    if maximum is not None and x > maximum:
+        raise ValueError(f"must be at most {maximum}")
+    return x
+
+
+_TRUE = {"1", "true", "yes", "on", "y"}
+_FALSE = {"0", "false", "no", "off", "n"}
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError("is not true/false")
+
+
+def parse_choice(value: Any, choices: tuple[str, ...]) -> str:
+    text = str(value).strip().lower()
+    if text not in choices:
+        raise ValueError(f"is not one of {', '.join(choices)}")
+    return text
+
+
+def parse_auto_off_int(value: Any) -> str | int:
+    """'auto', 'off' or a positive whole number (a tile count)."""
+    text = str(value).strip().lower()
+    if text in ("auto", "off"):
+        return text
+    try:
+        return parse_int(value, minimum=1)
+    except ValueError:
+        raise ValueError("is not auto, off or a positive whole number") from None
+
+
+def parse_auto_int(value: Any) -> str | int:
+    text = str(value).strip().lower()
+    if text == "auto":
+        return text
+    try:
+        return parse_int(value, minimum=1)
+    except ValueError:
+        raise ValueError("is not auto or a positive whole number") from None
+
+
+def parse_optional_str(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = str(value).strip()
+    return text or None
+
+
+def parse_str_list(value: Any) -> list[str] | str:
+    """A list of names (YAML list or comma-separated string), or 'auto'."""
+    if isinstance(value, (list, tuple)):
+        items = [str(v).strip() for v in value]
+    else:
+        text = str(value).strip()
+        if text.lower() == "auto":
+            return "auto"
+        items = [s.strip() for s in text.split(",")]
+    items = [s for s in items if s]
+    if not items:
+        raise ValueError("is empty; give module names like q_proj,v_proj or auto")
+    return items
+
+
+def format_length(n: int) -> str:
+    """32768 -> '32k', 1048576 -> '1M', 1572864 -> '1.5M', 1000 -> '1000'."""
+    for unit, size in (("M", 1024**2), ("k", 1024)):
+        if n >= size and (n * 2) % size == 0:
+            value = n / size
+            return f"{value:g}{unit}"
+    return str(n)

@@ -1,0 +1,185 @@
+"""Load a causal LM by preset name, local folder or hub id; random or pretrained weights; LoRA.
+
+The three sources are tried in that order: a preset (shipped config, always random init), a local folder
+with a config.json, then the hub (which may answer from the local cache when offline).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lstune.errors import ModelError, UserError
+from lstune.models.presets import get_preset, list_presets
+
+log = logging.getLogger("lstune")
+
+
+@dataclass
+class ModelSource:
+    kind: str  # "preset" | "local" | "hub"
+    name: str  # as the user gave it
+    location: str  # preset name, folder path or hub id
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    source: ModelSource
+    notes: list[str] = field(default_factory=list)  # things the user should know (fallback tokenizer, ...)
+
+
+def resolve_source(name: str) -> ModelSource:
+    """Where `name` comes from, without loading anything heavy. ModelError when it cannot be anything."""
+    if get_preset(name) is not None:
+        return ModelSource("preset", name, name.lower().removeprefix("preset:"))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"--model {name!r} is a folder without config.json; give a Hugging Face model folder "
+                "(config.json, weights, tokenizer), a hub id like meta-llama/Llama-3.1-8B, or a preset "
+                "(`lstune presets`)."
+            )
+        return ModelSource("local", name, str(path))
+    if _looks_like_hub_id(name):
+        return ModelSource("hub", name, name)
+    raise ModelError(
+        f"--model {name!r} is not a preset, a local folder or a hub id. Presets: "
+        f"{', '.join(list_presets())}."
+    )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def load_config(source: ModelSource, *, trust_remote_code: bool = False):
+    """The transformers config of `source`; ModelError (with the fix) when it cannot be read."""
+    from lstune.models.presets import preset_config
+
+    if source.kind == "preset":
+        return preset_config(source.location)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        where = "folder" if source.kind == "local" else "hub id"
+        raise ModelError(
+            f"--model {source.name!r}: could not read its config as a {where} ({_first_line(exc)}). "
+            "Check the name, your network or HF_TOKEN for gated models; offline, use a local folder, "
+            "a cached model, or a preset (`lstune presets`)."
+        ) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def load_model(
+    name: str,
+    *,
+    init: str = "auto",
+    param_dtype: Any = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load the model and its tokenizer. `init` auto = random for presets, pretrained otherwise."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = resolve_source(name)
+    if source.kind == "preset" and init == "pretrained":
+        raise ModelError(
+            f"--model {name!r} is a preset: it ships a config but no weights. Use --init random "
+            f"(the default for presets){_hub_hint(source)}."
+        )
+    random_init = init == "random" or (init == "auto" and source.kind == "preset")
+    config = load_config(source, trust_remote_code=trust_remote_code)
+    _check_causal_lm(config, name)
+    param_dtype = param_dtype or torch.float32
+    kwargs = {"dtype": param_dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    torch.manual_seed(seed)
+    if random_init:
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source.location, config=config, **kwargs)
+        except OSError as exc:
+            raise ModelError(
+                f"--model {name!r}: no weights could be loaded ({_first_line(exc)}). Use --init random to "
+                "train from a random initialisation, or point to a folder/hub id with weights."
+            ) from None
+    model.config.use_cache = False
+    tokenizer, notes = load_tokenizer(source, config, trust_remote_code=trust_remote_code)
+    if random_init:
+        notes.insert(0, "weights are randomly initialised (no pretrained weights loaded)")
+    return LoadedModel(model, tokenizer, source, notes)
+
+
+def _hub_hint(source: ModelSource) -> str:
+    preset = get_preset(source.location)
+    return f", or --model {preset.hub_id} for the real weights" if preset and preset.hub_id else ""
+
+
+def _check_causal_lm(config, name: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    if type(config) not in AutoModelForCausalLM._model_mapping and not getattr(config, "auto_map", None):
+        raise ModelError(
+            f"--model {name!r} ({config.model_type}) is not a causal language model transformers can "
+            "load with AutoModelForCausalLM; lstune trains decoder-only causal LMs."
+        )
+
+
+def load_tokenizer(source: ModelSource, config, *, trust_remote_code: bool = False) -> tuple[Any, list[str]]:
+    """The model's tokenizer, or the byte-level fallback (with a note saying so)."""
+    from lstune.data.tokenizer import ByteTokenizer
+
+    notes: list[str] = []
+    if source.kind != "preset":
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code), notes
+        except (OSError, ValueError, TypeError) as exc:
+            if (Path(source.location) / "lstune_byte_tokenizer.json").exists() or source.kind == "local":
+                log.debug("no HF tokenizer at %s: %s", source.location, exc)
+            else:
+                raise ModelError(
+                    f"--model {source.name!r}: its tokenizer could not be loaded ({_first_line(exc)})."
+                ) from None
+    tokenizer = ByteTokenizer()
+    if config.vocab_size < tokenizer.vocab_size:
+        raise UserError(
+            f"--model {source.name!r} has no tokenizer and its vocabulary ({config.vocab_size}) is smaller "
+            f"than the byte-level fallback's ({tokenizer.vocab_size}); give pre-tokenized data "
+            "(records with input_ids) or a model folder with a tokenizer."
+        )
+    notes.append("no tokenizer shipped with this model: using lstune's byte-level tokenizer (1 token per byte)")
+    return tokenizer, notes
+
+
+def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any):
+    """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=r,
+        lora_alpha=alpha or 2 * r,
+        lora_dropout=dropout,
+        target_modules="all-linear" if targets == "auto" else list(targets),
+        task_type="CAUSAL_LM",
+    )
+    try:
+        peft_model = get_peft_model(model, lora)
+    except ValueError as exc:
+        raise UserError(f"--lora-targets: {_first_line(exc)}. Use auto, or names of linear layers like q_proj,v_proj.") from None
+    return peft_model

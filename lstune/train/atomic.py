@@ -1,0 +1,49 @@
+"""Write a folder so that it appears complete or not at all."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+@contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield a temp folder beside `target`; on success it replaces `target` by rename (an old `target`
+    is moved aside first and removed only once the new one is in place). On error the temp folder is
+    removed and `target` is untouched."""
+    target = Path(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        old = None
+        if target.exists():
+            old = target.with_name(f".tmp-old-{target.name}-{os.getpid()}")
+            os.rename(target, old)
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

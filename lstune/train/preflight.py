@@ -1,0 +1,55 @@
+"""Checks that need no model or data loaded: run before anything heavy, every problem reported at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lstune.config.schema import TrainConfig
+from lstune.errors import ConfigError, UserError
+
+
+def preflight(config: TrainConfig) -> None:
+    problems: list[str] = []
+    for check in (_check_model, _check_data, _check_output):
+        try:
+            check(config)
+        except UserError as exc:
+            problems.extend(exc.problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _check_model(config: TrainConfig) -> None:
+    from lstune.models.loading import resolve_source
+
+    resolve_source(config.model)
+
+
+def _check_data(config: TrainConfig) -> None:
+    from lstune.errors import DataError
+
+    source = config.data
+    if source.startswith("builtin:"):
+        from lstune.data.dataset import BUILTIN_SOURCES
+
+        if source not in BUILTIN_SOURCES:
+            raise DataError(f"--data {source!r} is not a bundled dataset; bundled: {', '.join(BUILTIN_SOURCES)}.")
+        return
+    path = Path(source).expanduser()
+    looks_local = path.suffix or source.startswith((".", "/", "~")) or source.count("/") > 1
+    if looks_local and not path.exists():
+        raise DataError(
+            f"--data {source!r} does not exist; give a JSONL/JSON/Parquet/Arrow file or folder, a "
+            "save_to_disk folder, a hub dataset name, or builtin:passkey."
+        )
+
+
+def _check_output(config: TrainConfig) -> None:
+    if config.output_dir is None or config.resume or config.overwrite:
+        return
+    output_dir = Path(config.output_dir)
+    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+        raise UserError(
+            f"--output-dir {config.output_dir!r} already exists and is not empty; nothing is overwritten unasked. "
+            "Use --resume to continue that run, --overwrite to replace it, or another --output-dir."
+        )

@@ -1,0 +1,82 @@
+"""Config: parsing of every value kind, recipe + flag precedence, all errors reported together."""
+
+from __future__ import annotations
+
+import pytest
+
+from lstune.config.load import build_config, read_recipe
+from lstune.config.parse import format_length, parse_bytes, parse_length
+from lstune.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [("32768", 32768), ("32k", 32768), ("500K", 512000), ("1M", 1048576), ("1.5M", 1572864), (4096, 4096)],
+)
+def test_lengths_parse(text, expected):
+    assert parse_length(text) == expected
+
+
+@pytest.mark.parametrize("text", ["500q", "", "k", "1.3k", "-5", "1e5", True])
+def test_bad_lengths_are_rejected_with_the_hint(text):
+    with pytest.raises(ValueError, match="32k"):
+        parse_length(text)
+
+
+def test_format_length_round_trips():
+    for n in (32768, 1048576, 1572864, 4096, 1000):
+        assert parse_length(format_length(n)) == n
+
+
+def test_bytes():
+    assert parse_bytes("64G") == 64 * 1024**3
+    assert parse_bytes("512MiB") == 512 * 1024**2
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_flags_override_recipe_and_defaults_fill_the_rest():
+    config = build_config({"seq_len": "8k", "lr": 1e-4}, {"lr": "3e-4", "pack": True})
+    assert config.seq_len == 8192
+    assert config.lr == pytest.approx(3e-4)
+    assert config.pack is True
+    assert config.model == "tiny-llama"
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        build_config(
+            {"seq_len": "500q", "lerning_rate": 1e-3, "grad_accum": 0},
+            {"micro_batch_size": "two", "lora_alpha": "16"},
+            recipe_name="r.yaml",
+        )
+    problems = info.value.problems
+    text = str(info.value)
+    assert len(problems) == 5, problems
+    assert "seq_len in r.yaml '500q' is not a length; use e.g. 32768, 32k" in text
+    assert "unknown key 'lerning_rate' in r.yaml" in text and "Did you mean" in text
+    assert "grad_accum in r.yaml '0' must be at least 1" in text
+    assert "--micro-batch-size 'two' is not a whole number" in text
+    assert "--lora-alpha needs LoRA" in text
+
+
+def test_contradictions_are_errors():
+    with pytest.raises(ConfigError, match="contradict"):
+        build_config({}, {"resume": "latest", "overwrite": True, "output_dir": "x"})
+    with pytest.raises(ConfigError, match="--resume needs --output-dir"):
+        build_config({}, {"resume": "latest"})
+    with pytest.raises(ConfigError, match="--max-steps and --epochs"):
+        build_config({}, {"max_steps": "3", "epochs": "1"})
+
+
+def test_recipe_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_recipe(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        read_recipe(bad)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("seq_len: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        read_recipe(broken)
