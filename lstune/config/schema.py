@@ -141,6 +141,13 @@ class TrainConfig:
         False, "Allow an existing --output-dir; its old checkpoints and metrics are removed.",
         p.parse_bool, RUN,
     )
+    stop_at_step: int | None = _opt(
+        None,
+        "Stop after this step with a checkpoint, keeping the schedule planned for --max-steps; continue later "
+        "with --resume (for jobs with a time limit).",
+        _pos_int,
+        RUN,
+    )
     log_every: int = _opt(1, "Print a progress line every N steps.", _pos_int, RUN)
 
     def to_dict(self) -> dict[str, Any]:

@@ -90,8 +90,12 @@ def load_model(
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
     seed: int = 0,
+    tokenizer: Any = None,
+    notes: list[str] | None = None,
 ) -> LoadedModel:
-    """Load the model and its tokenizer. `init` auto = random for presets, pretrained otherwise."""
+    """Load the model (and its tokenizer unless given). `init` auto = random for presets, pretrained
+    otherwise. Callers that build data first pass the tokenizer from `load_tokenizer_for`, so a data
+    problem is reported before minutes of weight loading."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -104,11 +108,19 @@ def load_model(
     random_init = init == "random" or (init == "auto" and source.kind == "preset")
     config = load_config(source, trust_remote_code=trust_remote_code)
     _check_causal_lm(config, name)
-    param_dtype = param_dtype or torch.float32
-    kwargs = {"dtype": param_dtype, "attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    notes = list(notes or [])
+    if tokenizer is None:
+        tokenizer, tokenizer_notes = load_tokenizer(source, config, trust_remote_code=trust_remote_code)
+        notes += tokenizer_notes
+    kwargs = {
+        "dtype": param_dtype or torch.float32,
+        "attn_implementation": attn_implementation,
+        "trust_remote_code": trust_remote_code,
+    }
     torch.manual_seed(seed)
     if random_init:
         model = AutoModelForCausalLM.from_config(config, **kwargs)
+        notes.insert(0, "weights are randomly initialised (no pretrained weights loaded)")
     else:
         try:
             model = AutoModelForCausalLM.from_pretrained(source.location, config=config, **kwargs)
@@ -118,10 +130,15 @@ def load_model(
                 "train from a random initialisation, or point to a folder/hub id with weights."
             ) from None
     model.config.use_cache = False
-    tokenizer, notes = load_tokenizer(source, config, trust_remote_code=trust_remote_code)
-    if random_init:
-        notes.insert(0, "weights are randomly initialised (no pretrained weights loaded)")
     return LoadedModel(model, tokenizer, source, notes)
+
+
+def load_tokenizer_for(name: str, *, trust_remote_code: bool = False) -> tuple[Any, list[str]]:
+    """The tokenizer of model `name` (or the byte-level fallback) without loading any weights."""
+    source = resolve_source(name)
+    config = load_config(source, trust_remote_code=trust_remote_code)
+    _check_causal_lm(config, name)
+    return load_tokenizer(source, config, trust_remote_code=trust_remote_code)
 
 
 def _hub_hint(source: ModelSource) -> str:

@@ -32,6 +32,7 @@ class TrainResult:
     steps_done: int
     max_steps: int
     interrupted: bool = False
+    stopped_early: bool = False
     final_dir: Path | None = None
     merged_dir: Path | None = None
     last_checkpoint: Path | None = None
@@ -50,10 +51,11 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     reporter = reporter or LogReporter()
     output_dir, resume_from = prepare_output_dir(config)
     device, autocast_dtype = _setup_device(config)
-    loaded = _setup_model(config, device)
+    tokenizer, notes = _setup_tokenizer(config)
+    dataset = _setup_data(config, tokenizer)
+    loaded = _setup_model(config, device, tokenizer, notes)
     for note in loaded.notes:
         reporter.note(note)
-    dataset = _setup_data(config, loaded.tokenizer)
     max_steps = total_steps(config, len(dataset))
     engine = _make_engine(config, loaded.model, max_steps)
 
@@ -123,7 +125,14 @@ def _setup_device(config: TrainConfig):
     return torch.device("cpu"), (torch.bfloat16 if config.dtype == "bf16" else None)
 
 
-def _setup_model(config: TrainConfig, device):
+def _setup_tokenizer(config: TrainConfig):
+    """Tokenizer first: the data is built (and its problems reported) before any weights load."""
+    from lstune.models.loading import load_tokenizer_for
+
+    return load_tokenizer_for(config.model, trust_remote_code=config.trust_remote_code)
+
+
+def _setup_model(config: TrainConfig, device, tokenizer, notes):
     """Load, then apply the techniques in their fixed order (lstune.train.prepare)."""
     from lstune.models.loading import load_model
     from lstune.train.prepare import prepare_model
@@ -133,7 +142,8 @@ def _setup_model(config: TrainConfig, device):
         init=config.init,
         trust_remote_code=config.trust_remote_code,
         seed=config.seed,
-        attn_implementation="sdpa" if config.attn == "auto" else config.attn,
+        tokenizer=tokenizer,
+        notes=notes,
     )
     loaded.model = prepare_model(loaded.model, config, device)
     return loaded
@@ -236,12 +246,16 @@ def _loop(config, engine, loaded, dataset, device, autocast_dtype, state, result
                     result.interrupted = True
                     reporter.note(f"{stop.signal_name} received: saving a checkpoint, then stopping")
                     break
+                if config.stop_at_step is not None and state.step >= config.stop_at_step:
+                    result.stopped_early = True
+                    reporter.note(f"stopping at step {state.step} (--stop-at-step); continue with --resume")
+                    break
                 if config.save_every and state.step % config.save_every == 0 and state.step < result.max_steps:
                     result.last_checkpoint = _save(config, engine, state, result.output_dir, reporter)
             result.steps_done = state.step
             if state.step > 0 and (result.last_checkpoint is None or not _is_step(result.last_checkpoint, state.step)):
                 result.last_checkpoint = _save(config, engine, state, result.output_dir, reporter)
-            if not result.interrupted:
+            if not (result.interrupted or result.stopped_early):
                 _export(config, engine, loaded, result, reporter)
     finally:
         metrics.close()

@@ -1,0 +1,63 @@
+"""Run the real `lstune` CLI in-process (fast) or as a subprocess (for signals and startup)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from lstune.cli.app import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+
+@pytest.fixture
+def cli(capsys):
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+def run_subprocess(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "lstune", *map(str, args)], capture_output=True, text=True, timeout=timeout,
+        env=env, cwd=kwargs.pop("cwd", REPO), **kwargs,
+    )
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.fixture
+def text_data(tmp_path) -> Path:
+    """A JSONL file of 12 short, learnable documents."""
+    path = tmp_path / "data.jsonl"
+    rows = [{"text": f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * (3 + i % 4)} for i in range(12)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+TINY = ["--model", "tiny-llama", "--seq-len", "256", "--lr", "1e-3", "--warmup-steps", "0"]

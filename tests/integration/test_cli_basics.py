@@ -1,0 +1,125 @@
+"""The CLI's surface: help, startup cost, dry runs, and every bad input's promised message and exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.integration.conftest import TINY, run_subprocess
+
+
+def test_help_lists_commands_and_flags(cli):
+    result = cli("--help")
+    assert result.code == 0
+    assert "train" in result.out and "presets" in result.out
+    result = cli("train", "--help")
+    assert result.code == 0
+    for flag in ("--seq-len", "--data", "--pack", "--max-steps", "--lr", "--micro-batch-size", "--grad-accum",
+                 "--save-every", "--keep-last", "--seed", "--overwrite", "--resume", "--lora-r", "--dry-run"):
+        assert flag in result.out, flag
+
+
+def test_python_dash_m_and_help_stay_light():
+    """`python -m lstune --help` works and imports no torch/transformers/deepspeed (so it answers fast)."""
+    code = (
+        "import sys, runpy; sys.argv = ['lstune', 'train', '--help'];"
+        "\ntry:\n    runpy.run_module('lstune', run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0, e.code"
+        "\nheavy = [m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules]"
+        "\nassert not heavy, heavy"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--seq-len" in proc.stdout
+
+
+def test_presets_command_lists_real_and_tiny_models(cli):
+    result = cli("presets")
+    assert result.code == 0
+    for name in ("tiny-llama", "llama-3.1-8b", "llama-3.1-70b", "qwen3-32b", "gemma-2-9b", "mixtral-8x7b"):
+        assert name in result.out
+
+
+def test_dry_run_prints_resolved_config(cli, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("seq_len: 8k\nlr: 1.0e-4\n")
+    result = cli("train", "--config", recipe, "--lr", "5e-4", "--dry-run")
+    assert result.code == 0, result.err
+    assert "seq_len: 8192" in result.out
+    assert "lr: 0.0005" in result.out
+    assert not (tmp_path / "runs").exists()
+
+
+def _assert_user_error(result, *fragments):
+    assert result.code == 2, (result.code, result.out, result.err)
+    assert "Traceback" not in result.err
+    for fragment in fragments:
+        assert fragment in result.err, (fragment, result.err)
+
+
+def test_bad_length_is_one_line(cli):
+    _assert_user_error(cli("train", "--seq-len", "500q"), "--seq-len '500q' is not a length; use e.g. 32768, 32k")
+
+
+def test_several_config_errors_at_once(cli, tmp_path):
+    result = cli("train", "--seq-len", "500q", "--lr", "fast", "--data", tmp_path / "nope.jsonl", "--model", "./nowhere")
+    _assert_user_error(result, "4 problems", "--seq-len", "--lr 'fast' is not a number", "nope.jsonl", "./nowhere")
+
+
+def test_missing_data(cli, tmp_path):
+    _assert_user_error(cli("train", "--data", tmp_path / "missing.jsonl"), "missing.jsonl", "does not exist")
+
+
+def test_empty_data(cli, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    result = cli("train", *TINY, "--data", empty, "--output-dir", tmp_path / "out")
+    assert result.code == 2 and "Traceback" not in result.err
+    assert "empty" in result.err.lower() or "no records" in result.err.lower(), result.err
+
+
+def test_records_without_known_fields(cli, tmp_path):
+    data = tmp_path / "odd.jsonl"
+    data.write_text(json.dumps({"body": "hello"}) + "\n")
+    result = cli("train", *TINY, "--data", data, "--output-dir", tmp_path / "out")
+    _assert_user_error(result, "body")
+    assert "text" in result.err and "messages" in result.err and "input_ids" in result.err
+
+
+def test_unknown_model(cli, tmp_path):
+    _assert_user_error(cli("train", "--model", "./no/such/folder", "--dry-run"), "./no/such/folder", "preset")
+    result = cli("train", "--model", "nobody-here/not-a-model-xyz", "--output-dir", tmp_path / "o", *TINY[2:])
+    _assert_user_error(result, "nobody-here/not-a-model-xyz", "offline")
+
+
+def test_model_folder_without_config(cli, tmp_path):
+    (tmp_path / "m").mkdir()
+    _assert_user_error(cli("train", "--model", tmp_path / "m", "--dry-run"), "config.json")
+
+
+def test_existing_output_dir_is_not_overwritten(cli, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    _assert_user_error(cli("train", "--output-dir", out, "--dry-run"), "already exists", "--overwrite", "--resume")
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_output_dir_not_writable(cli, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = cli("train", *TINY, "--max-steps", "1", "--output-dir", blocker / "out")
+    _assert_user_error(result, "not writable")
+
+
+def test_resume_without_checkpoint(cli, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _assert_user_error(cli("train", *TINY, "--output-dir", out, "--resume"), "checkpoint")
+    _assert_user_error(cli("train", *TINY, "--resume", tmp_path / "nothing-here"), "nothing-here")
+
+
+def test_debug_shows_the_traceback():
+    proc = run_subprocess("--debug", "train", "--model", "./no/such", "--dry-run", timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" in proc.stderr and "./no/such" in proc.stderr

@@ -1,0 +1,152 @@
+"""`lstune train` end to end on CPU with tiny models: learning, accumulation, checkpoints, resume, export."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.integration.conftest import REPO, TINY, read_metrics, run_subprocess
+
+
+def test_embedded_demo_recipe_learns(cli, tmp_path):
+    out = tmp_path / "demo"
+    result = cli("train", "--config", REPO / "recipes/tiny-llama/4k-cpu-demo.yaml", "--output-dir", out)
+    assert result.code == 0, result.err
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+    first = sum(m["loss"] for m in metrics[:3]) / 3
+    last = sum(m["loss"] for m in metrics[-3:]) / 3
+    assert last < 0.6 * first, (first, last)
+    required = {"step", "loss", "tokens", "tokens_per_s", "step_time_s", "lr", "grad_norm",
+                "peak_device_mem_bytes", "host_rss_bytes"}
+    assert required <= set(metrics[0])
+    assert (out / "final" / "config.json").exists()
+    assert "final model" in result.out
+
+
+def test_final_model_reloads_with_from_pretrained(cli, tmp_path, text_data):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    result = cli("train", *TINY, "--data", text_data, "--max-steps", "3", "--output-dir", out)
+    assert result.code == 0, result.err
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    ckpt_model = AutoModelForCausalLM.from_pretrained(out / "checkpoint-3" / "model")
+    for (name, a), (_, b) in zip(model.state_dict().items(), ckpt_model.state_dict().items()):
+        assert torch.equal(a, b), name
+    ids = torch.arange(3, 40).unsqueeze(0)
+    assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_grad_accumulation_equals_bigger_batch(cli, tmp_path, text_data):
+    common = [*TINY, "--data", text_data, "--max-steps", "3", "--schedule", "constant"]
+    assert cli("train", *common, "--micro-batch-size", "2", "--output-dir", tmp_path / "a").code == 0
+    assert cli("train", *common, "--micro-batch-size", "1", "--grad-accum", "2", "--output-dir", tmp_path / "b").code == 0
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [m["label_tokens"] for m in a] == [m["label_tokens"] for m in b]
+    for ma, mb in zip(a, b):
+        assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5)
+        assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-4)
+    from safetensors.torch import load_file
+
+    wa = load_file(tmp_path / "a/final/model.safetensors")
+    wb = load_file(tmp_path / "b/final/model.safetensors")
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-6)
+
+
+def test_resume_equals_uninterrupted(cli, tmp_path, text_data):
+    common = [*TINY, "--data", text_data, "--max-steps", "10", "--seed", "7"]
+    full = tmp_path / "full"
+    assert cli("train", *common, "--save-every", "5", "--keep-last", "0", "--output-dir", full).code == 0
+    assert (full / "checkpoint-5").is_dir() and (full / "checkpoint-10").is_dir()
+
+    # A run stopped after 5 steps (same schedule), then resumed in place for the rest.
+    part = tmp_path / "part"
+    first = cli("train", *common, "--save-every", "5", "--output-dir", part, "--stop-at-step", "5")
+    assert first.code == 0, first.err
+    resumed = cli("train", *common, "--output-dir", part, "--resume")
+    assert resumed.code == 0, resumed.err
+    losses_full = [m["loss"] for m in read_metrics(full)]
+    losses_part = [m["loss"] for m in read_metrics(part)]
+    assert len(losses_part) == 10
+    assert losses_part == pytest.approx(losses_full, rel=1e-6)
+
+
+def test_five_step_run_resumed_for_five_more(cli, tmp_path, text_data):
+    """The issue's promise, with a constant schedule so the two plans share their learning rates."""
+    common = [*TINY, "--data", text_data, "--schedule", "constant"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli("train", *common, "--max-steps", "10", "--output-dir", full).code == 0
+    assert cli("train", *common, "--max-steps", "5", "--output-dir", part).code == 0
+    assert cli("train", *common, "--max-steps", "10", "--output-dir", part, "--resume").code == 0
+    assert [m["loss"] for m in read_metrics(part)] == pytest.approx([m["loss"] for m in read_metrics(full)], rel=1e-6)
+
+
+def test_keep_last_prunes_old_checkpoints(cli, tmp_path, text_data):
+    out = tmp_path / "run"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "6", "--save-every", "2", "--keep-last", "2",
+               "--output-dir", out).code == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_corrupt_checkpoint_is_refused(cli, tmp_path, text_data):
+    out = tmp_path / "run"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    weights = out / "checkpoint-2" / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-10] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    result = cli("train", *TINY, "--data", text_data, "--max-steps", "4", "--output-dir", out, "--resume")
+    assert result.code == 2 and "Traceback" not in result.err
+    assert "checkpoint-2" in result.err and "corrupt" in result.err.lower()
+
+
+def test_overwrite_replaces_only_our_files(cli, tmp_path, text_data):
+    out = tmp_path / "run"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    (out / "notes.txt").write_text("mine")
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite").code == 0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert len(read_metrics(out)) == 1
+    assert not (out / "checkpoint-2").exists()
+
+
+def test_lora_trains_adapter_and_merged_export_reloads(cli, tmp_path, text_data):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    result = cli("train", *TINY, "--data", text_data, "--max-steps", "3", "--lora-r", "4", "--merge-lora",
+                 "--output-dir", out)
+    assert result.code == 0, result.err
+    assert (out / "final" / "adapter_config.json").exists()
+    merged = AutoModelForCausalLM.from_pretrained(out / "final-merged")
+    assert not any("lora" in name for name in merged.state_dict())
+    metrics = read_metrics(out)
+    assert all(m["grad_norm"] > 0 for m in metrics)
+
+
+def test_sigterm_saves_a_checkpoint_then_exits(tmp_path, text_data):
+    out = tmp_path / "run"
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lstune", "train", *TINY, "--data", str(text_data), "--max-steps", "100000",
+         "--output-dir", str(out)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    steps = len(read_metrics(out))
+    assert (out / f"checkpoint-{steps}").is_dir(), (steps, list(out.iterdir()))
+    assert not (out / "final").exists()
+    assert "SIGTERM" in stdout + stderr
