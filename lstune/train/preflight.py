@@ -30,10 +30,11 @@ def _check_data(config: TrainConfig) -> None:
 
     source = config.data
     if source.startswith("builtin:"):
-        from lstune.data.dataset import BUILTIN_SOURCES
+        from lstune.data.sources import BUILTINS
 
-        if source not in BUILTIN_SOURCES:
-            raise DataError(f"--data {source!r} is not a bundled dataset; bundled: {', '.join(BUILTIN_SOURCES)}.")
+        if source.removeprefix("builtin:") not in BUILTINS:
+            bundled = ", ".join(f"builtin:{name}" for name in BUILTINS)
+            raise DataError(f"--data {source!r} is not a bundled dataset; bundled: {bundled}.")
         return
     path = Path(source).expanduser()
     looks_local = path.suffix or source.startswith((".", "/", "~")) or source.count("/") > 1

@@ -23,7 +23,7 @@ from lstune.train.signals import StopOnSignal
 FINAL_DIR = "final"
 MERGED_DIR = "final-merged"
 CONFIG_FILE = "config.yaml"
-OWN_ENTRIES = ("checkpoint-", ".tmp-", FINAL_DIR, MERGED_DIR, "metrics.jsonl", CONFIG_FILE)
+OWN_ENTRIES = (".tmp-", ".old-checkpoint-", FINAL_DIR, MERGED_DIR, "metrics.jsonl", CONFIG_FILE)
 
 
 @dataclass
@@ -107,8 +107,14 @@ def _default_output_dir(config: TrainConfig) -> Path:
 
 
 def _clear_own_files(output_dir: Path) -> None:
+    """Remove what an earlier lstune run wrote here; checkpoints only when they carry our manifest."""
+    from lstune.train.checkpoint import MANIFEST_NAME
+
     for entry in output_dir.iterdir():
-        if entry.name.startswith(OWN_ENTRIES):
+        ours = entry.name.startswith(OWN_ENTRIES) or (
+            entry.name.startswith("checkpoint-") and (entry / MANIFEST_NAME).is_file()
+        )
+        if ours:
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
 
 
