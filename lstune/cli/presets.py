@@ -17,7 +17,9 @@ def _presets_command() -> None:
     from lstune.cli.render import console
     from lstune.models.presets import list_presets
 
-    table = Table("preset", "architecture", "layers", "hidden", "heads q/kv", "vocab", "real model")
+    table = Table()
+    for column in ("preset", "architecture", "layers", "hidden", "heads q/kv", "vocab", "real model"):
+        table.add_column(column, no_wrap=True)
     for name, preset in list_presets().items():
         c = preset.config
         heads = f"{c['num_attention_heads']}/{c.get('num_key_value_heads', c['num_attention_heads'])}"

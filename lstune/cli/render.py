@@ -14,7 +14,10 @@ from lstune.config.parse import format_length
 
 @cache
 def console() -> Console:
-    return Console(highlight=False)
+    """The terminal's width when interactive; 120 columns in logs, so lines are not folded at 80."""
+    import sys
+
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 
 
 def human_bytes(n: float | None) -> str:

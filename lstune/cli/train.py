@@ -58,13 +58,13 @@ def _metavar(name: str) -> str:
 def _train_command(**kwargs: Any) -> int:
     from lstune.cli.render import RichReporter, console, print_config, print_summary
     from lstune.config.load import build_config, read_recipe
-    from lstune.train.preflight import preflight
+    from lstune.train.preflight import preflight_problems
 
     config_path = kwargs.pop("config")
     dry_run = kwargs.pop("dry_run")
     recipe = read_recipe(config_path) if config_path else {}
-    config = build_config(recipe, kwargs, recipe_name=str(config_path) if config_path else "the recipe")
-    preflight(config)
+    name = str(config_path) if config_path else "the recipe"
+    config = build_config(recipe, kwargs, recipe_name=name, checks=preflight_problems)
     if dry_run:
         print_config(config)
         return 0

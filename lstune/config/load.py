@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lstune.config.schema import TrainConfig
 from lstune.errors import ConfigError
@@ -42,9 +42,10 @@ def build_config(
     flags: dict[str, Any] | None = None,
     *,
     recipe_name: str = "the recipe",
+    checks: Callable[[TrainConfig], list[str]] | None = None,
 ) -> TrainConfig:
     """Merge recipe values and flags (None = not given) into a TrainConfig; raise ConfigError listing
-    every invalid or unknown key."""
+    every invalid or unknown key, together with what `checks` finds (e.g. a missing data path)."""
     by_name = {f.name: f for f in fields(TrainConfig)}
     problems: list[str] = []
     values: dict[str, Any] = {}
@@ -71,6 +72,8 @@ def build_config(
 
     config = TrainConfig(**{k: v for k, v in parsed.items()})
     problems.extend(_cross_check(config, set(values)))
+    if checks is not None:
+        problems.extend(checks(config))
     if problems:
         raise ConfigError(problems)
     return config

@@ -8,13 +8,19 @@ from lstune.config.schema import TrainConfig
 from lstune.errors import ConfigError, UserError
 
 
-def preflight(config: TrainConfig) -> None:
+def preflight_problems(config: TrainConfig) -> list[str]:
+    """Every problem found with the model source, the data source and the output folder."""
     problems: list[str] = []
     for check in (_check_model, _check_data, _check_output):
         try:
             check(config)
         except UserError as exc:
             problems.extend(exc.problems)
+    return problems
+
+
+def preflight(config: TrainConfig) -> None:
+    problems = preflight_problems(config)
     if problems:
         raise ConfigError(problems)
 

@@ -48,7 +48,10 @@ class RunState:
 
 def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     """Run the training `config` describes; returns when finished or stopped by SIGINT/SIGTERM."""
+    from transformers.utils import logging as hf_logging
+
     reporter = reporter or LogReporter()
+    hf_logging.disable_progress_bar()  # lstune draws its own progress; HF's per-save bars are noise here
     output_dir, resume_from = prepare_output_dir(config)
     device, autocast_dtype = _setup_device(config)
     tokenizer, notes = _setup_tokenizer(config)
