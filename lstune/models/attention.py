@@ -1,0 +1,647 @@
+"""lstune's attention backend: per-document causal attention with no attention mask, for any HF causal LM.
+
+Why (ALST, paper 004 Sec. 3.4): transformers builds a `[bs, 1, seq, seq]` mask for eager/SDPA attention and, for
+packed batches, for every backend but FlashAttention. At 125K tokens that mask is 29 GiB in bf16 and it grows with
+seq². lstune never lets HF build it: causality comes from `is_causal`, packed-document boundaries from `position_ids`
+(a position that does not continue its predecessor by +1, i.e. a reset to 0, starts a new document; the rule
+transformers' own `find_packed_sequence_indices` uses). What the mask was for is done inside the kernel call:
+
+* ``flash_attention_2`` — `flash_attn_varlen_func` over the flattened batch with `cu_seqlens` from `position_ids`
+  (CUDA, fp16/bf16, flash-attn installed). Sliding windows and softcapping are kernel arguments.
+* ``sdpa`` — `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` on each document span (one call
+  when every row is one document: PyTorch's flash kernel on CUDA and on CPU). A sliding window shorter than a
+  document is run as query blocks against only the keys in reach, with a small banded mask per block.
+  Cannot softcap logits.
+* ``flex`` — `flex_attention` with a document-causal (and windowed) `BlockMask` and a softcap `score_mod`; compiled on
+  CUDA. PyTorch has no flex backward on CPU, so on CPU it only runs without gradients.
+
+``auto`` takes flash_attention_2 where it can run, else flex when logits must be softcapped, else sdpa.
+
+Memory: the attention path allocates O(B·S) index tensors and the kernels' own O(B·S·H·D) buffers; no O(S²) tensor
+(per-block band masks of the windowed sdpa path are O(block·(block+window))). Removed versus HF eager/SDPA with a
+packed batch: B·S² mask elements (2 bytes each for a bf16 additive mask). Cost: the sdpa path issues one kernel
+call per document (plus one per window block), so batches packed with thousands of tiny documents are launch-bound
+on GPU — use flash_attention_2 or flex there.
+
+int32 bound: kernels that compute element offsets in 32 bits fail once an offset reaches 2³¹. q/k/v arrive from HF
+as `[B, S, H, D]` storage viewed `[B, H, S, D]`, so a token's offset is s·H·D — the `seq·hidden ≥ 2³¹` bound
+(S = 524,288 at hidden 4096). FlashAttention-2 (and PyTorch's SDPA flash kernel, built from it) index with int64;
+Triton flex kernels have had int32 K/V offset bugs (pytorch/pytorch#190857), so the flex path makes q/k/v contiguous
+per head (offset s·D) when s·H·D would pass 2³¹. `cu_seqlens` is int32 as flash-attn requires: B·S < 2³¹ tokens.
+The attention output itself is a `[B, S, H·D]` tensor, unavoidably.
+
+Composes with: Ulysses sequence parallelism (which calls `local_attention` on head-sharded, full-sequence q/k/v with
+the full `position_ids`), LoRA, tiled MLP/loss, activation checkpointing and offload (pure function of q/k/v).
+
+HF hooks (one place, nothing at import time, all undone by `AttentionHandle.undo`): an attention function under a
+fresh key in `AttentionInterface` and a mask function under the same key in `AttentionMaskInterface` that returns
+None, then `model.set_attn_implementation(key)`. transformers 5.23 `masking_utils` only calls the mask function of a
+key present in `AttentionMaskInterface._global_mapping` — absent, it silently drops 2D padding masks — so lstune
+registers one that builds nothing and refuses what it cannot honour (padding masks, custom mask overlays).
+`position_ids` reaches attention functions through the decoder layers' `**kwargs`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from lstune.errors import ConfigError, ModelError, UserError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+    from torch.nn.attention.flex_attention import BlockMask
+    from transformers import PretrainedConfig, PreTrainedModel
+
+logger = logging.getLogger("lstune")
+
+BACKENDS = ("sdpa", "flex", "flash_attention_2")
+_INT32_LIMIT = 2**31
+# The windowed sdpa path runs query blocks of max(window, this) tokens: fewer kernel calls for tiny windows, at most
+# 2x the banded FLOPs for large ones.
+_MIN_WINDOW_BLOCK = 256
+_registration_ids = itertools.count(1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Documents from position_ids
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def document_starts(position_ids_BS: Tensor) -> Tensor:
+    """Bool [B, S]: True where a document starts — at column 0 and wherever a position does not continue the previous
+    one by +1 (a reset to 0 in lstune's packed batches; same rule as transformers' `find_packed_sequence_indices`)."""
+    starts_BS = torch.ones_like(position_ids_BS, dtype=torch.bool)
+    starts_BS[:, 1:] = position_ids_BS[:, 1:] != position_ids_BS[:, :-1] + 1
+    return starts_BS
+
+
+def document_ids(position_ids_BS: Tensor) -> Tensor:
+    """Long [B, S]: index of each token's document within its row (0, 0, 1, 1, 1, 2, ...)."""
+    return document_starts(position_ids_BS).cumsum(dim=1) - 1
+
+
+def document_spans(position_ids_BS: Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the `(start, end)` token ranges of its documents. One host sync for the whole batch."""
+    batch, seq = position_ids_BS.shape
+    spans: list[list[int]] = [[] for _ in range(batch)]
+    for row, col in document_starts(position_ids_BS).nonzero().tolist():
+        spans[row].append(col)
+    return [list(zip(starts, starts[1:] + [seq])) for starts in spans]
+
+
+def cu_seqlens(position_ids_BS: Tensor) -> tuple[Tensor, int]:
+    """flash-attn varlen metadata over the flattened batch: int32 cumulative document starts (with the total appended)
+    and the longest document. Row starts are document starts, so documents never span rows."""
+    total = position_ids_BS.numel()
+    if total >= _INT32_LIMIT:
+        raise UserError(
+            f"{total:,} tokens per step overflow flash-attn's int32 cu_seqlens; use a smaller batch or sequence "
+            "parallelism."
+        )
+    starts_T = document_starts(position_ids_BS).flatten().nonzero().flatten()
+    total_1 = torch.tensor([total], device=starts_T.device)
+    cu_N = torch.cat([starts_T, total_1]).to(torch.int32)
+    return cu_N, int(cu_N.diff().max())
+
+
+def _position_ids_for(query_BHSD: Tensor, position_ids_BS: Tensor | None) -> Tensor:
+    """`position_ids` as [B, S] on the query's device; None means one document per row. HF passes [1, S] when it made
+    them itself, whatever the batch size."""
+    batch, _, seq, _ = query_BHSD.shape
+    if position_ids_BS is None:
+        return torch.arange(seq, device=query_BHSD.device).expand(batch, seq)
+    if position_ids_BS.dim() != 2 or position_ids_BS.shape[-1] != seq or position_ids_BS.shape[0] not in (1, batch):
+        raise UserError(
+            f"position_ids has shape {tuple(position_ids_BS.shape)} but attention runs on {batch} rows of {seq} "
+            "tokens; pass position_ids shaped [batch, seq] for the full sequence (under sequence parallelism, the "
+            "gathered one)."
+        )
+    return position_ids_BS.to(query_BHSD.device).expand(batch, seq)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Backend choice and refusals
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _flash_attn_importable() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+@functools.cache
+def _flex_importable() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+
+
+def available_backends() -> list[str]:
+    """Backends that can run here: sdpa always, flex with torch's flex_attention (training needs CUDA), and
+    flash_attention_2 when flash-attn is importable and CUDA is present."""
+    backends = ["sdpa"]
+    if _flex_importable():
+        backends.append("flex")
+    if _flash_attn_importable() and torch.cuda.is_available():
+        backends.append("flash_attention_2")
+    return backends
+
+
+def resolve_backend(
+    backend: str, *, device_type: str, dtype: torch.dtype | None, softcap: float | None, dropout: float = 0.0,
+    needs_grad: bool = True,
+) -> str:
+    """The concrete backend for `backend` ("auto" or a name from BACKENDS), or a UserError saying why it cannot run.
+
+    `dtype` None means "not known yet" (config time): only flash-attn's fp16/bf16 requirement depends on it.
+    """
+    _check_backend_name(backend)
+    if backend == "auto":
+        backend = _auto_backend(device_type, dtype, softcap)
+    refusal = _why_backend_cannot_run(backend, device_type, dtype, softcap, dropout, needs_grad)
+    if refusal:
+        error_class, message = refusal
+        raise error_class(message)
+    return backend
+
+
+def _check_backend_name(backend: str) -> None:
+    if backend not in ("auto", *BACKENDS):
+        raise ConfigError([f"attention backend {backend!r} is unknown; use one of: auto, {', '.join(BACKENDS)}."])
+
+
+def _auto_backend(device_type: str, dtype: torch.dtype | None, softcap: float | None) -> str:
+    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
+    if device_type == "cuda" and half and _flash_attn_importable():
+        return "flash_attention_2"
+    return "flex" if softcap is not None else "sdpa"
+
+
+def _why_backend_cannot_run(
+    backend: str, device_type: str, dtype: torch.dtype | None, softcap: float | None, dropout: float, needs_grad: bool
+) -> tuple[type[UserError], str] | None:
+    """(error class, message) when `backend` cannot compute this model's attention here, else None."""
+    if backend == "flash_attention_2":
+        if not (_flash_attn_importable() and device_type == "cuda"):
+            installed = "installed" if _flash_attn_importable() else "not installed"
+            return UserError, (
+                f"attention backend 'flash_attention_2' needs flash-attn and a CUDA device (here: {device_type}, "
+                f"flash-attn {installed}); install lstune[gpu] on a GPU machine or pick one of {available_backends()}."
+            )
+        if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+            return UserError, f"flash-attn runs in fp16/bf16 only, not {dtype}; train in bf16 or use backend 'sdpa'."
+    if backend == "sdpa" and softcap is not None:
+        return ModelError, (
+            f"the model softcaps attention logits (attn_logit_softcapping={softcap}) and SDPA cannot; use attention "
+            "backend 'flex' or 'flash_attention_2' on a CUDA GPU."
+        )
+    if backend == "flex":
+        if not _flex_importable():
+            return UserError, "this torch has no flex_attention; install torch>=2.7.1 or use attention backend 'sdpa'."
+        if device_type != "cuda" and needs_grad:
+            if softcap is not None:
+                return ModelError, (
+                    f"the model softcaps attention logits (attn_logit_softcapping={softcap}): only the flex and "
+                    f"flash_attention_2 backends can, and neither trains on {device_type} (PyTorch has no flex "
+                    "backward there). Train this model on a CUDA GPU."
+                )
+            return UserError, (
+                f"PyTorch has no flex_attention backward on {device_type}; train on a CUDA GPU or use attention "
+                "backend 'sdpa'."
+            )
+        if dropout:
+            return ModelError, (
+                f"flex attention has no dropout (attention_dropout={dropout}); set attention_dropout=0 in the model "
+                "config or use backend 'sdpa'."
+            )
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def local_attention(
+    query_BHSD: Tensor,
+    key_BHSD: Tensor,
+    value_BHSD: Tensor,
+    *,
+    position_ids_BS: Tensor | None = None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    backend: str = "auto",
+) -> Tensor:
+    """Per-document causal attention of full-sequence q/k/v; returns `[B, S, H, D]` like HF's attention functions.
+
+    `key_BHSD`/`value_BHSD` may have fewer heads than the query (GQA/MQA; H must be a multiple). `position_ids_BS`
+    (full sequence, [B, S] or [1, S]) delimit documents; None means one document per row. `sliding_window` w lets a
+    token see itself and the w-1 tokens before it, as transformers defines it. `softcap` c maps each scaled logit x to
+    c·tanh(x/c) before the softmax (Gemma-2). This is the kernel the Ulysses wrapper calls on head-sharded q/k/v.
+    """
+    _check_qkv(query_BHSD, key_BHSD, value_BHSD)
+    position_ids_BS = _position_ids_for(query_BHSD, position_ids_BS)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query_BHSD, key_BHSD, value_BHSD))
+    requested, device_type = backend, query_BHSD.device.type
+    backend = resolve_backend(
+        backend, device_type=device_type, dtype=query_BHSD.dtype, softcap=softcap, dropout=dropout,
+        needs_grad=needs_grad,
+    )
+    _log_backend_choice(requested, backend, device_type, query_BHSD.dtype)
+    if backend == "flash_attention_2":
+        return _flash_varlen_attention(
+            query_BHSD, key_BHSD, value_BHSD, position_ids_BS, scaling, sliding_window, softcap, dropout
+        )
+    if backend == "flex":
+        return _flex_attention(query_BHSD, key_BHSD, value_BHSD, position_ids_BS, scaling, sliding_window, softcap)
+    return _sdpa_attention(query_BHSD, key_BHSD, value_BHSD, position_ids_BS, scaling, sliding_window, dropout)
+
+
+@functools.cache
+def _log_backend_choice(requested: str, chosen: str, device_type: str, dtype: torch.dtype) -> None:
+    """Say once per combination which kernel "auto" (or an explicit choice) runs, so benchmarks can be read."""
+    logger.info("lstune attention: backend %s -> %s on %s (%s)", requested, chosen, device_type, dtype)
+
+
+def _check_qkv(query_BHSD: Tensor, key_BHSD: Tensor, value_BHSD: Tensor) -> None:
+    if query_BHSD.dim() != 4 or key_BHSD.shape != value_BHSD.shape or key_BHSD.dim() != 4:
+        raise ValueError(
+            f"expected q/k/v shaped [B, H, S, D], got {tuple(query_BHSD.shape)}, {tuple(key_BHSD.shape)}, "
+            f"{tuple(value_BHSD.shape)}"
+        )
+    (batch, heads, seq, dim), (kv_batch, kv_heads, kv_seq, kv_dim) = query_BHSD.shape, key_BHSD.shape
+    if kv_seq != seq:
+        raise UserError(
+            f"lstune attention is for training on whole sequences, but queries cover {seq} tokens and keys {kv_seq} "
+            "(a KV cache, i.e. generation); call handle.undo() before generating."
+        )
+    if (kv_batch, kv_dim) != (batch, dim) or heads % kv_heads:
+        raise ValueError(
+            f"q {tuple(query_BHSD.shape)} and k/v {tuple(key_BHSD.shape)} do not match (GQA needs H % H_kv == 0)"
+        )
+
+
+def _sdpa_attention(
+    query_BHSD: Tensor, key_BHSD: Tensor, value_BHSD: Tensor, position_ids_BS: Tensor, scaling: float | None,
+    window: int | None, dropout: float,
+) -> Tensor:
+    """SDPA per document span. Rows with identical spans (e.g. every row one full document) share each call."""
+    spans = document_spans(position_ids_BS)
+    row_groups = [(slice(None), spans[0])] if all(s == spans[0] for s in spans) else [
+        (slice(row, row + 1), row_spans) for row, row_spans in enumerate(spans)
+    ]
+    outs_BSHD = []
+    for rows, row_spans in row_groups:
+        pieces_BLHD = [
+            _sdpa_causal(
+                query_BHSD[rows, :, a:b], key_BHSD[rows, :, a:b], value_BHSD[rows, :, a:b], scaling, window, dropout
+            )
+            for a, b in row_spans
+        ]
+        outs_BSHD.append(torch.cat(pieces_BLHD, dim=1))  # contiguous, even for a single piece
+    return outs_BSHD[0] if len(outs_BSHD) == 1 else torch.cat(outs_BSHD, dim=0)
+
+
+def _sdpa_causal(
+    query_BHLD: Tensor, key_BHLD: Tensor, value_BHLD: Tensor, scaling: float | None, window: int | None, dropout: float
+) -> Tensor:
+    """Causal attention within one document of L tokens, as a `[B, L, H, D]` view."""
+    length = query_BHLD.shape[2]
+    if window is not None and window < length:
+        return _sdpa_windowed(query_BHLD, key_BHLD, value_BHLD, scaling, window, dropout)
+    gqa = query_BHLD.shape[1] != key_BHLD.shape[1]
+    out_BHLD = F.scaled_dot_product_attention(
+        query_BHLD, key_BHLD, value_BHLD, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+    )
+    return out_BHLD.transpose(1, 2)
+
+
+def _sdpa_windowed(
+    query_BHLD: Tensor, key_BHLD: Tensor, value_BHLD: Tensor, scaling: float | None, window: int, dropout: float
+) -> Tensor:
+    """Sliding-window causal attention within one document, without an [L, L] mask.
+
+    Steps: cut the queries into blocks of n = max(window, 256) tokens; block [a, b) attends to keys
+    [max(0, a-window+1), b) under a banded bool mask (k <= q and q - k < window) of n x (n+window-1). Memory per call
+    O(n·(n+window)); FLOPs at most ~2x the exact band. K/V heads are repeated per block because CUDA SDPA's
+    masked kernels do not take GQA (they would fall back to the math kernel).
+    """
+    length, heads, kv_heads = query_BHLD.shape[2], query_BHLD.shape[1], key_BHLD.shape[1]
+    block = max(window, _MIN_WINDOW_BLOCK)
+    pieces_BNHD = []
+    for a in range(0, length, block):
+        b, k0 = min(a + block, length), max(0, a - window + 1)
+        q_pos = torch.arange(a, b, device=query_BHLD.device)[:, None]
+        k_pos = torch.arange(k0, b, device=query_BHLD.device)[None, :]
+        band_NK = (k_pos <= q_pos) & (q_pos - k_pos < window)
+        key_BHKD = key_BHLD[:, :, k0:b].repeat_interleave(heads // kv_heads, dim=1)
+        value_BHKD = value_BHLD[:, :, k0:b].repeat_interleave(heads // kv_heads, dim=1)
+        out_BHND = F.scaled_dot_product_attention(
+            query_BHLD[:, :, a:b], key_BHKD, value_BHKD, attn_mask=band_NK, dropout_p=dropout, scale=scaling
+        )
+        pieces_BNHD.append(out_BHND.transpose(1, 2))
+    return torch.cat(pieces_BNHD, dim=1)
+
+
+def _flex_attention(
+    query_BHSD: Tensor, key_BHSD: Tensor, value_BHSD: Tensor, position_ids_BS: Tensor, scaling: float | None,
+    window: int | None, softcap: float | None,
+) -> Tensor:
+    """flex_attention with a document-causal (optionally windowed) BlockMask and a softcap score_mod.
+
+    The BlockMask stores, per 128x128 tile, which key tiles to visit: O(B·(S/128)²) ints, and tiles outside every
+    document are skipped, so packed batches cost only their documents' FLOPs. Compiled on CUDA (eager flex is a
+    debugging path that materialises scores); forward-only on CPU.
+    """
+    from torch.nn.attention.flex_attention import flex_attention
+
+    on_cuda = query_BHSD.is_cuda
+    block_mask = _document_block_mask(position_ids_BS, window, compile_mask=on_cuda)
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, batch, head, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
+    kernel = _compiled(flex_attention) if on_cuda else flex_attention
+    out_BHSD = kernel(
+        *(_int32_safe(t) for t in (query_BHSD, key_BHSD, value_BHSD)),
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scaling,
+        enable_gqa=query_BHSD.shape[1] != key_BHSD.shape[1],
+    )
+    return out_BHSD.transpose(1, 2).contiguous()
+
+
+def _document_block_mask(position_ids_BS: Tensor, window: int | None, *, compile_mask: bool) -> BlockMask:
+    """The BlockMask of per-document causal (windowed) attention. Eager `create_block_mask` evaluates the mask over
+    a dense [B, 1, S, S] grid first; compiled, inductor fuses that into the per-tile reduction, so nothing O(S²) is
+    allocated — hence compiled on CUDA. Recompiles only when the window value changes (per layer type)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    doc_BS = document_ids(position_ids_BS)
+    batch, seq = doc_BS.shape
+
+    def document_causal(b, h, q_idx, kv_idx):
+        allowed = (doc_BS[b, q_idx] == doc_BS[b, kv_idx]) & (kv_idx <= q_idx)
+        return allowed if window is None else allowed & (q_idx - kv_idx < window)
+
+    make_mask = _compiled(create_block_mask) if compile_mask else create_block_mask
+    return make_mask(document_causal, batch, None, seq, seq, device=doc_BS.device)
+
+
+@functools.cache
+def _compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(function, dynamic=False)
+
+
+def _int32_safe(tensor_BHSD: Tensor) -> Tensor:
+    """A per-head contiguous copy when a token's element offset (s · seq-stride) would reach 2³¹ (see module doc)."""
+    seq = tensor_BHSD.shape[2]
+    return tensor_BHSD.contiguous() if seq * tensor_BHSD.stride(2) >= _INT32_LIMIT else tensor_BHSD
+
+
+def _flash_varlen_attention(
+    query_BHSD: Tensor, key_BHSD: Tensor, value_BHSD: Tensor, position_ids_BS: Tensor, scaling: float | None,
+    window: int | None, softcap: float | None, dropout: float,
+) -> Tensor:
+    """FlashAttention-2 varlen over the flattened batch; one kernel call for all documents of all rows."""
+    from flash_attn import flash_attn_varlen_func
+
+    batch, heads, seq, dim = query_BHSD.shape
+    cu_N, longest = cu_seqlens(position_ids_BS)
+    q_THD, k_THD, v_THD = (
+        t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query_BHSD, key_BHSD, value_BHSD)
+    )
+    # flash-attn's window is (left, right) tokens besides the query itself; transformers' window counts the query.
+    window_size = (window - 1, 0) if window is not None and window < longest else (-1, -1)
+    out_THD = flash_attn_varlen_func(
+        q_THD, k_THD, v_THD, cu_N, cu_N, longest, longest,
+        dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window_size, softcap=softcap or 0.0,
+    )
+    return out_THD.view(batch, seq, heads, dim)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# transformers glue
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def lstune_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    *,
+    backend: str = "auto",
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    position_ids: Tensor | None = None,
+    s_aux: Tensor | None = None,
+    is_causal: bool | None = None,
+    **_unused: Any,
+) -> tuple[Tensor, None]:
+    """An attention function with transformers' signature (`AttentionInterface`): refuses what it cannot honour, then
+    runs `local_attention`. Other HF kwargs (output_attentions, cu_seq_lens_*, ...) are ignored: documents always
+    come from `position_ids`, and no attention weights are ever materialised."""
+    if attention_mask is not None:
+        raise UserError(
+            "lstune attention got an explicit attention mask; it builds none itself. Mark documents with position_ids "
+            "resets and ignored tokens with -100 labels instead of passing attention_mask."
+        )
+    if s_aux is not None:
+        raise ModelError(_SINKS_MESSAGE.format(name=type(module).__name__))
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        raise ModelError(_BIDIRECTIONAL_MESSAGE.format(name=type(module).__name__))
+    out_BSHD = local_attention(
+        query, key, value, position_ids_BS=position_ids, scaling=scaling, sliding_window=sliding_window,
+        softcap=softcap, dropout=dropout, backend=backend,
+    )
+    return out_BSHD, None
+
+
+_SINKS_MESSAGE = (
+    "{name} uses learned attention sinks, which lstune's attention backends do not implement; this model cannot be "
+    "trained with lstune attention."
+)
+_BIDIRECTIONAL_MESSAGE = (
+    "{name} attends bidirectionally (is_causal=False / use_bidirectional_attention); lstune attention is causal only. "
+    "Use a causal LM, or set use_bidirectional_attention=False in the model config."
+)
+
+
+def _build_no_mask(*, attention_mask: Tensor | None = None, use_vmap: bool = False, **_unused: Any) -> None:
+    """Mask function for `AttentionMaskInterface`: HF calls it instead of building a mask; it builds nothing.
+
+    `use_vmap` is True exactly when the model overlays its own mask function (bidirectional or image-token blocks),
+    which per-document causal attention would silently drop, so that is refused."""
+    if use_vmap:
+        raise ModelError(
+            "this model overlays its own attention mask pattern (e.g. bidirectional or image-token attention); lstune "
+            "attention implements causal per-document masks only."
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise UserError(
+            "the batch has an attention_mask with padding; lstune attention takes no padding mask. Pad at the end with "
+            "-100 labels (padding then only sees itself and earlier tokens, and is never a target), or pack documents."
+        )
+    return None
+
+
+@dataclass
+class AttentionHandle:
+    """What `register_attention_function` changed on one model; `undo()` restores it (idempotent)."""
+
+    key: str
+    model: Any
+    description: str
+    _previous: list[tuple[Any, str | None]] = field(default_factory=list, repr=False)
+    active: bool = True
+
+    def undo(self) -> None:
+        if not self.active:
+            return
+        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.modeling_utils import AttentionInterface
+
+        for config, implementation in self._previous:
+            config._attn_implementation_internal = implementation
+        AttentionInterface._global_mapping.pop(self.key, None)
+        AttentionMaskInterface._global_mapping.pop(self.key, None)
+        self.active = False
+        logger.info("lstune attention: removed %r (%s); attention implementation restored", self.key, self.description)
+
+    def __enter__(self) -> AttentionHandle:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.undo()
+
+
+def register_attention_function(
+    model: PreTrainedModel, attention_fn: Callable[..., tuple[Tensor, None]], *, description: str
+) -> AttentionHandle:
+    """Route `model`'s attention through `attention_fn` (transformers' attention-function signature), with no mask.
+
+    Registers `attention_fn` and `_build_no_mask` under a fresh key ("lstune_<n>") and points the model's config (and
+    sub-configs) at it. Other models keep their implementation: a new key changes nothing for configs that do not
+    name it. The Ulysses wrapper registers its all-to-all function through here too.
+    """
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    _refuse_unsupported_model(model)
+    key = f"lstune_{next(_registration_ids)}"
+    AttentionInterface.register(key, attention_fn)
+    AttentionMaskInterface.register(key, _build_no_mask)
+    handle = AttentionHandle(key, model, description, _previous=_attention_configs(model))
+    try:
+        model.set_attn_implementation(key)
+        if model.config._attn_implementation != key:
+            raise ModelError(
+                f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so lstune "
+                "cannot install its attention; use a transformers-native architecture."
+            )
+    except BaseException:
+        handle.undo()
+        raise
+    logger.info("lstune attention: registered %r (%s) for %s; transformers builds no attention mask for it",
+                key, description, type(model).__name__)
+    return handle
+
+
+def use_lstune_attention(model: PreTrainedModel, *, backend: str = "auto") -> AttentionHandle:
+    """Make `model` run lstune's per-document causal attention (see module doc); `.undo()` restores it.
+
+    `backend` is "auto" or one of BACKENDS; an unavailable one is refused now, the rest is decided per call from the
+    tensors' device and dtype. Applied after LoRA and before the memory techniques (DESIGN: order of application).
+    """
+    _check_backend_name(backend)
+    if backend != "auto":
+        # The model may still be on CPU or meta and move to the GPU later: judge by what this machine has.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        softcap = getattr(model.config, "attn_logit_softcapping", None)
+        resolve_backend(backend, device_type=device, dtype=None, softcap=softcap, needs_grad=False)
+    attention_fn = functools.partial(lstune_attention_forward, backend=backend)
+    return register_attention_function(model, attention_fn, description=f"backend={backend}")
+
+
+def _attention_configs(model: PreTrainedModel) -> list[tuple[Any, str | None]]:
+    """Every config whose attention implementation `set_attn_implementation` may change, with its current value."""
+    configs: dict[int, Any] = {}
+    pending = [m.config for m in model.modules() if hasattr(getattr(m, "config", None), "sub_configs")]
+    while pending:
+        config = pending.pop()
+        if id(config) in configs:
+            continue
+        configs[id(config)] = config
+        pending.extend(sub for name in config.sub_configs if (sub := getattr(config, name, None)) is not None)
+    return [(config, config._attn_implementation_internal) for config in configs.values()]
+
+
+def _refuse_unsupported_model(model: PreTrainedModel) -> None:
+    """Structural refusals that must come before any forward: learned sinks, bidirectional attention."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            raise ModelError(_SINKS_MESSAGE.format(name=f"{type(model).__name__} ({name})"))
+    problem = _bidirectional_problem(model.config)
+    if problem:
+        raise ModelError(problem)
+
+
+def _bidirectional_problem(config: PretrainedConfig) -> str | None:
+    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", None):
+        return _BIDIRECTIONAL_MESSAGE.format(name=getattr(config, "model_type", "the model"))
+    return None
+
+
+def check_attention_support(
+    model_config: PretrainedConfig, *, pack: bool, seq_len: int, backend: str = "auto", device: str | None = None,
+) -> None:
+    """Refuse, before anything heavy is loaded, model/backend combinations lstune attention would get wrong.
+
+    Raises ConfigError for an unknown backend and ModelError/UserError (every problem listed) for: bidirectional
+    attention, softcapped logits on a backend that cannot softcap (sdpa, or anything on CPU when training),
+    attention dropout under flex, and a backend that cannot run here. Learned attention sinks are only visible on the
+    built model and are refused by `use_lstune_attention`. Sliding windows need no refusal (every backend honours
+    them exactly); they and the packed-on-sdpa cost are logged. `device` defaults to cuda when available.
+    """
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    softcap = getattr(model_config, "attn_logit_softcapping", None)
+    dropout = float(getattr(model_config, "attention_dropout", 0.0) or 0.0)
+    _check_backend_name(backend)
+    problems = [p for p in (_bidirectional_problem(model_config),) if p]
+    chosen = None
+    try:
+        chosen = resolve_backend(backend, device_type=device, dtype=None, softcap=softcap, dropout=dropout)
+    except UserError as error:
+        problems.append(str(error))
+    if problems:
+        raise ModelError("\n".join(problems), problems=problems)
+    _log_attention_plan(model_config, chosen, device, pack=pack, seq_len=seq_len)
+
+
+def _log_attention_plan(config: PretrainedConfig, backend: str, device: str, *, pack: bool, seq_len: int) -> None:
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < seq_len:
+        logger.info(
+            "lstune attention: layers with a %d-token sliding window (< seq_len %d) keep it exactly on the %s backend",
+            window, seq_len, backend,
+        )
+    if pack and backend == "sdpa" and device == "cuda":
+        logger.warning(
+            "lstune attention: packed batches on the sdpa backend run one kernel per document; with many short "
+            "documents install flash-attn (lstune[gpu]) or use attention backend 'flex'."
+        )
