@@ -29,5 +29,8 @@ def prepare_model(model, config: TrainConfig, device):
             model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout, targets=config.lora_targets
         )
         log.info("LoRA r=%d applied", config.lora_r)
+    from lstune.models.attention import use_lstune_attention
+
+    use_lstune_attention(model, backend=config.attn)
     model.train()
     return model

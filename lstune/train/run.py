@@ -54,6 +54,7 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     hf_logging.disable_progress_bar()  # lstune draws its own progress; HF's per-save bars are noise here
     output_dir, resume_from = prepare_output_dir(config)
     device, autocast_dtype = _setup_device(config)
+    _check_model_support(config, device)
     tokenizer, notes = _setup_tokenizer(config)
     dataset = _setup_data(config, tokenizer)
     loaded = _setup_model(config, device, tokenizer, notes)
@@ -132,6 +133,17 @@ def _setup_device(config: TrainConfig):
         device = torch.device("cuda", torch.cuda.current_device())
         return device, (None if config.dtype == "fp32" else torch.bfloat16)
     return torch.device("cpu"), (torch.bfloat16 if config.dtype == "bf16" else None)
+
+
+def _check_model_support(config: TrainConfig, device) -> None:
+    """Refuse, from the model's config alone, what lstune's attention would get wrong here."""
+    from lstune.models.attention import check_attention_support
+    from lstune.models.loading import load_config, resolve_source
+
+    model_config = load_config(resolve_source(config.model), trust_remote_code=config.trust_remote_code)
+    check_attention_support(
+        model_config, pack=config.pack, seq_len=config.seq_len, backend=config.attn, device=device.type
+    )
 
 
 def _setup_tokenizer(config: TrainConfig):

@@ -150,3 +150,37 @@ def test_sigterm_saves_a_checkpoint_then_exits(tmp_path, text_data):
     assert (out / f"checkpoint-{steps}").is_dir(), (steps, list(out.iterdir()))
     assert not (out / "final").exists()
     assert "SIGTERM" in stdout + stderr
+
+
+def test_packed_training_runs_and_counts_document_ends(cli, tmp_path, text_data):
+    out = tmp_path / "packed"
+    result = cli("train", *TINY, "--data", text_data, "--pack", "--max-steps", "2", "--output-dir", out)
+    assert result.code == 0, result.err
+    metrics = read_metrics(out)
+    # Packed windows are full of real tokens: only document ends (and the tail's padding) are ignored.
+    assert metrics[0]["label_tokens"] > 0.9 * 256
+
+
+def test_chat_data_trains_on_assistant_turns(cli, tmp_path):
+    data = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i} " * 20}]}
+            for i in range(6)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "chat"
+    result = cli("train", *TINY, "--data", data, "--max-steps", "2", "--output-dir", out)
+    assert result.code == 0, result.err
+    metrics = read_metrics(out)
+    assert 0 < metrics[0]["label_tokens"] < 100  # the assistant's ~40 tokens, not the prompt or padding
+
+
+def test_attention_that_cannot_be_honoured_is_refused(cli, tmp_path, text_data):
+    """A model with attention-logit softcapping cannot run on CPU SDPA: refused before training, not ignored."""
+    from lstune.models.presets import preset_config
+
+    folder = tmp_path / "softcapped"
+    preset_config("tiny-gemma2", attn_logit_softcapping=50.0).save_pretrained(folder)
+    result = cli("train", "--model", folder, "--init", "random", "--seq-len", "256", "--data", text_data,
+                 "--output-dir", tmp_path / "o")
+    assert result.code == 2 and "Traceback" not in result.err
+    assert "softcap" in result.err.lower()
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
