@@ -1,0 +1,191 @@
+"""Turn raw records into tokenized documents with pre-shifted labels.
+
+A record kind is detected from the columns (the first match wins):
+
+- `text`: tokenized with the tokenizer (bos if it adds one, eos appended); loss on every token.
+- `messages` (list of {role, content}): rendered with the tokenizer's chat template; loss only
+  on the assistant turns' tokens (their content and end-of-turn marker, not the role header).
+- `input_ids` (pre-tokenized), optional `labels` (HF convention: aligned, -100 ignored, not
+  yet shifted) and optional `attention_mask` (positions with 0 are dropped as padding).
+
+Each record becomes one document stored as `input_ids` and `shift_labels` (int32), where
+`shift_labels[t] = label[t + 1]` and the document's last token gets -100: labels are shifted
+once on the full document, so the loss never predicts the next document's first token and any
+later slicing (truncation, packing, sequence-parallel sharding) keeps every target
+(ALST paper, Sec. 4.3). A few per-document statistics ride along for the summary and layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lstune.errors import DataError
+
+IGNORE = -100
+KIND_FIELDS = {"text": ("text",), "messages": ("messages",), "input_ids": ("input_ids",)}
+OPTIONAL_FIELDS = {"input_ids": ("labels", "attention_mask")}
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    name: str  # "text" | "messages" | "input_ids"
+    fields: tuple[str, ...]  # the columns read, in the summary as "fields used"
+
+
+def detect_kind(columns: Sequence[str]) -> RecordKind:
+    """The record kind of a dataset with these columns; DataError listing them if none fits."""
+    for name, required in KIND_FIELDS.items():
+        if all(c in columns for c in required):
+            optional = tuple(c for c in OPTIONAL_FIELDS.get(name, ()) if c in columns)
+            return RecordKind(name, required + optional)
+    raise DataError(
+        f"the records have columns {sorted(columns)} but none lstune can train on. Give each record a "
+        "'text' field (plain text), a 'messages' field (list of {role, content} chat turns), or "
+        "'input_ids' (pre-tokenized, with optional 'labels'); rename the column if it has another name."
+    )
+
+
+def check_tokenizer(kind: RecordKind, tokenizer: Any) -> None:
+    """Fail before tokenizing anything if `tokenizer` cannot handle this kind."""
+    if kind.name == "messages" and not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "the records are chat 'messages' but the tokenizer has no chat template. Use a model whose "
+            "tokenizer has one (an instruct/chat model, or lstune's byte tokenizer), or give the records a "
+            "'text' field with the conversation already rendered."
+        )
+
+
+def tokenize_batch(batch: Mapping[str, list], indices: list[int], *, kind: str, tokenizer: Any) -> dict:
+    """`datasets.map(batched=True, with_indices=True)` function: records -> documents (see DOC_COLUMNS)."""
+    if kind == "text":
+        docs = _text_documents(batch["text"], tokenizer)
+    elif kind == "messages":
+        docs = [_chat_document(m, tokenizer, i) for m, i in zip(batch["messages"], indices)]
+    else:
+        docs = [_pretokenized_document(batch, row, i) for row, i in enumerate(indices)]
+    return _document_columns(docs)
+
+
+def document_features():
+    """Arrow schema of the tokenized documents (int32 tokens halve the cache of int64)."""
+    from datasets import Features, List, Value
+
+    return Features({
+        "input_ids": List(Value("int32")),
+        "shift_labels": List(Value("int32")),
+        "length": Value("int64"),  # tokens in the document
+        "n_targets": Value("int64"),  # labels != -100
+        "first_target": Value("int64"),  # position of the first label != -100 (length if none)
+        "max_id": Value("int64"),  # largest token id, to check against the model's vocabulary
+    })
+
+
+def shift_labels(labels_T: np.ndarray) -> np.ndarray:
+    """`out[t] = labels[t + 1]`, and -100 at the last position (no target after a document)."""
+    out_T = np.full_like(labels_T, IGNORE)
+    out_T[:-1] = labels_T[1:]
+    return out_T
+
+
+def _document_columns(docs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    columns: dict[str, list] = {name: [] for name in document_features()}
+    for ids_T, labels_T in docs:
+        shifted_T = shift_labels(labels_T)
+        target_T = shifted_T != IGNORE
+        columns["input_ids"].append(ids_T.astype(np.int32))
+        columns["shift_labels"].append(shifted_T.astype(np.int32))
+        columns["length"].append(len(ids_T))
+        columns["n_targets"].append(int(target_T.sum()))
+        columns["first_target"].append(int(target_T.argmax()) if target_T.any() else len(ids_T))
+        columns["max_id"].append(int(ids_T.max()) if len(ids_T) else -1)
+    return columns
+
+
+def _text_documents(texts: list, tokenizer: Any) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Batch-encode (fast tokenizers do it in parallel in Rust); empty texts give empty documents."""
+    present = [i for i, t in enumerate(texts) if isinstance(t, str) and t]
+    encoded = []
+    if present:  # `verbose=False`: long documents are the point here, not a mistake to warn about
+        encoded = tokenizer([texts[i] for i in present], add_special_tokens=True, verbose=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    docs = [(np.zeros(0, np.int64), np.zeros(0, np.int64))] * len(texts)
+    for i, ids in zip(present, encoded):
+        if eos is not None and (not ids or ids[-1] != eos):
+            ids = [*ids, eos]
+        ids_T = np.asarray(ids, dtype=np.int64)
+        docs[i] = (ids_T, ids_T)
+    return docs
+
+
+def _pretokenized_document(batch: Mapping[str, list], row: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+    ids_T = np.asarray(batch["input_ids"][row], dtype=np.int64).reshape(-1)
+    labels = batch["labels"][row] if "labels" in batch else None
+    labels_T = ids_T if labels is None else np.asarray(labels, dtype=np.int64).reshape(-1)
+    mask = batch["attention_mask"][row] if "attention_mask" in batch else None
+    keep_T = np.ones(len(ids_T), bool) if mask is None else np.asarray(mask).reshape(-1) != 0
+    if not (len(labels_T) == len(ids_T) == len(keep_T)):
+        raise DataError(
+            f"record {index}: input_ids has {len(ids_T)} tokens but labels/attention_mask have "
+            f"{len(labels_T)}/{len(keep_T)}. They must be aligned token for token (labels not yet shifted)."
+        )
+    return ids_T[keep_T], labels_T[keep_T]
+
+
+def _chat_document(messages: Any, tokenizer: Any, index: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of the rendered conversation and labels that keep only the assistant turns.
+
+    HF's `return_assistant_tokens_mask` needs `{% generation %}` markers that most templates
+    lack, so the spans are found generically: assistant turn i starts where rendering
+    messages[:i] with the generation prompt ends, and ends where rendering messages[:i+1] ends.
+    Both renderings must be token prefixes of the whole conversation (prefix stability);
+    templates that rewrite earlier turns (e.g. strip past reasoning) are refused. Cost: 1 + 2 x
+    (assistant turns) renderings per conversation.
+    """
+    if not isinstance(messages, list) or not all(isinstance(m, Mapping) and "role" in m for m in messages):
+        raise DataError(f"record {index}: 'messages' must be a list of {{role, content}} objects.")
+    ids_T = _render(tokenizer, messages, False, index)
+    labels_T = np.full_like(ids_T, IGNORE)
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = _prefix_length(tokenizer, messages[:turn], True, ids_T, index)
+        end = _prefix_length(tokenizer, messages[: turn + 1], False, ids_T, index)
+        labels_T[start:end] = ids_T[start:end]
+    return ids_T, labels_T
+
+
+def _prefix_length(
+    tokenizer: Any, messages: list, generation_prompt: bool, full_T: np.ndarray, index: int
+) -> int:
+    prefix_T = _render(tokenizer, messages, generation_prompt, index)
+    if len(prefix_T) > len(full_T) or not np.array_equal(prefix_T, full_T[: len(prefix_T)]):
+        raise DataError(
+            f"record {index}: the tokenizer's chat template is not prefix-stable (rendering the first "
+            f"{len(messages)} messages{' with the generation prompt' if generation_prompt else ''} is not a "
+            "prefix of the whole conversation), so the assistant tokens cannot be located. Use a template "
+            "that renders earlier turns unchanged, or pre-tokenize the data as input_ids + labels."
+        )
+    return len(prefix_T)
+
+
+def _render(tokenizer: Any, messages: list, generation_prompt: bool, index: int) -> np.ndarray:
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages,
+            tokenize=True,
+            add_generation_prompt=generation_prompt,
+            tokenizer_kwargs={"verbose": False},  # long conversations are intended: no length warning
+        )
+    except Exception as e:  # templates raise arbitrary errors (jinja raise_exception) on data they reject
+        raise DataError(
+            f"record {index}: the tokenizer's chat template failed on this conversation "
+            f"({type(e).__name__}: {e}). Fix the record (roles, order) or use a tokenizer whose "
+            "template accepts it."
+        ) from e
+    if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding by default
+        ids = ids["input_ids"]
+    return np.asarray(ids, dtype=np.int64).reshape(-1)

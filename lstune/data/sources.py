@@ -1,0 +1,156 @@
+"""Resolve a `--data SOURCE` string to a `datasets.Dataset` of raw records.
+
+Accepted, in this order: `builtin:NAME` (a file bundled with lstune); an existing local file
+(.jsonl, .json, .parquet, .arrow) or folder (written by `save_to_disk`, or holding such files);
+anything else is tried as a Hugging Face hub dataset name. Every format is read by the
+`datasets` library, which converts it once to memory-mapped Arrow in its cache, so a few GB of
+text never has to fit in RAM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lstune.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+BUNDLED_DIR = Path(__file__).with_name("bundled")
+BUILTINS = {"passkey": BUNDLED_DIR / "passkey.jsonl"}
+# File suffix -> the `datasets` packaged builder that reads it.
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+ACCEPTED = (
+    "a .jsonl/.json/.parquet/.arrow file or a folder of them, a folder written by "
+    "datasets' save_to_disk, builtin:passkey, or a hub dataset name"
+)
+
+
+@dataclass(frozen=True)
+class Records:
+    """Raw records and where they came from (`origin` is shown in the data summary)."""
+
+    dataset: Dataset
+    origin: str
+
+
+def load_records(source: str, *, max_records: int | None = None) -> Records:
+    """The raw records of `source` (only the first `max_records` when given); DataError if none."""
+    if source.startswith("builtin:"):
+        records = _load_builtin(source.removeprefix("builtin:"))
+    elif Path(source).expanduser().exists():
+        records = _load_local(Path(source).expanduser())
+    elif _looks_like_path(source):
+        raise DataError(f"data source {source}: no such file or folder. Check the path; "
+                        f"accepted: {ACCEPTED}.")
+    else:
+        records = _load_hub(source)
+    if len(records.dataset) == 0:
+        raise DataError(f"data source {source}: {records.origin} has no records. "
+                        "Point the data source at a non-empty dataset.")
+    if max_records is not None and max_records < len(records.dataset):
+        records = Records(records.dataset.select(range(max_records)), records.origin)
+    return records
+
+
+def _load_builtin(name: str) -> Records:
+    if name not in BUILTINS:
+        raise DataError(f"data source builtin:{name}: no such built-in dataset; available: "
+                        + ", ".join(f"builtin:{n}" for n in BUILTINS) + ".")
+    return Records(_read_files("json", [BUILTINS[name]]), f"builtin:{name}")
+
+
+def _load_local(path: Path) -> Records:
+    if path.is_file():
+        builder = _builder_for(path)
+        if path.stat().st_size == 0:
+            raise DataError(f"data source {path}: the file is empty. "
+                            "Point the data source at a file with records.")
+        return Records(_read_files(builder, [path]), f"{builder} file {path}")
+    if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        return _load_saved(path)
+    return _load_folder(path)
+
+
+def _builder_for(path: Path) -> str:
+    builder = BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise DataError(f"data source {path}: unsupported file type {path.suffix!r}; "
+                        "use .jsonl, .json, .parquet or .arrow.")
+    return builder
+
+
+def _load_saved(path: Path) -> Records:
+    """A folder written by `Dataset.save_to_disk` (or `DatasetDict.save_to_disk`: its train split)."""
+    from datasets import DatasetDict, load_from_disk
+
+    saved = load_from_disk(str(path))
+    if not isinstance(saved, DatasetDict):
+        return Records(saved, f"save_to_disk folder {path}")
+    if "train" not in saved:
+        raise DataError(f"data source {path}: the saved DatasetDict has splits {sorted(saved)} but no "
+                        "'train'. Save the split to train on as 'train', or point the data source at "
+                        "that split's folder.")
+    return Records(saved["train"], f"save_to_disk folder {path} (split train)")
+
+
+def _load_folder(path: Path) -> Records:
+    """All data files under `path` (recursively, hidden ones skipped), which must share one format."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS
+                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    nonempty = [p for p in files if p.stat().st_size > 0]
+    if not nonempty:
+        what = "only empty data files" if files else "no .jsonl/.json/.parquet/.arrow files"
+        raise DataError(f"data source {path}: the folder has {what}. Put the training records there, "
+                        f"or pass {ACCEPTED}.")
+    builders = {BUILDERS[p.suffix.lower()] for p in nonempty}
+    if len(builders) > 1:
+        raise DataError(f"data source {path}: the folder mixes formats ({', '.join(sorted(builders))}). "
+                        "Keep one format per folder, or point the data source at a single file.")
+    builder = builders.pop()
+    return Records(_read_files(builder, nonempty), f"folder {path} ({len(nonempty)} {builder} files)")
+
+
+def _read_files(builder: str, files: list[Path]) -> Dataset:
+    from datasets import load_dataset
+
+    names = ", ".join(str(p) for p in files[:3]) + (" ..." if len(files) > 3 else "")
+    try:
+        return load_dataset(builder, data_files=[str(p) for p in files], split="train")
+    except ValueError as e:
+        # datasets refuses to build a split of zero rows with this message; it is the user's empty data.
+        if "corresponds to no data" not in str(e):
+            raise _unreadable(names, builder, e) from e
+        raise DataError(f"data source {names}: no records. "
+                        "Point the data source at a non-empty dataset.") from e
+    except Exception as e:  # any parse failure of user files is a data problem, not an lstune bug
+        raise _unreadable(names, builder, e) from e
+
+
+def _unreadable(names: str, builder: str, e: Exception) -> DataError:
+    return DataError(
+        f"data source: could not read {names} as {builder}: {type(e).__name__}: {e}. "
+        "Check that the file is valid (.json: one list of records or one record per line)."
+    )
+
+
+def _load_hub(name: str) -> Records:
+    from datasets import load_dataset
+
+    try:
+        dataset = load_dataset(name, split="train")
+    except Exception as e:  # offline, unknown name, gated, no train split: all need the user's action
+        raise DataError(
+            f"data source {name!r} is neither a local path nor a reachable hub dataset "
+            f"({type(e).__name__}: {e}). "
+            f"Pass {ACCEPTED}; for a hub dataset, check the name and that the network is reachable "
+            "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE unset), or download it first and pass the local folder."
+        ) from e
+    return Records(dataset, f"hub dataset {name} (split train)")
+
+
+def _looks_like_path(source: str) -> bool:
+    """Meant as a local path (so a missing one is a typo, not a hub name to look up)."""
+    return source.startswith(("/", "./", "../", "~")) or Path(source).suffix.lower() in BUILDERS

@@ -1,0 +1,147 @@
+"""A byte-level tokenizer, so tiny presets and demos run with no tokenizer download.
+
+Ids: pad 0, bos 1, eos 2, and byte `b` -> `b + 3` (vocab 259; the tiny presets have vocab 320,
+so every id fits). It exposes the subset of the Hugging Face tokenizer surface that lstune uses
+(`encode`, `__call__`, `decode`, special-token ids, `chat_template` + `apply_chat_template`,
+`save_pretrained` / `from_pretrained`), so the data layer treats it like any HF tokenizer.
+
+Written by hand rather than with the `tokenizers` library because a byte map needs no trained
+vocabulary, and encoding a few GB of text is one numpy add instead of a per-character loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from lstune.errors import ModelError
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens, plus pad/bos/eos; a built-in chat format for chat data."""
+
+    CONFIG_NAME = "lstune_tokenizer.json"
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    byte_offset = 3
+    vocab_size = 256 + byte_offset
+    pad_token, bos_token, eos_token = "<pad>", "<s>", "</s>"
+    name_or_path = "lstune/byte"
+
+    # The built-in chat format (documentation of what `apply_chat_template` renders):
+    # bos, then for each message the bytes of "<|role|>\n" and of its content, then eos; the
+    # generation prompt is the bytes of "<|assistant|>\n". It is byte-exact, hence prefix-stable,
+    # which the assistant-only loss relies on.
+    chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"ByteTokenizer(vocab_size={self.vocab_size})"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of `text`'s UTF-8 bytes, after a bos when `add_special_tokens` (as Llama's tokenizer)."""
+        return self._encode_np(text, add_special_tokens).tolist()
+
+    def __call__(
+        self, text: str | Sequence[str], *, add_special_tokens: bool = True, verbose: bool = True
+    ) -> dict[str, list]:
+        """HF-style call: `{"input_ids": ids}` for one text, or a list of id lists for a batch.
+
+        `verbose` exists only so callers can pass the HF keyword; a byte tokenizer has no
+        maximum length to warn about.
+        """
+        if isinstance(text, str):
+            return {"input_ids": self.encode(text, add_special_tokens)}
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in text]}
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; special ids render as <pad>/<s>/</s> unless skipped, invalid UTF-8 as U+FFFD."""
+        specials = {
+            self.pad_token_id: self.pad_token,
+            self.bos_token_id: self.bos_token,
+            self.eos_token_id: self.eos_token,
+        }
+        parts: list[str] = []
+        run = bytearray()
+        for i in np.asarray(ids, dtype=np.int64).tolist():
+            if i >= self.byte_offset:
+                run.append(i - self.byte_offset)
+                continue
+            parts.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            if not skip_special_tokens:
+                parts.append(specials.get(i, ""))
+        parts.append(run.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        tokenize: bool = True,
+        add_generation_prompt: bool = False,
+        **_hf_only_options,
+    ) -> list[int] | str:
+        """The built-in chat format (see `chat_template`): ids, or their text when `tokenize=False`.
+
+        HF-only options (tools, return_dict, ...) are accepted and have no effect here.
+        """
+        pieces = [np.array([self.bos_token_id], dtype=np.int64)]
+        for message in messages:
+            header = self._encode_np(f"<|{message['role']}|>\n", add_special_tokens=False)
+            content = self._encode_np(str(message["content"]), add_special_tokens=False)
+            pieces += [header, content, np.array([self.eos_token_id], dtype=np.int64)]
+        if add_generation_prompt:
+            pieces.append(self._encode_np("<|assistant|>\n", add_special_tokens=False))
+        ids = np.concatenate(pieces).tolist()
+        return ids if tokenize else self.decode(ids)
+
+    def save_pretrained(self, save_directory: str | Path) -> tuple[str]:
+        """Write `lstune_tokenizer.json` so a saved model folder records which tokenizer it uses."""
+        directory = Path(save_directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / self.CONFIG_NAME
+        config = {
+            "tokenizer_class": type(self).__name__,
+            "vocab_size": self.vocab_size,
+            "pad_token_id": self.pad_token_id,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "byte_offset": self.byte_offset,
+        }
+        path.write_text(json.dumps(config, indent=2) + "\n")
+        return (str(path),)
+
+    @classmethod
+    def saved_in(cls, directory: str | Path) -> bool:
+        """Whether `directory` holds a ByteTokenizer written by `save_pretrained`."""
+        return (Path(directory) / cls.CONFIG_NAME).is_file()
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> ByteTokenizer:
+        """Load the tokenizer saved in `directory`; ModelError if there is none or it differs."""
+        path = Path(directory) / cls.CONFIG_NAME
+        if not path.is_file():
+            raise ModelError(
+                f"{directory} has no {cls.CONFIG_NAME}; it was not saved with lstune's byte tokenizer. "
+                "Load its own tokenizer with transformers.AutoTokenizer instead."
+            )
+        config = json.loads(path.read_text())
+        if config.get("tokenizer_class") != cls.__name__ or config.get("byte_offset") != cls.byte_offset:
+            raise ModelError(f"{path} describes {config.get('tokenizer_class')!r}, not this ByteTokenizer.")
+        return cls()
+
+    def _encode_np(self, text: str, add_special_tokens: bool) -> np.ndarray:
+        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) + self.byte_offset
+        if add_special_tokens:
+            ids = np.concatenate([np.array([self.bos_token_id], dtype=np.int64), ids])
+        return ids
