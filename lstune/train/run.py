@@ -54,9 +54,9 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     hf_logging.disable_progress_bar()  # lstune draws its own progress; HF's per-save bars are noise here
     output_dir, resume_from = prepare_output_dir(config)
     device, autocast_dtype = _setup_device(config)
-    _check_model_support(config, device)
+    model_config = _check_model_support(config, device)
     tokenizer, notes = _setup_tokenizer(config)
-    dataset = _setup_data(config, tokenizer)
+    dataset = _setup_data(config, tokenizer, model_config)
     loaded = _setup_model(config, device, tokenizer, notes)
     for note in loaded.notes:
         reporter.note(note)
@@ -135,8 +135,9 @@ def _setup_device(config: TrainConfig):
     return torch.device("cpu"), (torch.bfloat16 if config.dtype == "bf16" else None)
 
 
-def _check_model_support(config: TrainConfig, device) -> None:
-    """Refuse, from the model's config alone, what lstune's attention would get wrong here."""
+def _check_model_support(config: TrainConfig, device):
+    """Refuse, from the model's config alone, what lstune's attention would get wrong here; returns that
+    config."""
     from lstune.models.attention import check_attention_support
     from lstune.models.loading import load_config, resolve_source
 
@@ -144,6 +145,7 @@ def _check_model_support(config: TrainConfig, device) -> None:
     check_attention_support(
         model_config, pack=config.pack, seq_len=config.seq_len, backend=config.attn, device=device.type
     )
+    return model_config
 
 
 def _setup_tokenizer(config: TrainConfig):
@@ -170,12 +172,23 @@ def _setup_model(config: TrainConfig, device, tokenizer, notes):
     return loaded
 
 
-def _setup_data(config: TrainConfig, tokenizer):
-    from lstune.data.dataset import build_dataset
+def _setup_data(config: TrainConfig, tokenizer, model_config):
+    import datasets
 
-    return build_dataset(
+    from lstune.data.dataset import build_dataset
+    from lstune.errors import DataError
+
+    datasets.disable_progress_bars()
+    dataset = build_dataset(
         config.data, tokenizer, config.seq_len, pack=config.pack, seed=config.seed, max_records=config.max_records
     )
+    max_id, vocab = dataset.summary()["max_token_id"], model_config.vocab_size
+    if max_id is not None and max_id >= vocab:
+        raise DataError(
+            f"--data {config.data!r} has token id {max_id}, but --model {config.model!r} has a vocabulary of "
+            f"{vocab}; pre-tokenized data must come from the model's own tokenizer."
+        )
+    return dataset
 
 
 def total_steps(config: TrainConfig, num_samples: int) -> int:
@@ -234,7 +247,7 @@ def _plan(config, loaded, dataset, max_steps, output_dir, device, state) -> dict
         "trainable_parameters": trainable,
         "device": str(device),
         "seq_len": config.seq_len,
-        "data": dataset.summary(),
+        "data": dataset.summary()["note"],
         "steps": max_steps,
         "start_step": state.step,
         "samples_per_step": config.micro_batch_size * config.grad_accum,

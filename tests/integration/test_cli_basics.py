@@ -123,3 +123,10 @@ def test_debug_shows_the_traceback():
     proc = run_subprocess("--debug", "train", "--model", "./no/such", "--dry-run", timeout=60)
     assert proc.returncode == 2
     assert "Traceback" in proc.stderr and "./no/such" in proc.stderr
+
+
+def test_pretokenized_ids_beyond_the_vocabulary(cli, tmp_path):
+    data = tmp_path / "ids.jsonl"
+    data.write_text(json.dumps({"input_ids": [5, 6, 1000, 7]}) + "\n")
+    result = cli("train", *TINY, "--data", data, "--output-dir", tmp_path / "out")
+    _assert_user_error(result, "token id 1000", "vocabulary of 320")
