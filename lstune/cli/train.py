@@ -34,7 +34,7 @@ def _signature() -> inspect.Signature:
         default = field_default(f)
         shown = parse.format_length(default) if f.name == "seq_len" else default
         help_text = f"{f.metadata['help']} [default: {shown}]"
-        if f.metadata["parser"] is parse.parse_bool:
+        if f.metadata["parser"] is parse.parse_bool and f.metadata.get("style") != "value":
             option = typer.Option(None, f"{flag}/--no-{flag[2:]}", help=help_text, rich_help_panel=f.metadata["section"],
                                   show_default=False)
             params.append(_param(f.name, Optional[bool], option))
@@ -50,9 +50,10 @@ def _param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
 
 
 def _metavar(name: str) -> str:
-    return {"seq_len": "LENGTH", "model": "MODEL", "data": "SOURCE", "output_dir": "DIR", "resume": "[PATH]"}.get(
-        name, "VALUE"
-    )
+    return {
+        "seq_len": "LENGTH", "model": "MODEL", "data": "SOURCE", "output_dir": "DIR", "resume": "[PATH]",
+        "checkpointing": "on|off", "tiled_mlp": "auto|off|N", "tiled_loss": "auto|off|N", "host_mem_budget": "BYTES",
+    }.get(name, "VALUE")
 
 
 def _train_command(**kwargs: Any) -> int:

@@ -114,6 +114,12 @@ def _cross_check(c: TrainConfig, given: set[str]) -> list[str]:
         for key in ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout"):
             if key in given:
                 problems.append(f"{flag_name(key)} needs LoRA; add --lora-r 16 (or another rank), or drop it.")
+    if c.offload_checkpoints and not c.checkpointing:
+        problems.append("--offload-checkpoints moves activation checkpoints to host memory: it needs --checkpointing on.")
+    if c.mini_sequence and c.tiled_mlp == "off":
+        problems.append("--mini-sequence tiles the MLP: drop --tiled-mlp off, or drop --mini-sequence.")
+    if c.host_mem_budget is not None and not c.offload_checkpoints:
+        problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
     if c.max_steps is not None and c.epochs is not None:
         problems.append("--max-steps and --epochs both given; keep one.")
     if c.save_every is not None and c.max_steps is not None and c.save_every > c.max_steps:

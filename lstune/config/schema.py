@@ -90,6 +90,45 @@ class TrainConfig:
     )
     max_records: int | None = _opt(None, "Use only the first N records of the data.", _pos_int, DATA)
 
+    # --- memory (lstune.memory; docs/memory.md)
+    tiled_mlp: Any = _opt(
+        "auto",
+        "Run each MLP over sequence tiles, recomputed in backward: 'auto' = ceil(seq / hidden) tiles (ALST), "
+        "'off', or a tile count.",
+        p.parse_auto_off_int,
+        MEMORY,
+    )
+    tiled_loss: Any = _opt(
+        "auto",
+        "Compute logits + loss tile by tile, never the full [seq, vocab] logits: 'auto' = tiles of <= ~1 GiB of "
+        "fp32 logits, 'off' (one tile), or a tile count.",
+        p.parse_auto_off_int,
+        MEMORY,
+    )
+    mini_sequence: bool = _opt(
+        False,
+        "Mini-sequence policy (MST): MLP tiles of hidden-size tokens with the layer norm fused in, loss in "
+        "vocab/hidden tiles.",
+        p.parse_bool,
+        MEMORY,
+    )
+    checkpointing: bool = _opt(
+        True, "Activation checkpointing of every decoder layer: on or off.", p.parse_bool, MEMORY, style="value"
+    )
+    offload_checkpoints: bool = _opt(
+        False,
+        "Keep each layer's checkpointed hidden state in host memory (async copies, prefetched in backward); "
+        "falls back to plain checkpointing when the sequence is too short for it to pay.",
+        p.parse_bool,
+        MEMORY,
+    )
+    host_mem_budget: int | None = _opt(
+        None,
+        "Host memory offloaded checkpoints may use, e.g. 64G; layers beyond it stay on the device.",
+        p.parse_bytes,
+        MEMORY,
+    )
+
     # --- optimisation
     max_steps: int | None = _opt(
         None, "Optimizer steps to train (default: one epoch over the data).", _pos_int, OPTIM

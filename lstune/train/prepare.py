@@ -18,8 +18,12 @@ from lstune.models.loading import apply_lora
 log = logging.getLogger("lstune")
 
 
-def prepare_model(model, config: TrainConfig, device):
+def prepare_model(model, config: TrainConfig, device, *, local_seq_len: int | None = None):
+    """Returns the prepared model and the memory plan (what was applied, for the run's plan display).
+    `local_seq_len` is the per-rank sequence length under sequence parallelism."""
     import torch
+
+    from lstune.memory.apply import apply_memory_techniques
 
     if device.type == "cuda" and config.lora_r and config.dtype != "fp32":
         model = model.to(dtype=torch.bfloat16)
@@ -32,5 +36,15 @@ def prepare_model(model, config: TrainConfig, device):
     from lstune.models.attention import use_lstune_attention
 
     use_lstune_attention(model, backend=config.attn)
+    plan = apply_memory_techniques(
+        model,
+        seq_len=local_seq_len or config.seq_len,
+        tiled_mlp=config.tiled_mlp,
+        tiled_loss=config.tiled_loss,
+        mini_sequence=config.mini_sequence,
+        checkpointing=config.checkpointing,
+        offload_checkpoints=config.offload_checkpoints,
+        host_mem_budget=config.host_mem_budget,
+    )
     model.train()
-    return model
+    return model, plan

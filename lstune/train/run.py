@@ -168,7 +168,7 @@ def _setup_model(config: TrainConfig, device, tokenizer, notes):
         tokenizer=tokenizer,
         notes=notes,
     )
-    loaded.model = prepare_model(loaded.model, config, device)
+    loaded.model, loaded.memory_plan = prepare_model(loaded.model, config, device)
     return loaded
 
 
@@ -253,10 +253,21 @@ def _plan(config, loaded, dataset, max_steps, output_dir, device, state) -> dict
         "samples_per_step": config.micro_batch_size * config.grad_accum,
         "output_dir": str(output_dir),
     }
-    techniques = getattr(model, "lstune_plan", None)
-    if techniques is not None:
-        plan["techniques"] = techniques
+    plan["memory"] = _describe_memory(loaded.memory_plan)
     return plan
+
+
+def _describe_memory(memory_plan) -> str:
+    s = memory_plan.summary()
+    mlp, loss, offload = s["tiled_mlp"], s["tiled_loss"], s["offload_checkpoints"]
+    parts = [
+        f"tiled MLP {mlp['tiles']} tiles" if mlp["setting"] != "off" else "tiled MLP off",
+        "mini-sequence" if mlp["mini_sequence"] else None,
+        f"loss {loss['backend']} ({loss['tiles']} tiles)",
+        "checkpointing" if s["checkpointing"] else "no checkpointing",
+        ("offloaded checkpoints" if offload["enabled"] else f"no offload ({offload['note']})" if offload["note"] else None),
+    ]
+    return ", ".join(p for p in parts if p)
 
 
 def _loop(config, engine, loaded, dataset, device, autocast_dtype, state, result, reporter) -> None:
@@ -310,7 +321,6 @@ class _Stepper:
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.loss_sum = causal_lm_loss_sum
-        self.loss_tiles = getattr(engine.model, "lstune_loss_tiles", "auto")
 
     def step(self, batches, state: RunState) -> dict[str, Any]:
         import torch
@@ -327,7 +337,7 @@ class _Stepper:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                                 enabled=self.autocast_dtype is not None):
-                loss_sum, _ = self.loss_sum(self.engine.model, batch, tiles=self.loss_tiles)
+                loss_sum, _ = self.loss_sum(self.engine.model, batch)
             self.engine.backward(loss_sum / denominator)
             total += loss_sum.detach().double().cpu()
         stats = self.engine.step()
