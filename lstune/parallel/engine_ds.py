@@ -1,0 +1,331 @@
+"""`DeepSpeedEngine`: the distributed (and memory-offloading) implementation of the training Engine.
+
+Same surface as the loop's single-device `TorchEngine` (lstune/train/engine.py): call forward on
+`engine.model` (the HF model itself — ZeRO-3 gathers each layer's parameters through hooks on its
+modules), `backward(loss)` per micro-batch, `step()` once per accumulation window, `save`/`load` for
+resume and `export` for the final HF-format model. Every method is a collective: call it on every rank.
+
+Gradient accumulation is the loop's: DeepSpeed runs with `gradient_accumulation_steps=1` and
+`managed_gradient_accumulation=false`, so `backward` only accumulates and `step()` is the boundary that
+reduces, clips, updates and zeroes — however many micro-batches the loop fed it.
+
+Loss scaling contract (see loss.py): the loop backpropagates, per micro-batch, this rank's
+`loss_sum / N_global`; the step's gradient must be the SUM of those over all ranks and micro-batches.
+DeepSpeed divides the summed gradients by a factor that depends on the path (deepspeed 0.19): ZeRO
+1–2 divide by the DP degree (world / sp, the SP group given as its `mpu`); ZeRO-3's reduce-scatter
+path divides by the whole world size, ignoring SP (its contiguous-bucket path would divide by DP, so
+the config pins reduce_scatter on). `backward` multiplies by that factor; the equivalence tests for
+each stage guard it against DeepSpeed changing.
+
+ZeRO and offload (why each exists — memory per parameter with bf16 + Adam is 18 bytes, ALST 3.4):
+stage 1 shards the 12 B of fp32 master weights and Adam moments over ranks, stage 2 also the 4 B of
+gradients, stage 3 also the 2 B of weights (gathered layer by layer in forward and backward);
+offload_optimizer keeps master weights, moments and the update on the host (DeepSpeedCPUAdam), and
+offload_params keeps the stage-3 weight shards on the host too. `auto_zero_config` picks the cheapest
+that fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lstune.errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from lstune.parallel.dims import ParallelDims
+
+log = logging.getLogger(__name__)
+
+DS_TAG = "deepspeed"
+BYTES_PER_PARAM = {"weights": 2, "grads": 4, "optimizer": 12}  # bf16 weights, fp32 grads, fp32 master + m + v
+STATIC_SHARE = 0.5  # of device memory that weights, grads and optimizer may take; the rest is for activations
+EXPORT_SHARD_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class ZeroPlan:
+    stage: int
+    offload_optimizer: bool
+    offload_params: bool
+    bytes_per_device: int  # weights + gradients + optimizer state resident on each device
+    reason: str
+
+
+def zero_plans(model_params: int, world: int) -> list[ZeroPlan]:
+    """Candidate configurations, cheapest in communication first, with their resident bytes per device."""
+    p, n = model_params, world
+    w, g, o = (BYTES_PER_PARAM[k] * p for k in ("weights", "grads", "optimizer"))
+    return [
+        ZeroPlan(0, False, False, w + g + o, "weights, gradients and Adam state all fit"),
+        ZeroPlan(1, False, False, w + g + o // n, "Adam state sharded (ZeRO-1)"),
+        ZeroPlan(2, False, False, w + (g + o) // n, "gradients and Adam state sharded (ZeRO-2)"),
+        ZeroPlan(3, False, False, (w + g + o) // n, "weights, gradients and Adam state sharded (ZeRO-3)"),
+        # Offloaded optimizer: fp32 grads, master weights and moments live on the host; the device keeps
+        # its bf16 weight shard and bf16 gradient buckets.
+        ZeroPlan(3, True, False, 2 * w // n, "ZeRO-3 with Adam state on the host"),
+        ZeroPlan(3, True, True, 0, "ZeRO-3 with Adam state and weights on the host"),
+    ]
+
+
+def auto_zero_config(model_params: int, device_mem: int, world: int) -> ZeroPlan:
+    """ZeRO stage and offload for `model_params` parameters on `world` devices of `device_mem` bytes.
+
+    Rule: the first plan of `zero_plans` (least communication and host traffic) whose resident
+    weights + gradients + optimizer state take at most half of device memory — the other half is for
+    activations, which at long sequence lengths are the larger part. Stage 0 (no ZeRO: the
+    single-device TorchEngine) only on one device; with several, ZeRO-1 costs the same communication
+    as plain data parallelism. Stages that only shard over ranks are skipped on one device, where they
+    save nothing. If nothing fits, everything goes to the host (ALST's single-GPU Llama-8B setup).
+    `--zero-stage`, `--offload-optimizer` and `--offload-params` override the choice.
+    """
+    budget = int(device_mem * STATIC_SHARE)
+    for plan in zero_plans(model_params, world):
+        if world == 1 and plan.stage in (1, 2, 3) and not plan.offload_optimizer:
+            continue
+        if world > 1 and plan.stage == 0:
+            continue
+        if plan.bytes_per_device <= budget:
+            return plan
+    return zero_plans(model_params, world)[-1]
+
+
+def deepspeed_config(
+    *,
+    zero_stage: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+    bf16: bool,
+    max_grad_norm: float,
+    pin_memory: bool,
+) -> dict[str, Any]:
+    """The DeepSpeed config dict lstune runs with (the loop owns the batch and the accumulation window)."""
+    problems = []
+    if zero_stage not in (1, 2, 3):
+        problems.append(
+            f"--zero-stage {zero_stage} is not supported with DeepSpeed; use 1, 2 or 3 (ZeRO-1 communicates "
+            "like plain data parallelism and only shards the optimizer state)."
+        )
+    if offload_params and zero_stage != 3:
+        problems.append("--offload-params needs --zero-stage 3 (only stage 3 shards the weights).")
+    if problems:
+        raise ConfigError(problems)
+    zero: dict[str, Any] = {"stage": zero_stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    if zero_stage == 3:
+        # Export and checkpoints gather parameters themselves; never gather the whole model on save.
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+        # One gradient-averaging rule for every parameter (see `gradient_divisor`).
+        zero["reduce_scatter"] = True
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": max_grad_norm if max_grad_norm > 0 else 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def gradient_divisor(zero_stage: int, dims: "ParallelDims") -> int:
+    """What DeepSpeed divides the all-reduced gradient sum by (see the module docstring)."""
+    return dims.world_size if zero_stage == 3 else dims.dp
+
+
+class DeepSpeedSPGroups:
+    """The `mpu` object DeepSpeed reads sequence-parallel groups from, backed by `ParallelDims`.
+
+    It mirrors deepspeed.runtime.sequence_parallel.parallel_state_sp (which keeps the groups in module
+    globals): DeepSpeed then reduces gradients over the SP × DP group, summing over SP and averaging
+    over DP, and shards ZeRO state over all ranks. `initialize_sequence_parallel` must exist — DeepSpeed
+    tells an SP mpu from a Megatron one by it.
+    """
+
+    def __init__(self, dims: "ParallelDims"):
+        import torch.distributed as dist
+
+        self.dims = dims
+        self._world = dist.group.WORLD
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        if sequence_parallel_size != self.dims.sp:
+            raise RuntimeError(f"SP groups are built for sp={self.dims.sp}, not {sequence_parallel_size}")
+
+    def get_sequence_parallel_group(self):
+        return self.dims.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.dims.sp
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.dims.sp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return self._world
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.dims.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.dims.rank
+
+    # DeepSpeed's SP state module aliases "model parallel" to SP; kept identical.
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
+
+
+def make_scheduler(optimizer, *, schedule: str, warmup_steps: int, max_steps: int, min_lr_ratio: float):
+    """Warmup then cosine (to min_lr_ratio·lr), linear (to 0) or constant — the same schedules as
+    TorchEngine's, via transformers (this layer cannot import lstune.train)."""
+    from transformers import get_scheduler
+
+    names = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
+    if schedule not in names:
+        raise ConfigError([f"--schedule {schedule!r} is not known; use cosine, linear or constant."])
+    extra = {"min_lr_rate": min_lr_ratio} if schedule == "cosine" else {}
+    return get_scheduler(
+        names[schedule], optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps,
+        scheduler_specific_kwargs=extra,
+    )
+
+
+class DeepSpeedEngine:
+    """Engine over DeepSpeed ZeRO 1–3 with optional host offload and bf16, SP-aware through `dims`."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        dims: "ParallelDims",
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        warmup_steps: int = 0,
+        max_steps: int = 1,
+        schedule: str = "cosine",
+        min_lr_ratio: float = 0.0,
+        max_grad_norm: float = 1.0,
+        zero_stage: int = 3,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        bf16: bool = False,
+    ):
+        import deepspeed
+        import torch
+
+        on_cuda = torch.cuda.is_available()
+        _ensure_process_group(on_cuda)
+        # Wraps the process group already initialised (launch.init_distributed, or the one-process group).
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+        config = deepspeed_config(
+            zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params, bf16=bf16,
+            max_grad_norm=max_grad_norm, pin_memory=on_cuda,
+        )
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise RuntimeError("the model has no trainable parameters")
+        optimizer = _adamw(params, lr, betas, eps, weight_decay, on_host=offload_optimizer)
+        scheduler = make_scheduler(
+            optimizer, schedule=schedule, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio
+        )
+        self.dims = dims
+        self.zero_stage = zero_stage
+        self._ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=config,
+            mpu=DeepSpeedSPGroups(dims) if dims.sp > 1 else None,
+            dist_init_required=False,
+        )
+        self.model = self._ds.module
+        self._divisor = gradient_divisor(zero_stage, dims)
+
+    def backward(self, loss: "torch.Tensor") -> None:
+        """Accumulate gradients of this rank's share of the global mean loss (see loss.py)."""
+        # DeepSpeed's own forward() starts each micro-batch by closing the previous backward's
+        # bookkeeping (ZeRO's micro-step counter: copy vs accumulate gradient partitions). The loop calls
+        # the model's parts directly (hidden states, then a tiled loss head), never that forward, so the
+        # same call happens here, between one backward and the next.
+        if hasattr(self._ds.optimizer, "clear_backward_seen_flag"):
+            self._ds.optimizer.clear_backward_seen_flag()
+        self._ds.backward(loss * self._divisor)
+
+    def step(self) -> dict[str, float]:
+        """Reduce, clip, update, advance the schedule and zero gradients; {"grad_norm", "lr"}."""
+        lr = float(self.scheduler.get_last_lr()[0])
+        self._ds.step()
+        norm = self._ds.get_global_grad_norm()
+        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr}
+
+    def save(self, ckpt_dir: Path) -> None:
+        """Model, optimizer and scheduler state, sharded as DeepSpeed keeps it (every rank writes its part).
+
+        Resume needs the same world size and ZeRO stage; multi-node runs need `ckpt_dir` on a shared
+        filesystem.
+        """
+        self._ds.save_checkpoint(str(ckpt_dir), tag=DS_TAG, save_latest=False)
+
+    def load(self, ckpt_dir: Path) -> None:
+        if not (Path(ckpt_dir) / DS_TAG).is_dir():
+            raise CheckpointError(
+                f"{ckpt_dir} has no DeepSpeed state ({DS_TAG}/); it was written by a single-device run or is "
+                "incomplete. Resume with the same launcher and number of processes that wrote it."
+            )
+        path, _ = self._ds.load_checkpoint(
+            str(ckpt_dir), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if path is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
+
+    def export(self, out_dir: Path, *, merge_lora: bool = False) -> None:
+        """The HF-format model (from_pretrained loads it), gathered one parameter at a time.
+
+        Rank 0 streams parameters to safetensors shards of at most 2 GiB on the host; no device ever
+        holds more than one full parameter beyond its own shard. A PEFT model exports its adapter, or
+        with `merge_lora` the merged full model.
+        """
+        from lstune.parallel.export import export_hf
+
+        export_hf(self.model, Path(out_dir), rank=self.dims.rank, merge_lora=merge_lora,
+                  shard_bytes=EXPORT_SHARD_BYTES)
+
+
+def _ensure_process_group(on_cuda: bool) -> None:
+    """A one-process group when no launcher started one: DeepSpeed needs a group even on a single device
+    (ZeRO-3 with host offload is how one GPU trains a model whose Adam state does not fit)."""
+    import socket
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+
+
+def _adamw(params, lr, betas, eps, weight_decay, *, on_host: bool):
+    """torch AdamW (the same update as TorchEngine), or DeepSpeed's host Adam for an offloaded optimizer."""
+    import torch
+
+    if on_host:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=True)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+

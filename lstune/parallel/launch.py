@@ -1,0 +1,140 @@
+"""Starting the processes of a distributed run, and joining one that a launcher started.
+
+Three ways a run is distributed:
+
+* `lstune train --gpus N` (no launcher in the environment): `relaunch` re-runs the same command under
+  torchrun (`python -m torch.distributed.run --standalone --nproc-per-node N -m lstune ...`), one
+  process per GPU. Without CUDA it starts N CPU processes with the gloo backend and DS_ACCELERATOR=cpu
+  (for tests and demos).
+* `lstune train --gpus N --hostfile H`: several nodes through DeepSpeed's launcher
+  (`python -m deepspeed.launcher.runner --hostfile H --num_gpus N --module lstune ...`), which reaches
+  the nodes over passwordless ssh (pdsh) and gives each process its rank. Hostfile format, one node a
+  line: `node-1 slots=8`.
+* Started by torchrun, `deepspeed` or `accelerate launch` already: `detect_launch_env` reads RANK,
+  WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (or OpenMPI's OMPI_COMM_WORLD_* variables) and the command
+  runs as that rank; nothing is relaunched.
+
+`init_distributed(env)` then joins the process group: NCCL on CUDA (one GPU per local rank), gloo
+otherwise. Torch's launcher is used as is — this module only decides which one and passes the argv on.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Mapping
+
+from lstune.errors import ConfigError
+
+LAUNCHER_MARKERS = (
+    ("TORCHELASTIC_RUN_ID", "torchrun"),
+    ("ACCELERATE_MIXED_PRECISION", "accelerate"),
+    ("ACCELERATE_DYNAMO_BACKEND", "accelerate"),
+    ("CROSS_RANK", "deepspeed"),
+    ("OMPI_COMM_WORLD_RANK", "mpi"),
+)
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in a launched run, as the launcher described it in the environment."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # torchrun | deepspeed | accelerate | mpi | env
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def detect_launch_env(environ: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """The launch environment this process was started in, or None for a plain single process."""
+    env = os.environ if environ is None else environ
+    rank = _first(env, "RANK", "OMPI_COMM_WORLD_RANK")
+    world = _first(env, "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE")
+    if rank is None or world is None:
+        return None
+    local_rank = _first(env, "LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK") or "0"
+    local_world = _first(env, "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE") or world
+    launcher = next((name for var, name in LAUNCHER_MARKERS if var in env), "env")
+    return LaunchEnv(
+        rank=int(rank),
+        world_size=int(world),
+        local_rank=int(local_rank),
+        local_world_size=int(local_world),
+        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+        master_port=int(env.get("MASTER_PORT", "29500")),
+        launcher=launcher,
+    )
+
+
+def _first(env: Mapping[str, str], *names: str) -> str | None:
+    return next((env[n] for n in names if env.get(n)), None)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> list[str]:
+    """The command that runs `python -m <module> <argv>` once per process (see the module docstring)."""
+    if gpus < 1:
+        raise ConfigError([f"--gpus {gpus}: give at least 1 process per node."])
+    if hostfile is not None:
+        if not os.path.isfile(hostfile):
+            raise ConfigError([f"--hostfile {hostfile} does not exist; write one line per node: `node-1 slots=8`."])
+        return [
+            sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--num_gpus", str(gpus),
+            "--module", module, *argv,
+        ]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
+        "-m", module, *argv,
+    ]
+
+
+def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> int:
+    """Re-run `lstune <argv>` (argv without the program name) in `gpus` processes per node; their exit code.
+
+    Without CUDA the processes run on CPU with gloo. The children see the launcher's environment, so
+    `detect_launch_env` is not None there and they run instead of relaunching.
+    """
+    env = dict(os.environ)
+    if not _cuda_available():
+        if hostfile is not None:
+            raise ConfigError(["--hostfile needs CUDA GPUs on every node; on CPU use --gpus N on one machine."])
+        env["DS_ACCELERATOR"] = "cpu"
+    command = launch_command(argv, gpus, hostfile, module=module)
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+def init_distributed(env: LaunchEnv | None) -> None:
+    """Join the launched run's process group (NCCL on CUDA, gloo otherwise); nothing for a single process."""
+    if env is None:
+        return
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+        backend = "nccl"
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        backend = "gloo"
+    # env:// with the launcher's variables: under torchrun it joins the agent's store instead of opening
+    # a second one on MASTER_PORT. MPI launchers name them differently, so fill in the torch names.
+    for name, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
+                        ("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port)):
+        os.environ.setdefault(name, str(value))
+    dist.init_process_group(backend, init_method="env://")

@@ -1,0 +1,138 @@
+"""Feeding sequence-parallel ranks: each SP group works on one full sample at a time (ALST Sec. 4.2).
+
+Every rank's DataLoader yields its own full-length batches (the shared contract: LongTensors `[B, S]`
+`input_ids`, `position_ids`, `shift_labels`, labels already shifted on the FULL sequence — ALST 4.3, so
+no shard loses its first target). `SPDataAdapter` turns the sp ranks' batches into sp micro-batches that
+the whole group processes one after another: for micro-batch i, rank i pads its sample to a multiple of
+sp, cuts it into sp contiguous shards along the sequence and scatters them, so rank r gets tokens
+`[r·S/sp, (r+1)·S/sp)` of rank i's sample. position_ids travel with the shards (Ulysses gathers them
+back inside attention), so packed-document boundaries survive sharding.
+
+Memory: each rank holds only its 1/sp shard of the sample being processed (plus its own full batch
+while waiting to send it, as the DataLoader produced it). Cost: one scatter per tensor per sample — a
+few bytes per token, negligible next to the model.
+
+Padding: the pad tokens get `shift_labels = -100` (ignored by the loss) and position_ids continuing the
+last document, so they sit at the end of the causal sequence where no real token attends to them:
+the loss and gradients are exactly those of the unpadded sample.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
+
+from lstune.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
+
+    from lstune.parallel.dims import ParallelDims
+
+IGNORE_INDEX = -100
+REQUIRED_KEYS = ("input_ids", "position_ids", "shift_labels")
+
+
+def count_tokens(batch: dict[str, "torch.Tensor"]) -> int:
+    """Tokens that carry a loss in `batch` (shift_labels ≠ -100)."""
+    return int((batch["shift_labels"] != IGNORE_INDEX).sum())
+
+
+def pad_to_multiple(batch: dict[str, "torch.Tensor"], multiple: int) -> dict[str, "torch.Tensor"]:
+    """`batch` with its sequence padded to a multiple of `multiple` (ignored labels, continuing positions)."""
+    import torch
+
+    seq = batch["input_ids"].shape[1]
+    pad = -seq % multiple
+    if pad == 0:
+        return batch
+    out = {}
+    for key, x in batch.items():
+        if key == "position_ids":
+            tail = x[:, -1:] + torch.arange(1, pad + 1, device=x.device, dtype=x.dtype)
+        else:
+            fill = IGNORE_INDEX if key == "shift_labels" else 0
+            tail = torch.full((x.shape[0], pad), fill, dtype=x.dtype, device=x.device)
+        out[key] = torch.cat([x, tail], dim=1)
+    return out
+
+
+def shard_batch(batch: dict[str, "torch.Tensor"], sp: int, sp_rank: int) -> dict[str, "torch.Tensor"]:
+    """Rank `sp_rank`'s contiguous 1/sp sequence shard of `batch` (padded first if needed)."""
+    batch = pad_to_multiple(batch, sp)
+    local = batch["input_ids"].shape[1] // sp
+    return {k: x[:, sp_rank * local : (sp_rank + 1) * local].contiguous() for k, x in batch.items()}
+
+
+def check_batch(batch: dict[str, Any]) -> None:
+    """Raise DataError unless `batch` follows the shared contract (tensors `[B, S]`, the three keys)."""
+    missing = [k for k in REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise DataError(
+            f"sequence parallelism needs {', '.join(REQUIRED_KEYS)} in every batch; missing {', '.join(missing)}. "
+            "Labels must be shifted on the full sequence before sharding (lstune's data pipeline does this)."
+        )
+    shape = tuple(batch["input_ids"].shape)
+    bad = [k for k, x in batch.items() if not hasattr(x, "shape") or tuple(x.shape) != shape]
+    if bad:
+        raise DataError(f"batch fields {', '.join(bad)} are not tensors shaped like input_ids {list(shape)}")
+
+
+class SPDataAdapter:
+    """Wraps each rank's DataLoader of full-length batches; yields this rank's shard of each SP micro-batch.
+
+    Per round, each of the sp ranks contributes one batch from its loader and the adapter yields sp
+    micro-batches (rank 0's sample, then rank 1's, …), each as this rank's sequence shard. Every rank of
+    the group yields the same sample at the same step, so collectives inside the model line up. The
+    wrapped loaders must yield different data per rank (e.g. a sampler over all world ranks); when any
+    rank of the group runs out, the whole group stops. Only the contract's three fields travel (others
+    are dropped). With sp == 1 batches pass through unchanged.
+    """
+
+    def __init__(self, loader: Iterable, dims: "ParallelDims", device: Any = "cpu"):
+        self.loader = loader
+        self.dims = dims
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.loader) * self.dims.sp  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[dict[str, "torch.Tensor"]]:
+        if self.dims.sp == 1:
+            yield from self.loader
+            return
+        for batch in itertools.chain(self.loader, [None]):
+            if batch is not None:
+                check_batch(batch)
+                batch = pad_to_multiple({k: v.to(self.device) for k, v in batch.items()}, self.dims.sp)
+            shapes = self._gather_shapes(batch)
+            if any(b == 0 for b, _ in shapes):
+                return
+            for src, shape in enumerate(shapes):
+                yield self._receive(batch if src == self.dims.sp_rank else None, src, shape)
+
+    def _gather_shapes(self, batch) -> list[tuple[int, int]]:
+        """(batch size, padded length) of each SP rank's batch; (0, 0) for a rank whose loader ended."""
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor(tuple(batch["input_ids"].shape) if batch is not None else (0, 0), device=self.device)
+        shapes = [torch.empty_like(mine) for _ in range(self.dims.sp)]
+        dist.all_gather(shapes, mine, group=self.dims.sp_group)
+        return [tuple(s.tolist()) for s in shapes]
+
+    def _receive(self, batch, src: int, shape: tuple[int, int]) -> dict[str, "torch.Tensor"]:
+        """This rank's shard of SP rank `src`'s batch (which `src` passes as `batch`, the others as None)."""
+        import torch
+        import torch.distributed as dist
+
+        sp = self.dims.sp
+        b, seq = shape
+        src_global = self.dims.sp_group_ranks(self.dims.dp_rank)[src]
+        shard = {}
+        for key in REQUIRED_KEYS:
+            out = torch.empty((b, seq // sp), dtype=torch.long, device=self.device)
+            chunks = [c.contiguous() for c in batch[key].long().chunk(sp, dim=1)] if batch is not None else None
+            dist.scatter(out, chunks, src=src_global, group=self.dims.sp_group)
+            shard[key] = out
+        return shard

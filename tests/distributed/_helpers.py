@@ -1,0 +1,66 @@
+"""Shared pieces of the distributed tests: tiny models, batches and a reference loss.
+
+Everything here runs inside the spawned gloo workers, so it imports torch lazily and stays small.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IGNORE = -100
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides: Any):
+    """A 2-layer fp32 model of preset `arch` with config `overrides` (e.g. head counts).
+
+    Attention is HF's SDPA unless `attn=` names another implementation (Gemma-2 has only eager).
+    """
+    from lstune.models.presets import build_model
+
+    attn = overrides.pop("attn", "sdpa")
+    overrides.setdefault("num_hidden_layers", 2)
+    return build_model(arch, seed=seed, attn_implementation=attn, **overrides)
+
+
+def make_batch(seq: int, *, seed: int = 0, batch: int = 1, docs: int = 1, vocab: int = 320) -> dict:
+    """A batch in the shared contract: `docs` packed documents per row (1 = one long sample).
+
+    Labels are shifted on the full sequence: -100 at each document's last token.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    cuts = sorted(torch.randperm(seq - 2, generator=g)[: docs - 1].add(1).tolist())
+    starts = [0, *cuts]
+    position_ids = torch.zeros(batch, seq, dtype=torch.long)
+    shift_labels = torch.full((batch, seq), IGNORE, dtype=torch.long)
+    for start, stop in zip(starts, [*cuts, seq]):
+        position_ids[:, start:stop] = torch.arange(stop - start)
+        shift_labels[:, start : stop - 1] = input_ids[:, start + 1 : stop]
+    return {"input_ids": input_ids, "position_ids": position_ids, "shift_labels": shift_labels}
+
+
+def loss_sum(model, batch: dict):
+    """(Σ token cross-entropy, token count) of `batch`, from the final hidden states (no HF loss)."""
+    import torch.nn.functional as F
+
+    out = model.base_model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    logits = model.get_output_embeddings()(out.last_hidden_state).float()
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:
+        logits = softcap * (logits / softcap).tanh()
+    labels = batch["shift_labels"]
+    total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return total, int((labels != IGNORE).sum())
+
+
+def grads_of(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def max_grad_diff(a: dict, b: dict) -> tuple[float, str]:
+    """Largest |a - b| relative to max |b| over all parameters, and the worst parameter's name."""
+    assert a.keys() == b.keys(), f"different parameters have gradients: {set(a) ^ set(b)}"
+    worst = max(a, key=lambda n: float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)))
+    return float((a[worst] - b[worst]).abs().max() / b[worst].abs().max().clamp_min(1e-12)), worst

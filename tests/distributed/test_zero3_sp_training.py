@@ -1,0 +1,179 @@
+"""A 5-step ZeRO + SP training run through DeepSpeedEngine and the SP data adapter gives the same
+per-step losses (and gradient norms) as a single-process run with plain torch AdamW on the same data.
+
+ZeRO-3 on SP=2 and on SP=2 × DP=2 (which checks the DP part of the gradient scaling), ZeRO-2 on SP=4 and
+ZeRO-1 on SP=2: DeepSpeed divides gradients differently per stage (see engine_ds.gradient_divisor).
+The window holds 2 micro-batches, so gradient accumulation under ZeRO is exercised too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+STEPS, ACCUM, SEQ = 5, 2, 48
+OPTIM = dict(lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8, warmup_steps=1, max_steps=STEPS,
+             schedule="cosine", min_lr_ratio=0.1, max_grad_norm=1.0)
+
+
+def _samples(world: int) -> list[dict]:
+    from tests.distributed._helpers import make_batch
+
+    # Lengths vary and some need padding to a multiple of SP; every other sample is packed.
+    return [make_batch(SEQ - (i % 3), seed=100 + i, docs=1 + i % 2) for i in range(STEPS * ACCUM * world)]
+
+
+def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, float]]:
+    """Single-process training on all samples: (loss, grad_norm) per step."""
+    import torch
+
+    from lstune.parallel.engine_ds import make_scheduler
+    from tests.distributed._helpers import loss_sum
+
+    opt = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"],
+                            weight_decay=OPTIM["weight_decay"])
+    sched = make_scheduler(opt, schedule=OPTIM["schedule"], warmup_steps=OPTIM["warmup_steps"],
+                           max_steps=STEPS, min_lr_ratio=OPTIM["min_lr_ratio"])
+    out = []
+    for step in range(STEPS):
+        window = samples[step * per_step : (step + 1) * per_step]
+        n = sum(int((b["shift_labels"] != -100).sum()) for b in window)
+        total = 0.0
+        for batch in window:
+            s, _ = loss_sum(model, batch)
+            (s / n).backward()
+            total += s.item()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out.append((total / n, float(norm)))
+    return out
+
+
+def _train_worker(
+    rank: int, world: int, sp: int, stage: int, arch: str, memory: dict | None = None, offload: tuple = (False, False)
+) -> dict:
+    import copy
+
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.engine_ds import DeepSpeedEngine
+    from lstune.parallel.loss import global_mean, global_token_count, local_objective
+    from lstune.parallel.sp_data import SPDataAdapter, count_tokens
+    from lstune.parallel.ulysses import apply_ulysses
+    from tests.distributed._helpers import loss_sum, tiny_model
+
+    samples = _samples(world)
+    model = tiny_model(arch)
+    reference = _reference(copy.deepcopy(model), _global_order(samples, world, sp), ACCUM * world // sp)
+
+    dims = ParallelDims(world, sp).build_groups()
+    handle = apply_ulysses(model, dims)
+    compute_loss_sum = loss_sum
+    if memory is not None:  # lstune's loss head and memory techniques, applied before the engine
+        from lstune.memory.apply import apply_memory_techniques
+        from lstune.memory.loss import causal_lm_loss_sum
+
+        apply_memory_techniques(model, seq_len=SEQ // sp, **memory)
+        compute_loss_sum = causal_lm_loss_sum
+    engine = DeepSpeedEngine(
+        model, dims=dims, zero_stage=stage, offload_optimizer=offload[0], offload_params=offload[1], **OPTIM
+    )
+    batches = iter(SPDataAdapter(samples[rank::world], dims))
+    losses = []
+    for _ in range(STEPS):
+        window = [next(batches) for _ in range(ACCUM)]
+        n = global_token_count(window)
+        sums = []
+        for mb in window:
+            s, _ = compute_loss_sum(engine.model, mb)
+            engine.backward(local_objective(s, n))
+            sums.append(s.detach())
+        stats = engine.step()
+        losses.append((global_mean(sums, [count_tokens(mb) for mb in window]), stats["grad_norm"]))
+    handle.undo()
+    return {"losses": losses, "reference": reference}
+
+
+def _global_order(samples: list[dict], world: int, sp: int) -> list[dict]:
+    """The samples in the order the SP × DP run sees them, step by step (order inside a step is irrelevant).
+
+    Rank r's loader holds samples[r::world]; an SP group takes one sample from each of its ranks per
+    round (rank order), and each step takes ACCUM of those per group.
+    """
+    per_rank = [samples[r::world] for r in range(world)]
+    streams = []
+    for block in range(world // sp):
+        ranks = range(block * sp, (block + 1) * sp)
+        streams.append([per_rank[r][k] for k in range(len(per_rank[0])) for r in ranks])
+    return [b for step in range(STEPS) for stream in streams for b in stream[step * ACCUM : (step + 1) * ACCUM]]
+
+
+@pytest.mark.parametrize(("world", "sp", "stage"), [(2, 2, 3), (4, 2, 3), (4, 4, 2), (2, 2, 1)])
+def test_zero_sp_run_matches_single_process_losses(pools, world, sp, stage):
+    _check(pools[world].run(_train_worker, sp, stage, "tiny-llama")[0])
+
+
+def test_zero3_sp_with_optimizer_and_weights_on_the_host_matches_single_process(pools):
+    """DeepSpeedCPUAdam on host-resident Adam state and weight shards (ALST's single-GPU setup).
+
+    The first run on a machine compiles DeepSpeed's cpu_adam op (~1-2 min, cached afterwards).
+    """
+    _check(pools[2].run(_train_worker, 2, 3, "tiny-llama", None, (True, True), timeout=600)[0])
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3"])
+def test_zero3_sp_with_checkpoint_offload_and_loss_head_matches_single_process(pools, arch):
+    """lstune's loss head (one tile) and checkpointing with host offload under ZeRO-3 + SP=2."""
+    memory = {"tiled_mlp": "off", "tiled_loss": "off", "checkpointing": True, "offload_checkpoints": True}
+    _check(pools[2].run(_train_worker, 2, 3, arch, memory)[0])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="lstune.memory.tiling returns weight gradients from its autograd Function; under ZeRO-3 the weights "
+    "are partitioned (shape [0]) there, so tiled MLP / tiled loss fail in backward (see the parallel report)",
+)
+@pytest.mark.parametrize("memory", [{"tiled_mlp": 2, "tiled_loss": "off"}, {"tiled_mlp": "off", "tiled_loss": 3}])
+def test_zero3_sp_with_tiled_mlp_or_loss_matches_single_process(pools, memory):
+    _check(pools[2].run(_train_worker, 2, 3, "tiny-llama", {**memory, "checkpointing": False})[0])
+
+
+def _check(result: dict) -> None:
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(result["losses"], result["reference"])):
+        assert loss == pytest.approx(ref_loss, rel=1e-6), f"step {step}: loss {loss} != {ref_loss}"
+        assert norm == pytest.approx(ref_norm, rel=1e-5), f"step {step}: grad norm {norm} != {ref_norm}"
+
+
+def _single_process_worker(rank: int, world: int) -> dict:
+    """No launcher, no process group: DeepSpeedEngine creates a one-process group itself (1-GPU offload)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.engine_ds import DeepSpeedEngine
+    from tests.distributed._helpers import loss_sum, tiny_model
+
+    dist.destroy_process_group()
+    samples = _samples(1)
+    model = tiny_model("tiny-llama")
+    reference = _reference(copy.deepcopy(model), samples, ACCUM)
+    engine = DeepSpeedEngine(model, dims=ParallelDims(1, 1), zero_stage=3, offload_optimizer=True, **OPTIM)
+    losses = []
+    for step in range(STEPS):
+        window = samples[step * ACCUM : (step + 1) * ACCUM]
+        n = sum(int((b["shift_labels"] != -100).sum()) for b in window)
+        total = 0.0
+        for batch in window:
+            s, _ = loss_sum(engine.model, batch)
+            engine.backward(s / n)
+            total += s.item()
+        losses.append((total / n, engine.step()["grad_norm"]))
+    assert dist.is_initialized() and dist.get_world_size() == 1
+    return {"losses": losses, "reference": reference}
+
+
+def test_one_process_zero3_offload_without_a_launcher_matches_adamw():
+    from tests.support.distributed import run_distributed
+
+    _check(run_distributed(_single_process_worker, 1, timeout=600)[0])

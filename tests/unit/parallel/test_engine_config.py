@@ -1,0 +1,51 @@
+"""DeepSpeed engine configuration: the auto ZeRO rule, the config lstune runs, and refused combinations."""
+
+from __future__ import annotations
+
+import pytest
+
+from lstune.errors import ConfigError
+from lstune.parallel.dims import ParallelDims
+from lstune.parallel.engine_ds import auto_zero_config, deepspeed_config, gradient_divisor
+
+GiB = 1024**3
+
+
+@pytest.mark.parametrize(
+    ("params", "mem", "world", "expected"),
+    [
+        (500e6, 80 * GiB, 1, (0, False, False)),  # 9 GB of state: plain single-device training
+        (8e9, 80 * GiB, 1, (3, True, False)),  # ALST 1×H100: 144 GB of state → Adam on the host (32 GB)
+        (70e9, 80 * GiB, 1, (3, True, True)),  # nothing fits: weights to the host too
+        (500e6, 80 * GiB, 8, (1, False, False)),  # several devices: ZeRO-1 instead of plain DP
+        (8e9, 80 * GiB, 8, (2, False, False)),  # 16 GB weights + 128 GB / 8 sharded = 32 GB ≤ 40
+        (70e9, 80 * GiB, 8, (3, True, False)),
+    ],
+)
+def test_auto_zero_picks_the_cheapest_plan_that_leaves_half_the_device(params, mem, world, expected):
+    plan = auto_zero_config(int(params), mem, world)
+    assert (plan.stage, plan.offload_optimizer, plan.offload_params) == expected
+    assert plan.bytes_per_device <= mem // 2 or expected == (3, True, True)
+
+
+def test_config_lets_the_loop_own_accumulation():
+    cfg = deepspeed_config(zero_stage=3, offload_optimizer=True, offload_params=True, bf16=True,
+                           max_grad_norm=1.0, pin_memory=False)
+    assert cfg["gradient_accumulation_steps"] == 1 and cfg["managed_gradient_accumulation"] is False
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["zero_optimization"]["reduce_scatter"] is True
+    assert cfg["bf16"] == {"enabled": True} and cfg["gradient_clipping"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("stage", "offload_params", "match"), [(0, False, "--zero-stage 0"), (2, True, "--offload-params needs")]
+)
+def test_impossible_combinations_are_config_errors(stage, offload_params, match):
+    with pytest.raises(ConfigError, match=match):
+        deepspeed_config(zero_stage=stage, offload_optimizer=False, offload_params=offload_params, bf16=False,
+                         max_grad_norm=1.0, pin_memory=False)
+
+
+def test_gradient_divisor_follows_deepspeed_per_stage():
+    dims = ParallelDims(8, 4)
+    assert gradient_divisor(3, dims) == 8 and gradient_divisor(2, dims) == 2 and gradient_divisor(1, dims) == 2

@@ -1,0 +1,72 @@
+"""Launch detection and launcher commands (no processes started here; tests/distributed runs one)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lstune.errors import ConfigError
+from lstune.parallel.launch import detect_launch_env, launch_command
+
+
+def test_plain_process_is_not_launched():
+    assert detect_launch_env({"PATH": "/bin"}) is None
+
+
+def test_torchrun_environment():
+    env = detect_launch_env({
+        "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node-0",
+        "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc",
+    })
+    assert env is not None
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 8, 3, 4)
+    assert (env.master_addr, env.master_port, env.launcher) == ("node-0", 29400, "torchrun")
+    assert not env.is_main
+
+
+def test_deepspeed_launcher_environment():
+    env = detect_launch_env({
+        "RANK": "0", "WORLD_SIZE": "16", "LOCAL_RANK": "0", "LOCAL_SIZE": "8", "CROSS_RANK": "0",
+        "CROSS_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+    })
+    assert (env.launcher, env.local_world_size, env.is_main) == ("deepspeed", 8, True)
+
+
+def test_accelerate_environment():
+    env = detect_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert (env.launcher, env.rank, env.master_addr) == ("accelerate", 1, "127.0.0.1")
+
+
+def test_openmpi_environment():
+    env = detect_launch_env({
+        "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "MASTER_ADDR": "n0",
+    })
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.local_world_size) == ("mpi", 5, 8, 1, 4)
+
+
+def test_single_node_uses_torchrun_with_the_same_argv():
+    cmd = launch_command(["train", "--gpus", "8", "--seq-len", "2M"], 8)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
+    assert cmd[-7:] == ["-m", "lstune", "train", "--gpus", "8", "--seq-len", "2M"]
+
+
+def test_hostfile_uses_the_deepspeed_launcher(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-1 slots=8\nnode-2 slots=8\n")
+    cmd = launch_command(["train"], 8, str(hostfile))
+    assert cmd[2] == "deepspeed.launcher.runner"
+    assert cmd[cmd.index("--hostfile") + 1] == str(hostfile)
+    assert cmd[-3:] == ["--module", "lstune", "train"]
+
+
+def test_missing_hostfile_is_a_user_error(tmp_path):
+    with pytest.raises(ConfigError, match="slots=8"):
+        launch_command(["train"], 8, str(tmp_path / "nope"))
+
+
+def test_zero_gpus_is_a_user_error():
+    with pytest.raises(ConfigError, match="--gpus 0"):
+        launch_command(["train"], 0)
