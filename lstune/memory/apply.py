@@ -1,0 +1,279 @@
+"""Apply the single-device memory techniques to a loaded model, in a fixed order, reversibly.
+
+Order (DESIGN.md): LoRA (peft, before this) → attention backend → **tiled MLP / mini-sequence →
+loss head → checkpointing + offload** → engine. Tiling goes first so the checkpointed layer
+recomputes the tiled block; checkpointing wraps last so its hooks see the layer input only.
+
+Each step patches module *instances* (never classes, never at import), logs on the "lstune" logger
+and registers an undo; `MemoryPlan.undo()` restores the model exactly. The plan is attached to the
+model so `causal_lm_loss_sum(model, batch)` uses the planned loss tiles.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lstune.errors import ConfigError, UserError
+from lstune.memory import checkpoint as ckpt
+from lstune.memory import mlp as tiled_mlp_mod
+from lstune.memory.loss import (
+    PLAN_ATTRIBUTE,
+    LossTiles,
+    check_loss_head,
+    liger_applies,
+    loss_tile_count,
+    mst_loss_policy,
+    vocab_rows,
+)
+from lstune.memory.patching import Undo, run_undos
+from lstune.memory.probe import probe_hidden_states, probe_inputs
+from lstune.memory.tiling import INT32_LIMIT, TilePolicy
+from lstune.models.introspect import decoder_layers, layer_mlp, output_embedding, text_config, unwrap_model
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger("lstune")
+
+
+@dataclass
+class MemoryPlan:
+    """What `apply_memory_techniques` applied, with tile counts at `seq_len`; `summary()` is what the CLI prints."""
+
+    seq_len: int
+    tiled_mlp: str | int = "off"
+    mini_sequence: bool = False
+    mlp_tiles: int = 1
+    fused_norms: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
+    loss_tiles: LossTiles = "auto"  # what causal_lm_loss_sum(tiles="auto") uses for this model
+    loss_tiles_at_seq_len: int = 1
+    loss_backend: str = "tiled"  # "liger" | "tiled" | "plain"
+    checkpointing: bool = False
+    offload: bool = False
+    offload_note: str = ""
+    offloader: ckpt.CheckpointOffloader | None = None
+    notes: list[str] = field(default_factory=list)
+    _undos: list[Undo] = field(default_factory=list, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        loss_policy = self.loss_tiles.describe() if isinstance(self.loss_tiles, TilePolicy) else self.loss_tiles
+        return {
+            "seq_len": self.seq_len,
+            "tiled_mlp": {"setting": self.tiled_mlp, "tiles": self.mlp_tiles, "mini_sequence": self.mini_sequence,
+                          "fused_norms": {i: [n for n in pair if n] for i, pair in self.fused_norms.items()}},
+            "tiled_loss": {"setting": loss_policy, "tiles": self.loss_tiles_at_seq_len, "backend": self.loss_backend},
+            "checkpointing": self.checkpointing,
+            "offload_checkpoints": {"enabled": self.offload, "note": self.offload_note},
+            "notes": list(self.notes),
+        }
+
+    def undo(self) -> None:
+        """Restore every patched module and detach the plan from the model."""
+        run_undos(self._undos)
+        logger.info("memory techniques undone")
+
+
+def apply_memory_techniques(
+    model: "nn.Module",
+    *,
+    seq_len: int,
+    tiled_mlp: str | int = "auto",
+    tiled_loss: str | int = "auto",
+    mini_sequence: bool = False,
+    checkpointing: bool = True,
+    offload_checkpoints: bool = False,
+    host_mem_budget: int | None = None,
+) -> MemoryPlan:
+    """Apply tiled MLP / mini-sequence, the loss-head tiling, checkpointing and offload to `model`.
+
+    `seq_len` is the local (per-rank) sequence length a micro-batch will have; tile counts in the
+    plan are for it, while the installed code sizes tiles from each actual batch. `tiled_mlp` and
+    `tiled_loss`: "auto" (ALST policies), "off", or a tile count. `mini_sequence`: MST policies
+    (loss in vocab/hidden tiles) and norms fused into the tiled MLP. `host_mem_budget`: bytes of host
+    memory offloaded checkpoints may use. Works on peft-wrapped models (LoRA applied first).
+    """
+    _validate(seq_len, tiled_mlp, tiled_loss, mini_sequence, checkpointing, offload_checkpoints, host_mem_budget)
+    lm = unwrap_model(model)
+    if getattr(lm, PLAN_ATTRIBUTE, None) is not None:
+        raise UserError("memory techniques are already applied to this model; call plan.undo() first.")
+    plan = MemoryPlan(seq_len=seq_len, tiled_mlp=tiled_mlp, mini_sequence=mini_sequence)
+    probing = _can_probe(lm)
+    if probing:
+        check_loss_head(model)
+    try:
+        _apply_mlp(model, plan, probing)
+        _apply_loss(model, plan, tiled_loss)
+        _apply_checkpointing(model, plan, checkpointing, offload_checkpoints, host_mem_budget)
+    except BaseException:
+        run_undos(plan._undos)
+        raise
+    _attach(lm, plan)
+    _warn_untiled_overflow(model, plan)
+    logger.info("memory plan: %s", plan.summary())
+    return plan
+
+
+def _validate(seq_len, tiled_mlp, tiled_loss, mini_sequence, checkpointing, offload, budget) -> None:
+    problems = []
+    if not isinstance(seq_len, int) or seq_len < 1:
+        problems.append(f"seq_len must be a positive number of tokens, not {seq_len!r}")
+    for name, value in (("tiled_mlp", tiled_mlp), ("tiled_loss", tiled_loss)):
+        if not _valid_tiles(value):
+            problems.append(f"{name} must be 'auto', 'off' or a tile count >= 1, not {value!r}")
+    if mini_sequence and tiled_mlp == "off":
+        problems.append("mini_sequence tiles the MLP: drop tiled_mlp: off, or set mini_sequence: false")
+    if offload and not checkpointing:
+        problems.append("offload_checkpoints moves activation checkpoints to host: it needs checkpointing: true")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        problems.append(f"host_mem_budget must be a number of bytes >= 0, not {budget!r}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def _valid_tiles(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    return value in ("auto", "off") or (isinstance(value, int) and value >= 1)
+
+
+def _can_probe(lm: "nn.Module") -> bool:
+    """Probes need real weights: skip them for meta-device or fake-tensor models (the estimator's)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    param = next(lm.parameters(), None)
+    return param is not None and param.device.type != "meta" and not is_fake(param)
+
+
+def _apply_mlp(model, plan: MemoryPlan, probing: bool) -> None:
+    if plan.tiled_mlp == "off":
+        return
+    layers = decoder_layers(model)
+    hidden = text_config(model).hidden_size
+    policy = TilePolicy(tile_len=hidden) if plan.tiled_mlp == "auto" else TilePolicy(count=plan.tiled_mlp)
+    if probing:
+        tiled_mlp_mod.check_per_token(layers, hidden)
+    fused = _discover_fusion(model, layers) if plan.mini_sequence and probing else {}
+    installed = _install_verified(model, layers, policy, fused, probing)
+    plan.fused_norms = {t.layer_index: _names(t, layers) for t in installed if t.pre_norm or t.post_norm}
+    plan._undos.append(lambda: tiled_mlp_mod.undo_tiled_blocks(installed))
+    block = installed[0].block
+    plan.mlp_tiles = policy.tiles(plan.seq_len, width=tiled_mlp_mod.widest_row(block))
+    logger.info("tiled MLP: %s on %d layers (%d tiles at %d tokens)",
+                type(block).__name__, len(installed), plan.mlp_tiles, plan.seq_len)
+
+
+def _discover_fusion(model, layers) -> dict[int, tuple[str | None, str | None]]:
+    """Which norms feed / follow each layer's block, from one recorded probe forward."""
+    inputs = probe_inputs(model)
+    calls = tiled_mlp_mod.record_child_calls(layers, lambda: probe_hidden_states(model, inputs))
+    fused = {}
+    for index, layer in enumerate(layers):
+        _, name = layer_mlp(layer)
+        pre, post = tiled_mlp_mod.find_fusable_norms(calls[index], name)
+        if pre or post:
+            fused[index] = (pre, post)
+    return fused
+
+
+def _install_verified(model, layers, policy, fused, probing) -> list:
+    """Install tiled blocks; if fused norms change the probe's output, fall back to unfused blocks."""
+    if not fused:
+        return tiled_mlp_mod.install_tiled_blocks(layers, policy)
+    inputs = probe_inputs(model)
+    reference = probe_hidden_states(model, inputs)
+    installed = tiled_mlp_mod.install_tiled_blocks(layers, policy, fused)
+    fused_out = probe_hidden_states(model, inputs)
+    tol = 1e-5 if reference.dtype == torch.float32 else 1e-2
+    if torch.allclose(fused_out, reference, rtol=tol, atol=tol):
+        return installed
+    tiled_mlp_mod.undo_tiled_blocks(installed)
+    logger.warning("mini-sequence: fusing norms into the MLP changed the output; tiling the MLP alone")
+    return tiled_mlp_mod.install_tiled_blocks(layers, policy)
+
+
+def _names(tiled, layers) -> tuple[str | None, str | None]:
+    layer = layers[tiled.layer_index]
+    named = {id(m): n for n, m in layer.named_children()}
+    return (named.get(id(tiled.pre_norm)), named.get(id(tiled.post_norm)))
+
+
+def _apply_loss(model, plan: MemoryPlan, tiled_loss) -> None:
+    head = output_embedding(model)
+    vocab, hidden = vocab_rows(head), text_config(model).hidden_size
+    if tiled_loss == "auto" and plan.mini_sequence:
+        plan.loss_tiles = mst_loss_policy(vocab, hidden)
+    else:
+        plan.loss_tiles = tiled_loss
+    plan.loss_tiles_at_seq_len = loss_tile_count(plan.loss_tiles, plan.seq_len, vocab, hidden)
+    probe = torch.empty(0, device=head.weight.device)
+    if plan.loss_tiles == "auto" and liger_applies(head, probe):
+        plan.loss_backend = "liger"
+    else:
+        plan.loss_backend = "tiled" if plan.loss_tiles_at_seq_len > 1 else "plain"
+    logger.info("loss head: %s (%d tiles at %d tokens)", plan.loss_backend, plan.loss_tiles_at_seq_len, plan.seq_len)
+
+
+def _apply_checkpointing(model, plan: MemoryPlan, checkpointing: bool, offload: bool, budget: int | None) -> None:
+    if not checkpointing:
+        return
+    layers = decoder_layers(model)
+    plan.checkpointing = True
+    if offload:
+        plan.offload, plan.offload_note = _offload_decision(model, layers, plan.seq_len, budget)
+    if plan.offload:
+        plan.offloader = ckpt.CheckpointOffloader(len(layers), host_mem_budget=budget)
+    plan._undos.extend(ckpt.install_checkpointing(layers, plan.offloader))
+    logger.info("checkpointing: %d layers%s", len(layers), f"; {plan.offload_note}" if offload else "")
+
+
+def _offload_decision(model, layers, seq_len: int, budget: int | None) -> tuple[bool, str]:
+    """Offload only when the copy hides under a layer's forward (MEMO Eq. 1) — on CUDA; always on CPU (tests)."""
+    param = next(layers[0].parameters())
+    config = text_config(model)
+    per_layer = seq_len * config.hidden_size * param.element_size()
+    host = per_layer * (len(layers) - 1)
+    budget_note = "" if budget is None else f", host budget {budget} B → {min(len(layers) - 1, budget // per_layer)} layers"
+    if param.device.type != "cuda":
+        return True, f"offload on ({param.device.type}: plain copies into separate buffers{budget_note})"
+    min_tokens = ckpt.offload_min_tokens(
+        layer_flop_params(layers[0], config), config.hidden_size, _attention_width(config), param.element_size()
+    )
+    if seq_len < min_tokens:
+        return False, f"offload off: {seq_len} tokens < {min_tokens}, below which copies would not hide under compute"
+    return True, f"offload on: ~{host / 2**30:.1f} GiB host per sample{budget_note}"
+
+
+def layer_flop_params(layer: "nn.Module", config) -> int:
+    """Parameters one token multiplies in a layer: stacked expert weights count top_k / n_experts."""
+    top_k = getattr(config, "num_experts_per_tok", None) or 1
+    total = 0
+    for p in layer.parameters():
+        total += p.numel() * top_k // p.shape[0] if p.dim() == 3 else p.numel()
+    return total
+
+
+def _attention_width(config) -> int:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads * head_dim
+
+
+def _attach(lm: "nn.Module", plan: MemoryPlan) -> None:
+    setattr(lm, PLAN_ATTRIBUTE, plan)
+    plan._undos.insert(0, lambda: setattr(lm, PLAN_ATTRIBUTE, None))
+
+
+def _warn_untiled_overflow(model, plan: MemoryPlan) -> None:
+    """Tiles are int32-safe; the untiled hidden state itself is not, past 2^31 / hidden tokens."""
+    hidden = text_config(model).hidden_size
+    if plan.seq_len * hidden >= INT32_LIMIT:
+        note = (f"{plan.seq_len} x {hidden} hidden states reach 2^31 elements: kernels outside the tiles "
+                f"(norms, attention projections) may overflow int32; keep the local sequence below "
+                f"{math.ceil(INT32_LIMIT / hidden)} tokens (more sequence-parallel ranks)")
+        plan.notes.append(note)
+        logger.warning(note)

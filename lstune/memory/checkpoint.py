@@ -1,0 +1,279 @@
+"""Activation checkpointing of every decoder layer, with optional host offload of the checkpoints.
+
+Checkpointing (MST Sec. 3.2; ALST Sec. 3.3): each decoder layer runs under
+`torch.utils.checkpoint.checkpoint(use_reentrant=False)`; backward recomputes the layer from its
+input. What stays in memory between forward and backward is one `[B, S, D]` hidden state per layer:
+`L · S · D` elements instead of every intermediate of every layer.
+
+Offload (ALST Sec. 3.3; MEMO Sec. 4 with alpha = 0, i.e. only the layer input is swapped): those
+`L · S · D` checkpoints still grow with depth (Llama-8B at 125K: 30.5 GiB). With offload each
+layer's checkpoint goes to (pinned, on CUDA) host memory:
+
+1. Forward: the checkpoint's input is saved through `torch.autograd.graph.saved_tensors_hooks`
+   placed around the checkpoint call, so the hook sees exactly the tensors checkpoint keeps (its
+   positional input; everything saved inside the layer is handled by checkpoint's own inner hooks).
+   The pack hook copies it to a host buffer on a side stream (`non_blocking`), and `record_stream`
+   keeps the device block from being reused until the copy is done; the device tensor is then free
+   as soon as the forward no longer needs it.
+2. Backward: unpacking layer i (when autograd reaches it and checkpoint recomputes it) returns the
+   tensor prefetched during layer i+1's backward, then starts the copy of layer i-1 on another side
+   stream. The last layer stays on the device: its backward comes first, a copy would not hide.
+3. `host_mem_budget` caps the host bytes: once the next checkpoint would exceed it, it stays on the
+   device (so the earliest layers, whose checkpoints live longest, are the ones offloaded).
+
+Memory: device checkpoints O(L · S · D) → O(1 · S · D) (the kept last layer, one in flight out, one
+prefetched in); host gets L-1 of them (Llama-8B: 2 · L · D = 256 KiB per token in bf16). Cost: two
+PCIe copies of S · D per layer, hidden under compute when `offload_min_tokens` says so. On CPU
+the same code runs with plain copies into separate buffers, so the logic is tested without a GPU.
+Composes with tiled MLP / mini-sequence (they run inside the checkpointed layer), LoRA, SP.
+
+Why not `torch.autograd.graph.save_on_cpu`: it copies synchronously on the compute stream and
+copies back on demand, with no prefetch and no budget. ALST patched reentrant `CheckpointFunction`
+with blocking copies; this keeps torch's non-reentrant checkpoint and only adds hooks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from lstune.memory.patching import Undo, patch_forward
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger("lstune")
+
+# Offload threshold constants (MEMO Eq. 1). Not measured here (no GPU on the development machine):
+# 25 GB/s is what pinned D2H copies reach on PCIe Gen4 x16 (Gen5 hosts reach ~50 GB/s, making this
+# conservative); 400 TFLOP/s is bf16 dense matmul throughput a training step sustains on an H100
+# (about 40 % of its 989 TFLOP/s peak).
+PCIE_BYTES_PER_S = 25e9
+SUSTAINED_FLOPS = 400e12
+# Pinned copies below ~1 MiB are dominated by their fixed ~10 us launch/sync cost.
+MIN_COPY_BYTES = 1 << 20
+
+
+def offload_min_tokens(
+    layer_flop_params: int,
+    hidden_size: int,
+    attention_width: int,
+    bytes_per_element: int = 2,
+    *,
+    pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
+    flops_per_s: float = SUSTAINED_FLOPS,
+) -> int:
+    """The shortest local sequence at which copying one layer's checkpoint hides under its forward.
+
+    MEMO Eq. 1 with alpha = 0 (only the layer input is offloaded):
+        copy time  S · D · b / BW  <=  layer forward  (2 · P · S + 2 · S² · A) / F
+    where P is the parameters one token multiplies (MoE: active experts only) and A the attention
+    width (heads · head_dim; causal attention costs 2 · S² · A FLOPs). Solving for S:
+        S >= (D · b · F / BW - 2 · P) / (2 · A)
+    plus a floor so each copy is at least `MIN_COPY_BYTES`. With F/BW = 16000 FLOP/B and bf16:
+    Llama-3.1-8B (D 4096, P 218M) → 129 tokens (the floor: its layers hide the copy at any length);
+    Llama-3.2-1B → 257 (floor); Qwen3-0.6B (D 1024, P 15.7M) → 513 (floor; Eq. 1 alone: 322);
+    tiny-llama (D 128, P 185K) → 14,559 (Eq. 1: a thin layer computes too little to hide its copy).
+    """
+    linear_bound = (hidden_size * bytes_per_element * flops_per_s / pcie_bytes_per_s - 2 * layer_flop_params)
+    eq1 = max(0.0, linear_bound / (2 * attention_width))
+    floor = MIN_COPY_BYTES / (hidden_size * bytes_per_element)
+    return int(max(eq1, floor)) + 1
+
+
+@dataclass
+class OffloadStats:
+    """Counters of one offloader, cumulative except the host byte counts."""
+
+    offloaded: int = 0  # checkpoints copied to host
+    kept: int = 0  # checkpoints left on the device (last layer, or over the host budget)
+    prefetched: int = 0  # fetched back one layer ahead of their backward
+    fetched_on_demand: int = 0  # fetched back when their backward needed them (no prefetch)
+    host_bytes: int = 0  # host bytes held by live checkpoints now
+    peak_host_bytes: int = 0
+
+
+class _OnDevice:
+    """A checkpoint kept on the device (pack returns this so unpack still knows the layer index)."""
+
+    def __init__(self, index: int, tensor: torch.Tensor):
+        self.index = index
+        self.tensor = tensor
+
+
+class _HostCopy:
+    """A checkpoint living in host memory, plus its in-flight device copy when prefetched."""
+
+    def __init__(self, index: int, device: torch.device, host: torch.Tensor, ready):
+        self.index = index
+        self.device = device
+        self.host = host
+        self.ready = ready  # CUDA event: the device→host copy finished (None on CPU)
+        self.incoming: tuple[torch.Tensor, object] | None = None  # (device tensor, CUDA event or None)
+
+
+class CheckpointOffloader:
+    """Moves decoder-layer checkpoints to host memory in forward and brings them back in backward."""
+
+    def __init__(self, n_layers: int, *, host_mem_budget: int | None = None, keep_last: int = 1):
+        self.n_layers = n_layers
+        self.host_mem_budget = host_mem_budget
+        self.keep_last = keep_last
+        self.stats = OffloadStats()
+        self._latest: dict[int, weakref.ref] = {}
+        self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
+        self._saving: tuple[int, weakref.ref] | None = None
+
+    @contextlib.contextmanager
+    def saving(self, index: int, hidden: torch.Tensor):
+        """Scope of layer `index`'s checkpoint call: the tensor checkpoint saves goes through our hooks."""
+        # The pack hook must not close over `hidden`: autograd keeps the hooks with the saved variable.
+        self._saving = (index, weakref.ref(hidden))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._saving = None
+
+    def _pack(self, tensor: torch.Tensor):
+        index, expected = self._saving if self._saving else (-1, lambda: None)
+        if tensor is not expected():  # not a layer input: nothing of ours (index -2 prefetches nothing)
+            return _OnDevice(-2, tensor)
+        if self._keep_on_device(index, tensor):
+            self.stats.kept += 1
+            return _OnDevice(index, tensor)
+        handle = self._copy_out(index, tensor)
+        nbytes = handle.host.numel() * handle.host.element_size()
+        self._track_host(handle, nbytes)
+        self._latest[index] = weakref.ref(handle)
+        self.stats.offloaded += 1
+        return handle
+
+    def _unpack(self, handle) -> torch.Tensor:
+        if isinstance(handle, _OnDevice):
+            tensor = handle.tensor
+        else:
+            tensor = self._take(handle)
+        self._prefetch(handle.index - 1)
+        return tensor
+
+    def _keep_on_device(self, index: int, tensor: torch.Tensor) -> bool:
+        if index >= self.n_layers - self.keep_last:
+            return True
+        nbytes = tensor.numel() * tensor.element_size()
+        return self.host_mem_budget is not None and self.stats.host_bytes + nbytes > self.host_mem_budget
+
+    def _copy_out(self, index: int, tensor: torch.Tensor) -> _HostCopy:
+        if tensor.device.type != "cuda":
+            return _HostCopy(index, tensor.device, tensor.detach().clone(), None)
+        stream = self._stream("d2h", tensor.device)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        with torch.cuda.stream(stream):
+            host.copy_(tensor, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        tensor.record_stream(stream)
+        return _HostCopy(index, tensor.device, host, ready)
+
+    def _prefetch(self, index: int) -> None:
+        ref = self._latest.get(index)
+        handle = ref() if ref is not None else None
+        if handle is None or handle.incoming is not None:
+            return
+        handle.incoming = self._copy_in(handle)
+        self.stats.prefetched += 1
+
+    def _take(self, handle: _HostCopy) -> torch.Tensor:
+        if handle.incoming is None:
+            handle.incoming = self._copy_in(handle)
+            self.stats.fetched_on_demand += 1
+        tensor, arrived = handle.incoming
+        handle.incoming = None
+        if arrived is not None:
+            compute = torch.cuda.current_stream(handle.device)
+            compute.wait_event(arrived)
+            tensor.record_stream(compute)
+        return tensor
+
+    def _copy_in(self, handle: _HostCopy) -> tuple[torch.Tensor, object]:
+        if handle.device.type != "cuda":
+            return handle.host.clone(), None
+        stream = self._stream("h2d", handle.device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(handle.ready)
+            tensor = torch.empty(handle.host.shape, dtype=handle.host.dtype, device=handle.device)
+            tensor.copy_(handle.host, non_blocking=True)
+            arrived = torch.cuda.Event()
+            arrived.record(stream)
+        return tensor, arrived
+
+    def _stream(self, kind: str, device: torch.device) -> "torch.cuda.Stream":
+        key = (kind, device)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=device)
+        return self._streams[key]
+
+    def _track_host(self, handle: _HostCopy, nbytes: int) -> None:
+        self.stats.host_bytes += nbytes
+        self.stats.peak_host_bytes = max(self.stats.peak_host_bytes, self.stats.host_bytes)
+        weakref.finalize(handle, self._release, nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.stats.host_bytes -= nbytes
+
+
+class CheckpointedForward:
+    """Installed as a decoder layer's `forward`: the original forward under non-reentrant checkpoint."""
+
+    def __init__(self, layer: "nn.Module", index: int, offloader: CheckpointOffloader | None):
+        self.forward = layer.forward
+        self.index = index
+        self.offloader = offloader
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        hidden, run = self._bind(args, _without_cache(kwargs))
+        scope = self.offloader.saving(self.index, hidden) if self.offloader else contextlib.nullcontext()
+        with scope:
+            return checkpoint(run, hidden, use_reentrant=False)
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, Callable]:
+        """Split off the hidden state (checkpoint's only positional input) and close over the rest."""
+        if args:
+            rest = args[1:]
+            return args[0], lambda hidden: self.forward(hidden, *rest, **kwargs)
+        kwargs = dict(kwargs)
+        hidden = kwargs.pop("hidden_states")
+        return hidden, lambda h: self.forward(hidden_states=h, **kwargs)
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """A KV cache would be written twice (forward and recompute): training runs without one, as HF does."""
+    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+        kwargs = {**kwargs, "use_cache": False, "past_key_values": None}
+    return kwargs
+
+
+def install_checkpointing(layers: "nn.ModuleList", offloader: CheckpointOffloader | None) -> list[Undo]:
+    """Checkpoint every layer (HF's own per-layer checkpointing is switched off meanwhile, not doubled)."""
+    undos: list[Undo] = []
+    for index, layer in enumerate(layers):
+        if getattr(layer, "gradient_checkpointing", False):
+            layer.gradient_checkpointing = False
+            undos.append(partial_setattr(layer, "gradient_checkpointing", True))
+            logger.info("layer %d: Hugging Face gradient checkpointing off (lstune checkpoints it)", index)
+        what = f"layer {index}: checkpointed" + (", checkpoint offloaded" if offloader else "")
+        undos.append(patch_forward(layer, CheckpointedForward(layer, index, offloader), what=what))
+    return undos
+
+
+def partial_setattr(obj, name: str, value) -> Undo:
+    return lambda: setattr(obj, name, value)

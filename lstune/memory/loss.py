@@ -1,0 +1,236 @@
+"""Loss head: summed token cross-entropy from final hidden states, tile by tile.
+
+Hugging Face's `*ForCausalLM.forward` projects every position to the vocabulary before the loss: at
+Llama-3.1-8B / 16K tokens that is a 7.65 GiB fp32 logits tensor, and the loss needs about two of
+them (ALST Sec. 3.1). lstune never calls it: the decoder body runs to its final hidden states and
+this head computes the loss.
+
+Steps (generic path, `tiling.sequence_tiled` with `reduce="sum"`):
+1. Flatten hidden states to tokens `[B·S, D]` and pre-shifted labels to `[B·S]` (labels were shifted
+   on the full sequence, so no tile loses a target at its edge: ALST Sec. 4.3).
+2. Per tile: logits = output embedding(h) (its LoRA adapter included), cast to fp32, the model's
+   logit transform (see `LogitTransform`), cross-entropy summed over labels != -100.
+3. Backward recomputes each tile's logits; the LM head weight gradient (the input embedding's with
+   tied embeddings) is accumulated over tiles and scaled by the upstream gradient once per tile.
+The head returns (sum, count); the caller divides by the token count of the whole accumulation
+window (MST Alg. 2's per-chunk mean is only right when chunks have equal label counts: DIGEST.md).
+
+Tile sizes: `auto` keeps one tile's fp32 logits at about 1 GiB (ALST: tile_len = 2^28 / vocab
+tokens); mini-sequence mode uses MST's M = vocab / hidden tiles; an int is a tile count; every
+choice is raised until a tile's logits have < 2^31 elements. Memory: O(seq · vocab) → O(tile_len ·
+vocab) + O(seq · hidden) (saved hidden states and their gradient). Cost: the logits matmul runs
+twice (forward, recompute), plus once for the weight gradient, as without tiling.
+
+On CUDA with liger-kernel installed, `auto` uses Liger's fused linear cross-entropy instead
+(reduction "sum", its softcap, scaling folded into the hidden states) when the head is a plain
+Linear; it never materialises full logits either and is faster (ALST recommends it where it
+applies). That path needs a GPU and is not exercised by the CPU test suite.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Union
+
+import torch
+import torch.nn.functional as F
+
+from lstune.memory.tiling import TilePolicy, int32_safe_tiles, sequence_tiled
+from lstune.models.introspect import decoder_body, output_embedding, text_config, unwrap_model
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger("lstune")
+
+IGNORE_INDEX = -100
+LOSS_TILE_BYTES = 2**30  # fp32 logits per tile (ALST's ~1 GiB shards)
+PLAN_ATTRIBUTE = "_lstune_memory_plan"
+
+# "auto" | "off" | a tile count | a TilePolicy (what apply_memory_techniques stores in its plan)
+LossTiles = Union[str, int, TilePolicy]
+
+# Config attributes that scale logits after the LM head. Multipliers: Cohere (`logit_scale`),
+# Falcon-H1 (`lm_head_multiplier`). Divisor: Granite family and MiniCPM3 (`logits_scaling`), except
+# the model types listed in _LOGITS_SCALING_MULTIPLIES, which multiply by it.
+_MULTIPLIER_ATTRS = ("logit_scale", "lm_head_multiplier")
+_DIVISOR_ATTR = "logits_scaling"
+_LOGITS_SCALING_MULTIPLIES = frozenset({"hyperclovax"})
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """What a model does to its LM head output before the loss: scale, then tanh softcap (Gemma-2/3)."""
+
+    multiplier: float | None = None
+    divisor: float | None = None
+    softcap: float | None = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.multiplier is not None:
+            logits = logits * self.multiplier
+        if self.divisor is not None:
+            logits = logits / self.divisor
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @property
+    def scale(self) -> float:
+        """The combined linear factor, foldable into the hidden states (h·s)·Wᵀ = s·(h·Wᵀ) without a bias."""
+        return (self.multiplier or 1.0) / (self.divisor or 1.0)
+
+
+def logit_transform(config) -> LogitTransform:
+    """Read the logit scaling and final softcapping of a (text) config."""
+    multiplier = None
+    for attr in _MULTIPLIER_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, (int, float)) and value != 1:
+            multiplier = (multiplier or 1.0) * float(value)
+    divisor = getattr(config, _DIVISOR_ATTR, None)
+    divisor = float(divisor) if isinstance(divisor, (int, float)) and divisor != 1 else None
+    if divisor is not None and getattr(config, "model_type", None) in _LOGITS_SCALING_MULTIPLIES:
+        multiplier, divisor = (multiplier or 1.0) * divisor, None
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return LogitTransform(multiplier, divisor, float(softcap) if softcap else None)
+
+
+def alst_loss_policy(vocab: int) -> TilePolicy:
+    """ALST: tiles whose fp32 logits hold about `LOSS_TILE_BYTES` (1 GiB)."""
+    return TilePolicy(tile_len=max(1, LOSS_TILE_BYTES // (4 * vocab)))
+
+
+def mst_loss_policy(vocab: int, hidden: int) -> TilePolicy:
+    """MST: M = vocab / hidden tiles, so one tile's logits are as large as the hidden states."""
+    return TilePolicy(count=math.ceil(vocab / hidden))
+
+
+def causal_lm_loss_sum(
+    model: "nn.Module", batch: dict[str, torch.Tensor], *, tiles: LossTiles = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed token CE loss: fp32 0-d, differentiable; count of labels != -100: int64 0-d).
+
+    Runs the decoder body to its final hidden states (HF never computes logits), then the loss head.
+    `tiles`: "auto" (the plan attached by `apply_memory_techniques`, else ~1 GiB fp32 logits per tile
+    or Liger on CUDA), "off" (one tile: plain logits, same numbers), an int tile count, or a TilePolicy.
+    """
+    hidden_BSD = final_hidden_states(model, batch)
+    return loss_sum_from_hidden(model, hidden_BSD, batch["shift_labels"], tiles=tiles)
+
+
+def final_hidden_states(model: "nn.Module", batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The decoder body's `last_hidden_state` for the batch (no attention mask: position_ids carry packing)."""
+    body = decoder_body(model)
+    out = body(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def loss_sum_from_hidden(
+    model: "nn.Module", hidden_BSD: torch.Tensor, shift_labels_BS: torch.Tensor, *, tiles: LossTiles = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss head alone: (summed CE, label count) from final hidden states and pre-shifted labels."""
+    setting = _resolve(model, tiles)
+    head = output_embedding(model)
+    transform = logit_transform(text_config(model))
+    hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
+    labels_T = shift_labels_BS.reshape(-1).to(hidden_TD.device)
+    count = (labels_T != IGNORE_INDEX).sum()
+    if setting == "auto" and liger_applies(head, hidden_TD):
+        return _liger_loss_sum(head, transform, hidden_TD, labels_T), count
+    n_tiles = loss_tile_count(setting, hidden_TD.shape[0], vocab_rows(head), hidden_TD.shape[-1])
+    fn = partial(_tile_loss_sum, head, transform, labels_T)
+    loss = sequence_tiled(fn, hidden_TD, tiles=n_tiles, dim=0, params=list(head.parameters()), reduce="sum")
+    return loss, count
+
+
+def loss_tile_count(setting: LossTiles, n_tokens: int, vocab: int, hidden: int) -> int:
+    """How many tiles `setting` cuts `n_tokens` into (int32-safe except for "off", which is one tile)."""
+    if setting == "off":
+        if n_tokens * vocab >= 2**31:
+            logger.warning("tiled_loss off: %d x %d logits exceed 2^31 elements; int32 kernels may fail", n_tokens, vocab)
+        return 1
+    if isinstance(setting, TilePolicy):
+        return setting.tiles(n_tokens, width=vocab)
+    if isinstance(setting, int):
+        return int32_safe_tiles(n_tokens, vocab, max(1, min(setting, n_tokens)))
+    return alst_loss_policy(vocab).tiles(n_tokens, width=vocab)
+
+
+def vocab_rows(head: "nn.Module") -> int:
+    """Rows of the LM head (the logits width), LoRA-wrapped or not."""
+    out_features = getattr(head, "out_features", None)
+    return out_features if isinstance(out_features, int) else head.weight.shape[0]
+
+
+def _tile_loss_sum(head, transform: LogitTransform, labels_T, hidden_tile, start: int, end: int) -> torch.Tensor:
+    logits = transform(head(hidden_tile).float())
+    return F.cross_entropy(logits, labels_T[start:end], ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _resolve(model: "nn.Module", tiles: LossTiles) -> LossTiles:
+    if isinstance(tiles, bool) or not (tiles in ("auto", "off") or isinstance(tiles, (int, TilePolicy))):
+        raise ValueError(f"tiles must be 'auto', 'off', an int or a TilePolicy, not {tiles!r}")
+    if isinstance(tiles, int) and tiles < 1:
+        raise ValueError(f"tiles must be >= 1, not {tiles}")
+    plan = getattr(unwrap_model(model), PLAN_ATTRIBUTE, None)
+    return plan.loss_tiles if tiles == "auto" and plan is not None else tiles
+
+
+def liger_applies(head: "nn.Module", hidden: torch.Tensor) -> bool:
+    """Liger's fused linear CE fits: CUDA, liger-kernel installed, and a plain Linear head (no adapter)."""
+    if hidden.device.type != "cuda" or type(head) is not torch.nn.Linear:
+        return False
+    try:
+        import liger_kernel.transformers.functional  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _liger_loss_sum(head, transform: LogitTransform, hidden_TD, labels_T) -> torch.Tensor:
+    """Liger's fused linear cross-entropy, summed; a linear logit scale is folded into the hidden states."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    if transform.scale != 1.0:
+        if head.bias is not None:
+            raise NotImplementedError("logit scaling with an LM head bias is not foldable into Liger's input")
+        hidden_TD = hidden_TD * transform.scale
+    loss = liger_fused_linear_cross_entropy(
+        hidden_TD,
+        head.weight,
+        labels_T,
+        bias=head.bias,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        softcap=transform.softcap,
+    )
+    return loss.float()
+
+
+@torch.no_grad()
+def check_loss_head(model: "nn.Module") -> None:
+    """Raise ModelError unless head + transform reproduce the model's own logits on a few-token probe.
+
+    Catches architectures that post-process logits in a way `logit_transform` does not know.
+    """
+    from lstune.errors import ModelError
+    from lstune.memory.probe import eval_mode, probe_hidden_states, probe_inputs
+
+    inputs = probe_inputs(model)
+    with eval_mode(unwrap_model(model)):
+        reference = unwrap_model(model)(**inputs, use_cache=False).logits.float()
+    ours = logit_transform(text_config(model))(output_embedding(model)(probe_hidden_states(model, inputs)).float())
+    tol = 1e-4 if hidden_dtype(model) == torch.float32 else 3e-2
+    if not torch.allclose(ours, reference, rtol=tol, atol=tol * reference.abs().max().item()):
+        raise ModelError(
+            f"lstune's loss head does not reproduce {type(unwrap_model(model)).__name__}'s logits "
+            "(it post-processes logits in a way lstune does not know); this architecture is not supported yet."
+        )
+
+
+def hidden_dtype(model: "nn.Module") -> torch.dtype:
+    return output_embedding(model).weight.dtype

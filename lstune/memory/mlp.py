@@ -1,0 +1,221 @@
+"""Tiled MLP (ALST Sec. 3.1.1) and mini-sequence layers (MST Sec. 3.1): per-token blocks run in tiles.
+
+Steps, for every decoder layer of any HF causal LM:
+1. Find the layer's per-token block structurally (`introspect.layer_mlp`: a dense MLP or an MoE
+   block whose routing is per token) and check on a probe that it is per-token (the first tokens'
+   output does not depend on the later tokens), else refuse with a ModelError.
+2. Replace that module instance's `forward` by one that runs it through `tiling.sequence_tiled`
+   along the sequence (`tiles = ceil(seq / hidden)` by default, ALST; MST's MLP chunk = hidden size
+   is the same rule).
+3. Mini-sequence mode (`fuse_norms=True`) also pulls the norm that feeds the block (Llama's
+   post-attention norm, Gemma-2's pre-feed-forward norm) and the norm applied to its output
+   (Gemma-2's post-feed-forward norm) into the tiled function, when a probe shows their outputs
+   feed only the block; those norms become identities in place. The fused layer is then checked
+   against the original on the probe and falls back to the plain tiled block if they differ.
+
+Memory (per layer, during the layer's backward, which is where the peak sits under checkpointing):
+plain `O(seq · (k · intermediate))` for the k intermediates the MLP saves (Llama: gate, up, act,
+product = 4 · intermediate) becomes `O(seq · hidden)` (x, output, grad) + `O(tile_len · k · intermediate)`.
+Fusing the norms also removes what the norm saves for backward (RMSNorm: fp32 input, rsqrt,
+normalised output: about 2-3 · seq · hidden). The residual add saves nothing, so there is nothing to
+gain by pulling it in. Cost: one extra MLP forward per step (the tile recompute), the MLP weights
+read once per tile. Composes with checkpointing + offload, LoRA, MoE, sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from lstune.errors import ModelError
+from lstune.memory.patching import Undo, patch_forward
+from lstune.memory.probe import eval_mode
+from lstune.memory.tiling import TilePolicy, sequence_tiled
+from lstune.models.introspect import is_norm, layer_mlp
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger("lstune")
+
+
+def _identity(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """Forward of a norm that was fused into the tiled block: it already ran inside the tile."""
+    return hidden_states
+
+
+@dataclass
+class TiledBlock:
+    """What was installed on one layer: the block, the norms fused around it, and the undo."""
+
+    layer_index: int
+    block: "nn.Module"
+    pre_norm: "nn.Module | None" = None
+    post_norm: "nn.Module | None" = None
+    undos: list[Undo] = field(default_factory=list)
+
+
+class TiledForward:
+    """Installed as a block's `forward`: runs (pre-norm →) block (→ post-norm) in sequence tiles."""
+
+    def __init__(self, block: "nn.Module", policy: TilePolicy, pre_norm=None, post_norm=None):
+        self.block = block
+        self.policy = policy
+        self.block_forward = block.forward
+        self.pre_forward = pre_norm.forward if pre_norm is not None else None
+        self.post_forward = post_norm.forward if post_norm is not None else None
+        self.modules = [m for m in (pre_norm, block, post_norm) if m is not None]
+        self.width = widest_row(block)
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        dim = 1 if hidden_states.dim() >= 3 else 0
+        rows = hidden_states.shape[0] if dim == 1 else 1
+        tiles = self.policy.tiles(hidden_states.shape[dim], width=self.width, rows=rows)
+        params = [p for m in self.modules for p in m.parameters()]
+        run = partial(self._run_tile, args=args, kwargs=kwargs)
+        return sequence_tiled(
+            run, hidden_states, tiles=tiles, dim=dim, params=params, preserve_rng=self.block.training
+        )
+
+    def _run_tile(self, x: torch.Tensor, start: int, end: int, *, args, kwargs) -> torch.Tensor:
+        # MoE blocks `.view` their input flat, which a sequence slice of a batch > 1 does not allow.
+        x = x.contiguous()
+        if self.pre_forward is not None:
+            x = self.pre_forward(x)
+        y = self.block_forward(x, *args, **kwargs)
+        if self.post_forward is not None:
+            y = self.post_forward(y)
+        return y
+
+
+def widest_row(module: "nn.Module") -> int:
+    """The widest per-token dimension the module can materialise: the largest matrix dimension it holds."""
+    dims = [max(p.shape[-2:]) for p in module.parameters() if p.dim() >= 2]
+    return max(dims, default=1)
+
+
+def install_tiled_blocks(
+    layers: "nn.ModuleList", policy: TilePolicy, fused: dict[int, tuple[str | None, str | None]] | None = None
+) -> list[TiledBlock]:
+    """Tile the per-token block of every layer; `fused[i] = (pre_norm_name, post_norm_name)` fuses norms."""
+    installed = []
+    for index, layer in enumerate(layers):
+        parent, name = layer_mlp(layer)
+        pre_name, post_name = (fused or {}).get(index, (None, None))
+        installed.append(_install_one(index, layer, getattr(parent, name), policy, pre_name, post_name))
+    return installed
+
+
+def _install_one(index, layer, block, policy, pre_name, post_name) -> TiledBlock:
+    pre = getattr(layer, pre_name) if pre_name else None
+    post = getattr(layer, post_name) if post_name else None
+    tiled = TiledBlock(index, block, pre, post)
+    forward = TiledForward(block, policy, pre, post)
+    tiled.undos.append(patch_forward(block, forward, what=f"layer {index}: sequence-tiled"))
+    for norm, norm_name in ((pre, pre_name), (post, post_name)):
+        if norm is not None:
+            what = f"layer {index}: {norm_name} fused into the tiled block"
+            tiled.undos.append(patch_forward(norm, _identity, what=what))
+    return tiled
+
+
+def undo_tiled_blocks(installed: list[TiledBlock]) -> None:
+    for tiled in installed:
+        while tiled.undos:
+            tiled.undos.pop()()
+
+
+def check_per_token(layers: "nn.ModuleList", hidden_size: int) -> None:
+    """Refuse blocks whose output for a token depends on other tokens (tiling would change the result).
+
+    Runs each distinct block class once on 6 random tokens and on the first 3 of them.
+    """
+    checked = set()
+    for layer in layers:
+        parent, name = layer_mlp(layer)
+        block = getattr(parent, name)
+        if type(block) in checked:
+            continue
+        checked.add(type(block))
+        if not torch.is_tensor(_probe_block(block, hidden_size, tokens=2)):
+            raise ModelError(
+                f"{type(block).__name__} returns more than one tensor (e.g. router logits), which sequence "
+                "tiling does not stitch; set tiled_mlp: off and mini_sequence: false for this model."
+            )
+        if not _is_per_token(block, hidden_size):
+            raise ModelError(
+                f"{type(block).__name__} mixes tokens (its output for a token changes with the tokens after it), "
+                "so it cannot be sequence-tiled; set tiled_mlp: off and mini_sequence: false for this model."
+            )
+
+
+def _is_per_token(block: "nn.Module", hidden: int) -> bool:
+    full = _probe_block(block, hidden, tokens=6)
+    head = _probe_block(block, hidden, tokens=3)
+    tol = 1e-4 if full.dtype == torch.float32 else 2e-2
+    return bool(torch.allclose(full[:, :3], head, rtol=tol, atol=tol))
+
+
+@torch.no_grad()
+def _probe_block(block: "nn.Module", hidden: int, *, tokens: int):
+    """The block's output (eval mode) on the first `tokens` of a fixed random sequence."""
+    param = next(block.parameters())
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, 6, hidden, generator=gen)[:, :tokens].to(device=param.device, dtype=param.dtype)
+    with eval_mode(block):
+        return block(x.contiguous())
+
+
+def find_fusable_norms(calls: list["LayerCall"], block_name: str) -> tuple[str | None, str | None]:
+    """From one layer's recorded child calls: the norm feeding only the block, and the norm fed only by it."""
+    by_name = {c.name: c for c in calls}
+    block = by_name.get(block_name)
+    if block is None:
+        return None, None
+    pre = next((c for c in calls if c.output is block.input and is_norm(c.module)), None)
+    post = next((c for c in calls if c.input is block.output and is_norm(c.module)), None)
+    if pre is not None and _consumers(calls, pre.output) != [block_name]:
+        pre = None
+    if post is not None and _consumers(calls, block.output) != [post.name]:
+        post = None
+    return (pre.name if pre else None), (post.name if post else None)
+
+
+def _consumers(calls: list["LayerCall"], tensor: torch.Tensor) -> list[str]:
+    return [c.name for c in calls if c.input is tensor]
+
+
+@dataclass
+class LayerCall:
+    """One call of a decoder layer's direct child during a probe forward."""
+
+    name: str
+    module: "nn.Module"
+    input: torch.Tensor | None
+    output: torch.Tensor | None
+
+
+def record_child_calls(layers: "nn.ModuleList", run: Callable[[], object]) -> list[list[LayerCall]]:
+    """Run `run()` with hooks recording, per layer, which child consumed and produced which tensor."""
+    records: list[list[LayerCall]] = [[] for _ in layers]
+    handles = []
+    for index, layer in enumerate(layers):
+        for name, child in layer.named_children():
+            hook = partial(_record_call, records[index], name)
+            handles.append(child.register_forward_hook(hook, with_kwargs=True))
+    try:
+        run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return records
+
+
+def _record_call(record: list[LayerCall], name: str, module, args, kwargs, output) -> None:
+    first = args[0] if args else next((v for v in kwargs.values() if torch.is_tensor(v)), None)
+    out = output if torch.is_tensor(output) else (output[0] if isinstance(output, tuple) and output else None)
+    record.append(LayerCall(name, module, first if torch.is_tensor(first) else None, out))

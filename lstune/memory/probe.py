@@ -1,0 +1,52 @@
+"""A few-token probe forward, used to discover and verify structure that config and module tree don't show.
+
+Used at `apply_memory_techniques` time only (never per step): which norms feed the MLP (mini-sequence
+fusion), whether a fused layer still computes what the original did, and whether the loss head
+reproduces the model's own logits (logit scaling / softcapping found from the config).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from lstune.models.introspect import decoder_body, output_embedding
+
+if TYPE_CHECKING:
+    from torch import nn
+
+PROBE_TOKENS = 8
+
+
+def probe_inputs(model: "nn.Module", n: int = PROBE_TOKENS) -> dict[str, torch.Tensor]:
+    """`input_ids` and `position_ids` of `n` tokens on the model's device (token ids 1..n, below any vocab)."""
+    device = output_embedding(model).weight.device
+    ids = torch.arange(1, n + 1, device=device).unsqueeze(0)
+    positions = torch.arange(n, device=device).unsqueeze(0)
+    return {"input_ids": ids, "position_ids": positions}
+
+
+@torch.no_grad()
+def probe_hidden_states(model: "nn.Module", inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Final hidden states of the decoder body on the probe, in eval mode (dropout off)."""
+    body = decoder_body(model)
+    with eval_mode(body):
+        out = body(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
+    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+class eval_mode:
+    """Put a module tree in eval mode and afterwards restore each module's own `training` flag."""
+
+    def __init__(self, module: "nn.Module"):
+        self.module = module
+
+    def __enter__(self):
+        self.flags = [(m, m.training) for m in self.module.modules()]
+        self.module.eval()
+        return self.module
+
+    def __exit__(self, *exc):
+        for module, flag in self.flags:
+            module.training = flag

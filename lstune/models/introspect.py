@@ -1,0 +1,148 @@
+"""Find the parts of any Hugging Face causal LM by structure, not by class name.
+
+The memory techniques need four things from a model: its decoder layers, the per-token MLP (or MoE
+block) inside each layer, the final norm and the output embedding. Looking them up by class name
+would break on every new architecture, so each is found from the module tree and the config
+(STYLE.md rule 7). Wrappers are looked through: peft (`get_peft_model`), DeepSpeed / DDP engines
+(`.module`).
+
+A small table of attribute names (`_MLP_NAMES`) is kept only to break ties in layers that hold more
+than one per-token block (e.g. Gemma-3n's extra side blocks); the usual case never reads it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lstune.errors import ModelError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# Tie-breakers when a layer holds several per-token blocks; the first name found wins.
+_MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn")
+
+
+def unwrap_model(model: "nn.Module") -> "nn.Module":
+    """The transformers model inside peft / DeepSpeed / DDP wrappers (the model itself if unwrapped)."""
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "get_base_model"):  # peft PeftModel
+            model = model.get_base_model()
+        elif hasattr(model, "config") and hasattr(model, "get_output_embeddings"):
+            return model
+        elif _is_module(getattr(model, "module", None)):  # DeepSpeedEngine, DDP
+            model = model.module
+    return model
+
+
+def decoder_body(model: "nn.Module") -> "nn.Module":
+    """The module that returns `last_hidden_state` (e.g. `LlamaForCausalLM.model`)."""
+    lm = unwrap_model(model)
+    body = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "base_model", lm)
+    if body is lm:
+        raise ModelError(
+            f"{type(lm).__name__} has no separate decoder body (the module returning hidden states); "
+            "lstune needs a *ForCausalLM model with a base model inside it. Load it with AutoModelForCausalLM."
+        )
+    return body
+
+
+def decoder_layers(model: "nn.Module") -> "nn.ModuleList":
+    """The decoder layers: the body's ModuleList with `num_hidden_layers` entries (the longest one if unsure)."""
+    from torch import nn
+
+    lm = unwrap_model(model)
+    body = decoder_body(lm)
+    n_layers = getattr(_text_config(lm), "num_hidden_layers", None)
+    lists = [m for _, m in body.named_children() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    exact = [m for m in lists if len(m) == n_layers]
+    found = exact or sorted(lists, key=len, reverse=True)[:1]
+    if not found:
+        raise ModelError(
+            f"found no list of decoder layers in {type(body).__name__}; lstune supports decoder-only "
+            "transformers whose body keeps its layers in a torch.nn.ModuleList."
+        )
+    return found[0]
+
+
+def layer_mlp(layer: "nn.Module") -> tuple["nn.Module", str]:
+    """`(parent, attribute)` of the layer's per-token block (dense MLP or MoE), so it can be read or replaced.
+
+    A child is a per-token block when it holds matrices (parameters of 2+ dims), is not the attention
+    (no `head_dim` / `num_key_value_groups`, class name without "Attention") and is not a norm.
+    """
+    candidates = [
+        (name, child)
+        for name, child in layer.named_children()
+        if _has_matrices(child) and not _is_attention(child)
+    ]
+    if len(candidates) > 1:
+        preferred = [c for c in candidates if c[0] in _MLP_NAMES]
+        candidates = preferred[:1] or candidates
+    if len(candidates) != 1:
+        names = ", ".join(n for n, _ in candidates) or "none"
+        raise ModelError(
+            f"cannot tell which part of {type(layer).__name__} is its MLP (candidates: {names}); "
+            "turn MLP tiling off (tiled_mlp: off, mini_sequence: false) for this architecture."
+        )
+    return layer, candidates[0][0]
+
+
+def final_norm(model: "nn.Module") -> "nn.Module":
+    """The norm the body applies after its last layer: its one direct child that only has vector parameters."""
+    body = decoder_body(model)
+    norms = [m for _, m in body.named_children() if is_norm(m)]
+    if len(norms) != 1:
+        raise ModelError(
+            f"cannot find the final norm of {type(body).__name__} ({len(norms)} candidates); "
+            "lstune expects exactly one norm module directly in the decoder body."
+        )
+    return norms[0]
+
+
+def output_embedding(model: "nn.Module") -> "nn.Module":
+    """The LM head (`get_output_embeddings()`); with tied embeddings its weight is the input embedding's."""
+    lm = unwrap_model(model)
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if head is None:
+        raise ModelError(
+            f"{type(lm).__name__} has no output embedding (get_output_embeddings() is None); "
+            "lstune trains causal LMs: load the model with AutoModelForCausalLM."
+        )
+    return head
+
+
+def is_norm(module: "nn.Module") -> bool:
+    """A norm has parameters and all of them are vectors (RMSNorm: weight; LayerNorm: weight + bias)."""
+    params = list(module.parameters())
+    return bool(params) and all(p.dim() == 1 for p in params)
+
+
+def text_config(model: "nn.Module"):
+    """The config describing the language model (`text_config` of multimodal configs, else the config)."""
+    return _text_config(unwrap_model(model))
+
+
+def _text_config(lm: "nn.Module"):
+    config = lm.config
+    return getattr(config, "text_config", None) or config
+
+
+def _has_matrices(module: "nn.Module") -> bool:
+    return any(p.dim() >= 2 for p in module.parameters())
+
+
+def _is_attention(module: "nn.Module") -> bool:
+    return (
+        hasattr(module, "head_dim")
+        or hasattr(module, "num_key_value_groups")
+        or "attention" in type(module).__name__.lower()
+    )
+
+
+def _is_module(obj) -> bool:
+    from torch import nn
+
+    return isinstance(obj, nn.Module)

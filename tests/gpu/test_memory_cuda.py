@@ -1,0 +1,126 @@
+"""The memory techniques on a CUDA device: exactness (fp32, tight; bf16, loose), the real offload streams,
+Liger's fused loss, and peak memory from torch.cuda.max_memory_allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lstune.memory.apply import apply_memory_techniques
+from lstune.memory.loss import causal_lm_loss_sum, liger_applies
+from lstune.models.presets import build_model
+from tests.support.memory import peak_bytes
+from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads
+
+pytestmark = pytest.mark.gpu
+
+ALL = dict(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True)
+
+
+@pytest.fixture
+def offload_always(monkeypatch):
+    """Tiny models are below the PCIe threshold (offload would fall back); force the CUDA offload path."""
+    from lstune.memory import checkpoint
+
+    monkeypatch.setattr(checkpoint, "offload_min_tokens", lambda *args, **kwargs: 0)
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmuls():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+def _on_cuda(batch):
+    return {k: v.cuda() for k, v in batch.items()}
+
+
+def _compare(model, batch, options, *, loss_rel, grad_rel):
+    ref_loss, ref_grads = run_grads(model, hf_loss_sum, [batch])
+    plan = apply_memory_techniques(model, seq_len=batch["input_ids"].shape[1], **options)
+    try:
+        loss, grads = run_grads(model, lambda m, b: causal_lm_loss_sum(m, b), [batch])
+    finally:
+        plan.undo()
+    assert loss == pytest.approx(ref_loss, rel=loss_rel)
+    for name, ref in ref_grads.items():
+        err = (grads[name].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        assert err < grad_rel, f"{name}: relative gradient error {err:.2e}"
+    return plan
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gemma2", "tiny-qwen3-moe", "tiny-phi3"])
+def test_fp32_on_cuda_is_exact_with_the_offload_streams(arch, offload_always):
+    """fp32 on the GPU: a missed stream sync in offload/prefetch would corrupt a checkpoint and fail this."""
+    model = build_model(arch).cuda().train()
+    plan = _compare(model, _on_cuda(packed_batch([300, 200, 124])), ALL, loss_rel=1e-5, grad_rel=1e-4)
+    assert plan.offload and plan.offloader.stats.prefetched == model.config.num_hidden_layers - 1
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3", "tiny-mixtral"])
+def test_bf16_matches_hf_loosely(arch, offload_always):
+    model = build_model(arch, dtype=torch.bfloat16).cuda().train()
+    _compare(model, _on_cuda(long_batch(512)), ALL, loss_rel=2e-2, grad_rel=5e-2)
+
+
+def test_liger_fused_loss_matches_the_tiled_loss():
+    pytest.importorskip("liger_kernel")
+    model = build_model("tiny-gemma2").cuda()  # softcap 30, tied embeddings
+    batch = _on_cuda(long_batch(256))
+    assert liger_applies(model.lm_head, batch["input_ids"])
+    liger_loss, liger_grads = run_grads(model, lambda m, b: causal_lm_loss_sum(m, b, tiles="auto"), [batch])
+    tiled_loss, tiled_grads = run_grads(model, lambda m, b: causal_lm_loss_sum(m, b, tiles=4), [batch])
+    assert liger_loss == pytest.approx(tiled_loss, rel=1e-4)
+    for name, ref in tiled_grads.items():
+        torch.testing.assert_close(liger_grads[name], ref, rtol=1e-3, atol=1e-5)
+
+
+def test_offload_falls_back_below_the_pcie_threshold():
+    model = build_model("tiny-llama").cuda()  # thin layers: offload only pays past ~14.5K tokens
+    plan = apply_memory_techniques(model, seq_len=1024, offload_checkpoints=True)
+    assert not plan.offload and "offload off" in plan.offload_note
+    plan.undo()
+
+
+def _step_peak(model, batch, options) -> int:
+    plan = apply_memory_techniques(model, seq_len=batch["input_ids"].shape[1], **options) if options else None
+
+    def step():
+        loss, _ = (causal_lm_loss_sum(model, batch) if plan else hf_loss_sum(model, batch))
+        loss.backward()
+
+    try:
+        return peak_bytes(step, "cuda")
+    finally:
+        model.zero_grad(set_to_none=True)
+        if plan:
+            plan.undo()
+
+
+def test_peak_memory_per_token_on_a_mid_size_model():
+    """Qwen3-0.6B shape (2 layers, bf16) at 4K and 8K tokens: lstune's bytes per token are a fraction of HF's."""
+    model = build_model("qwen3-0.6b", num_hidden_layers=2, dtype=torch.bfloat16).cuda().train()
+    vocab = model.config.vocab_size
+    slopes = {}
+    for name, options in (("hf", None), ("lstune", {"offload_checkpoints": True})):
+        p1 = _step_peak(model, _on_cuda(long_batch(4096, vocab)), options)
+        p2 = _step_peak(model, _on_cuda(long_batch(8192, vocab)), options)
+        slopes[name] = (p2 - p1) / 4096
+    assert slopes["hf"] >= 2 * 4 * vocab  # fp32 logits copies dominate plain HF
+    assert slopes["lstune"] < slopes["hf"] / 10
+
+
+def test_offload_peak_does_not_grow_with_depth():
+    peaks = {}
+    for layers in (2, 6):
+        model = build_model("qwen3-0.6b", num_hidden_layers=layers, dtype=torch.bfloat16).cuda().train()
+        batch = _on_cuda(long_batch(16384, model.config.vocab_size))
+        weights = torch.cuda.memory_allocated()
+        peaks[layers] = _step_peak(model, batch, {"offload_checkpoints": True}) + weights
+        del model
+        torch.cuda.empty_cache()
+    checkpoint = 16384 * 1024 * 2
+    per_layer_weights = 2 * (15_730_944 * 2)  # weights + grads of one layer, bf16
+    assert peaks[6] - peaks[2] < 4 * per_layer_weights + 1.5 * checkpoint

@@ -1,0 +1,277 @@
+"""Measure memory in tests: bytes saved for backward, and peak live tensor bytes.
+
+- `SavedBytes`: an outermost `saved_tensors_hooks` that adds up the unique storages autograd keeps
+  for backward (hooks set deeper, e.g. inside a checkpoint, take precedence and hide what they save).
+- `LiveBytes`: a `TorchDispatchMode` that follows every storage an op allocates until it is freed
+  (weakref finalizer on the storage), giving current and peak live bytes on CPU. On CUDA use
+  `torch.cuda.max_memory_allocated` (`peak_bytes` picks the right one).
+
+Run as a script it prints the tables of docs/memory.md:
+    python -m tests.support.memory --preset qwen3-0.6b --layers 2 --seq 1024 2048
+    python -m tests.support.memory --preset qwen3-0.6b --dtype bfloat16 --loss-policies --seq 4096 65536 262144 1048576
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import weakref
+from contextlib import contextmanager
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class SavedBytes:
+    """Context manager: `bytes` = size of the distinct storages autograd saved for backward inside it."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._seen: set[int] = set()
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if _key(tensor) not in self._seen and storage.nbytes() > 0:
+            self._seen.add(_key(tensor))
+            self.bytes += storage.nbytes()
+        return tensor
+
+
+class LiveBytes(TorchDispatchMode):
+    """Live and peak bytes of the storages allocated by ops run inside (views and in-place ops add nothing).
+
+    Works on real and fake tensors (storages are told apart by identity, not address).
+    `exclude()`, if given, is subtracted when the peak is taken (e.g. the bytes of offloaded host copies,
+    which on a CPU run are CPU storages like everything else).
+    """
+
+    def __init__(self, exclude: Callable[[], int] | None = None):
+        super().__init__()
+        self.current = 0
+        self.peak = 0
+        self._exclude = exclude
+        self._live: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and _key(tensor) not in inputs:
+                self._track(tensor.untyped_storage())
+        return out
+
+    def _track(self, storage) -> None:
+        key = id(storage)
+        if key in self._live or storage.nbytes() == 0:
+            return
+        self._live[key] = storage.nbytes()
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current - (self._exclude() if self._exclude else 0))
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.current -= self._live.pop(key, 0)
+
+
+def _key(tensor: torch.Tensor) -> int:
+    # Storage Python objects are preserved for as long as the storage lives, so identity is stable.
+    return id(tensor.untyped_storage())
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu", exclude=None) -> int:
+    """Peak bytes allocated while `fn()` runs, above what was allocated before it (`exclude`: see LiveBytes)."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with LiveBytes(exclude) as live:
+        fn()
+    return live.peak
+
+
+@contextmanager
+def no_leftover_grads(model: torch.nn.Module):
+    """Zero gradients before and drop them after, so one measurement does not carry into the next."""
+    model.zero_grad(set_to_none=True)
+    try:
+        yield
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+# ---- the tables of docs/memory.md (script) -----------------------------------------------------
+
+
+def _batch(seq: int, vocab: int, device) -> dict[str, torch.Tensor]:
+    ids = torch.arange(seq, device=device)[None] % vocab
+    labels = torch.roll(ids, -1, 1)
+    labels[:, -1] = -100
+    return {"input_ids": ids, "position_ids": torch.arange(seq, device=device)[None], "shift_labels": labels}
+
+
+def hf_step(model, batch) -> None:
+    """Plain Hugging Face: full logits, HF's causal-LM loss (summed), backward."""
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    count = (batch["shift_labels"] != -100).sum()
+    loss = model.loss_function(
+        logits=out.logits, labels=None, vocab_size=out.logits.shape[-1],
+        shift_labels=batch["shift_labels"], num_items_in_batch=count,
+    )
+    loss.backward()
+
+
+def lstune_step(model, batch) -> None:
+    from lstune.memory.loss import causal_lm_loss_sum
+
+    loss, _ = causal_lm_loss_sum(model, batch)
+    loss.backward()
+
+
+CONFIGS = {
+    "HF plain": None,
+    "HF + checkpointing": {"tiled_mlp": "off", "tiled_loss": "off", "checkpointing": True},
+    "tiled loss": {"tiled_mlp": "off", "checkpointing": False},
+    "tiled loss + tiled MLP": {"checkpointing": False},
+    "tiled loss + tiled MLP + checkpointing (default)": {},
+    "mini-sequence + checkpointing": {"mini_sequence": True},
+    "default + offload (device bytes)": {"offload_checkpoints": True},
+}
+
+
+def _build(preset: str, layers: int, dtype: torch.dtype, device: str, fake):
+    """The preset with real random weights, or (fake) with fake tensors: shapes and allocations, no data."""
+    from lstune.models.presets import build_model, preset_config
+
+    if fake is None:
+        return build_model(preset, num_hidden_layers=layers, dtype=dtype).to(device)
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(preset, num_hidden_layers=layers), dtype=dtype)
+    with fake:
+        model.to_empty(device=device)
+    return model
+
+
+def _run_config(model, name, options, seq, device) -> int:
+    from lstune.memory.apply import apply_memory_techniques
+
+    plan = apply_memory_techniques(model, seq_len=seq, **options) if options is not None else None
+    step = lstune_step if options is not None and not name.startswith("HF") else hf_step
+    batch = _batch(seq, model.config.vocab_size, device)
+    exclude = (lambda: plan.offloader.stats.host_bytes) if plan is not None and plan.offloader else None
+    try:
+        with no_leftover_grads(model):
+            return peak_bytes(lambda: step(model, batch), device, exclude)
+    finally:
+        if plan is not None:
+            plan.undo()
+
+
+def measure_table(preset: str, layers: int, seqs: list[int], device: str, dtype: torch.dtype, fake: bool,
+                  attention: str = "hf"):
+    """[(configuration, [peak bytes at each seq])] for plain HF and lstune's techniques."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    model = _build(preset, layers, dtype, device, mode)
+    model.train()
+    if attention == "lstune":
+        # Every row gets the same mask-free attention, so the rows differ only by the memory techniques;
+        # with HF's SDPA path transformers would also build an O(seq²) mask.
+        from lstune.models.attention import use_lstune_attention
+
+        use_lstune_attention(model, backend="sdpa")
+    rows = []
+    with mode or contextlib.nullcontext(), _one_document_positions(fake):
+        for name, options in CONFIGS.items():
+            rows.append((name, [_run_config(model, name, options, seq, device) for seq in seqs]))
+    return rows
+
+
+def _one_document_positions(fake: bool):
+    """Under fake tensors transformers cannot read position_ids, assumes a packed batch and builds a seq x seq
+    mask (an artifact: with real data it sees one document and builds none). Tell it what real data would."""
+    import contextlib
+    from unittest import mock
+
+    if not fake:
+        return contextlib.nullcontext()
+    return mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+
+
+def measure_loss_policies(preset: str, seqs: list[int], dtype: torch.dtype):
+    """Peak bytes of the loss head alone (forward + backward, fake tensors) under ALST's and MST's tile policies."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lstune.memory.loss import alst_loss_policy, loss_sum_from_hidden, mst_loss_policy
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    model = _build(preset, 1, dtype, "cpu", mode)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    rows = []
+    with mode:
+        for name, policy in (("ALST ~1 GiB tiles", alst_loss_policy(vocab)),
+                             ("MST vocab/hidden tiles", mst_loss_policy(vocab, hidden))):
+            for seq in seqs:
+                h = torch.randn(1, seq, hidden, dtype=dtype, requires_grad=True)
+                labels = torch.zeros(1, seq, dtype=torch.long)
+
+                def step():
+                    loss, _ = loss_sum_from_hidden(model, h, labels, tiles=policy)
+                    loss.backward()
+
+                with no_leftover_grads(model):
+                    peak = peak_bytes(step)
+                rows.append((name, seq, policy.tiles(seq, width=vocab), peak))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048], help="two or more lengths")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--fake", action="store_true", help="fake tensors: trace allocations at any length, no RAM")
+    parser.add_argument("--attention", choices=["hf", "lstune"], default="hf",
+                        help="lstune: every row uses lstune's mask-free attention (lstune.models.attention)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (memory does not depend on it)")
+    parser.add_argument("--loss-policies", action="store_true", help="compare ALST and MST loss tiling instead")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.loss_policies:
+        print("| loss tiling | tokens | tiles | peak of the loss head (MiB) |")
+        print("|---|---:|---:|---:|")
+        for name, seq, tiles, peak in measure_loss_policies(args.preset, args.seq, getattr(torch, args.dtype)):
+            print(f"| {name} | {seq:,} | {tiles} | {peak / 2**20:,.0f} |")
+        return
+    rows = measure_table(args.preset, args.layers, args.seq, args.device, getattr(torch, args.dtype), args.fake,
+                         args.attention)
+    s1, s2 = args.seq[-2:]
+    print("| configuration | " + " | ".join(f"peak @ {s} (MiB)" for s in args.seq) + f" | bytes / token ({s1}→{s2}) |")
+    print("|---|" + "---:|" * (len(args.seq) + 1))
+    for name, peaks in rows:
+        cells = " | ".join(f"{p / 2**20:,.0f}" for p in peaks)
+        print(f"| {name} | {cells} | {(peaks[-1] - peaks[-2]) / (s2 - s1):,.0f} |")
+
+
+if __name__ == "__main__":
+    main()
