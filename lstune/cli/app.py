@@ -57,10 +57,19 @@ def _normalise_resume(argv: list[str]) -> list[str]:
     return out
 
 
+_ARGV: list[str] = []
+
+
+def current_argv() -> list[str]:
+    """The arguments of this invocation (after the program name), for relaunching it in N processes."""
+    return list(_ARGV)
+
+
 def main(argv: list[str] | None = None) -> None:
     import click
 
     args = _normalise_resume(list(sys.argv[1:] if argv is None else argv))
+    _ARGV[:] = args
     debug = "--debug" in args
     try:
         code = app(args=args, prog_name="lstune", standalone_mode=False)

@@ -69,9 +69,22 @@ def _train_command(**kwargs: Any) -> int:
     if dry_run:
         print_config(config)
         return 0
+    if _needs_launch(config):
+        from lstune.cli.app import current_argv
+        from lstune.parallel.launch import relaunch
+
+        return relaunch(current_argv(), config.gpus, config.hostfile)
 
     from lstune.train.run import train
 
     result = train(config, RichReporter(console(), log_every=config.log_every))
-    print_summary(result)
+    if result.is_main:
+        print_summary(result)
     return 130 if result.interrupted else 0
+
+
+def _needs_launch(config) -> bool:
+    """--gpus N / --hostfile outside a launcher: start the processes (they run this same command)."""
+    from lstune.parallel.launch import detect_launch_env
+
+    return (config.gpus > 1 or config.hostfile is not None) and detect_launch_env() is None

@@ -120,6 +120,10 @@ def _cross_check(c: TrainConfig, given: set[str]) -> list[str]:
         problems.append("--mini-sequence tiles the MLP: drop --tiled-mlp off, or drop --mini-sequence.")
     if c.host_mem_budget is not None and not c.offload_checkpoints:
         problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
+    if c.offload_params and c.zero_stage not in ("auto", "3"):
+        problems.append("--offload-params needs --zero-stage 3 (only stage 3 shards the weights).")
+    if c.hostfile is not None and not Path(c.hostfile).is_file():
+        problems.append(f"--hostfile {c.hostfile!r} does not exist; write one line per node: `node-1 slots=8`.")
     if c.max_steps is not None and c.epochs is not None:
         problems.append("--max-steps and --epochs both given; keep one.")
     if c.save_every is not None and c.max_steps is not None and c.save_every > c.max_steps:

@@ -129,6 +129,41 @@ class TrainConfig:
         MEMORY,
     )
 
+    # --- parallelism (lstune.parallel; docs/parallel.md)
+    gpus: int = _opt(
+        1,
+        "Processes per node: lstune launches them itself (one per GPU; on a machine without CUDA, CPU "
+        "processes with gloo). Under torchrun / deepspeed / accelerate launch the launcher's world is used.",
+        _pos_int,
+        PARALLEL,
+    )
+    sp: Any = _opt(
+        "auto",
+        "Sequence-parallel degree (Ulysses): 'auto' picks it from the processes and attention heads, or a "
+        "number dividing the process count.",
+        p.parse_auto_int,
+        PARALLEL,
+    )
+    zero_stage: Any = _opt(
+        "auto",
+        "DeepSpeed ZeRO stage 0-3; 'auto' chooses from model size and device memory (0 = plain single-device "
+        "AdamW).",
+        partial(p.parse_choice, choices=("auto", "0", "1", "2", "3")),
+        PARALLEL,
+    )
+    offload_optimizer: bool | None = _opt(
+        None, "Keep Adam state in host memory (DeepSpeed); default: decided with --zero-stage auto.",
+        p.parse_bool, PARALLEL,
+    )
+    offload_params: bool | None = _opt(
+        None, "Keep weights in host memory (ZeRO-3); default: decided with --zero-stage auto.",
+        p.parse_bool, PARALLEL,
+    )
+    hostfile: str | None = _opt(
+        None, "DeepSpeed hostfile for multi-node runs (one line per node: `node-1 slots=8`).",
+        p.parse_optional_str, PARALLEL,
+    )
+
     # --- optimisation
     max_steps: int | None = _opt(
         None, "Optimizer steps to train (default: one epoch over the data).", _pos_int, OPTIM

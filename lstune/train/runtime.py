@@ -1,0 +1,129 @@
+"""Where this process runs: device, precision, and its place in a distributed run.
+
+A single process and a launched rank look the same to the loop: `Runtime` answers rank, world size and
+"am I the main process", runs the few collectives the loop needs (barrier, sums, "did any rank get a
+stop signal"), and owns the `ParallelDims` once the model's heads are known.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+
+@dataclass
+class Runtime:
+    device: Any  # torch.device
+    autocast_dtype: Any  # torch.bfloat16 or None (fp32)
+    launch: Any = None  # lstune.parallel.launch.LaunchEnv, None for a plain single process
+    dims: Any = None  # lstune.parallel.dims.ParallelDims, set by `set_dims`
+
+    @property
+    def distributed(self) -> bool:
+        return self.launch is not None
+
+    @property
+    def rank(self) -> int:
+        return self.launch.rank if self.launch else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.world_size if self.launch else 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def sp(self) -> int:
+        return self.dims.sp if self.dims is not None else 1
+
+    def set_dims(self, sp: Any, model_config: Any) -> None:
+        """Split the world into DP × SP for this model's heads (ConfigError lists valid degrees)."""
+        from lstune.parallel.dims import ParallelDims
+
+        self.dims = ParallelDims.for_model(self.world_size, sp, model_config)
+        if self.process_group_ready():
+            self.dims.build_groups()
+
+    def process_group_ready(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
+
+    def ensure_process_group(self) -> None:
+        """DeepSpeed needs a process group even for one process (ZeRO offload on a single GPU)."""
+        if self.process_group_ready():
+            return
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method="env://")
+        if self.dims is not None:
+            self.dims.build_groups()
+
+    def barrier(self) -> None:
+        if self.process_group_ready():
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over all ranks (float64); the values themselves on a single process."""
+        if not self.process_group_ready():
+            return list(values)
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
+        dist.all_reduce(t)
+        return t.cpu().tolist()
+
+    def any(self, flag: bool) -> bool:
+        return self.sum([1.0 if flag else 0.0])[0] > 0
+
+    def _collective_device(self):
+        import torch.distributed as dist
+
+        return self.device if dist.get_backend() == "nccl" else "cpu"
+
+    @contextmanager
+    def main_first(self) -> Iterator[None]:
+        """The main process runs the block first (e.g. filling a cache), then the others."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+
+def start_runtime(dtype: str) -> Runtime:
+    """Join the launched run if there is one; pick the device and the autocast dtype."""
+    import torch
+
+    from lstune.parallel.launch import detect_launch_env, init_distributed
+
+    if torch.cuda.is_available():
+        from lstune.memory.allocator import ensure_expandable_segments
+
+        ensure_expandable_segments()  # before anything initialises CUDA's allocator
+    launch = detect_launch_env()
+    init_distributed(launch)
+    if torch.cuda.is_available():
+        index = launch.local_rank if launch else torch.cuda.current_device()
+        torch.cuda.set_device(index)
+        return Runtime(torch.device("cuda", index), None if dtype == "fp32" else torch.bfloat16, launch)
+    return Runtime(torch.device("cpu"), torch.bfloat16 if dtype == "bf16" else None, launch)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,82 @@
+"""One optimizer step: a window of micro-batches, the exact global mean loss, and its metrics record.
+
+The objective of a step is the mean token loss over every loss-carrying token of the window on every
+rank: each micro-batch backpropagates `loss_sum / N` with N the window's global token count, counted
+before the first forward (lstune.parallel.loss). So grad-accumulated micro-steps equal one large batch,
+and SP = N equals SP = 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+
+@dataclass
+class RunState:
+    step: int = 0
+    consumed_samples: int = 0  # global: over every rank, the position in the data stream
+    tokens_seen: int = 0
+
+
+class Stepper:
+    def __init__(self, config, engine, runtime):
+        from lstune.memory.loss import causal_lm_loss_sum
+
+        self.config = config
+        self.engine = engine
+        self.runtime = runtime
+        self.loss_sum = causal_lm_loss_sum
+        # Each SP round holds one micro-batch from every rank of the group: sp micro-batches per round.
+        self.micro_batches = config.grad_accum * runtime.sp
+        self.samples_per_step = config.micro_batch_size * config.grad_accum * runtime.world_size
+
+    def step(self, batches: Iterator[dict], state: RunState) -> dict[str, Any]:
+        import torch
+
+        from lstune.parallel.loss import global_token_count, local_objective
+        from lstune.train.metrics import host_rss_bytes, peak_device_mem_bytes, reset_peak
+
+        device = self.runtime.device
+        reset_peak(device)
+        start = time.perf_counter()
+        window = [next(batches) for _ in range(self.micro_batches)]
+        n_global = global_token_count(window)
+        local_loss = 0.0
+        for batch in window:
+            batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            with self._autocast():
+                loss_sum, _ = self.loss_sum(self.engine.model, batch)
+            self.engine.backward(local_objective(loss_sum, n_global))
+            local_loss += float(loss_sum.detach())
+        stats = self.engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+
+        local_tokens = sum(int(b["input_ids"].numel()) for b in window)
+        loss_total, tokens = self.runtime.sum([local_loss, float(local_tokens)])
+        tokens = int(tokens)
+        state.step += 1
+        state.consumed_samples += self.samples_per_step
+        state.tokens_seen += tokens
+        return {
+            "step": state.step,
+            "loss": loss_total / n_global if n_global else float("nan"),
+            "tokens": tokens,
+            "label_tokens": n_global,
+            "tokens_per_s": tokens / elapsed,
+            "step_time_s": elapsed,
+            "lr": stats["lr"],
+            "grad_norm": stats["grad_norm"],
+            "peak_device_mem_bytes": peak_device_mem_bytes(device),
+            "host_rss_bytes": host_rss_bytes(),
+            "tokens_seen": state.tokens_seen,
+        }
+
+    def _autocast(self):
+        import torch
+
+        dtype = self.runtime.autocast_dtype
+        return torch.autocast(self.runtime.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
