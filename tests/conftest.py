@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One thread per process: tests run beside each other (and beside gloo workers) on 2 cores, where torch's
+# spinning OpenMP threads slow a tiny model down by an order of magnitude.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY_ARCHS = [
     "tiny-llama",
@@ -27,11 +30,11 @@ TINY_ARCHS = [
 
 @pytest.fixture(autouse=True)
 def _torch_threads():
-    """Keep each test on the 2 cores CI has, and deterministic."""
+    """One intra-op thread per test process (see OMP_NUM_THREADS above)."""
     try:
         import torch
     except ImportError:  # pragma: no cover
         yield
         return
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     yield

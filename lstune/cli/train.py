@@ -72,7 +72,9 @@ def _train_command(**kwargs: Any) -> int:
     if _needs_launch(config):
         from lstune.cli.app import current_argv
         from lstune.parallel.launch import relaunch
+        from lstune.train.preflight import check_parallel_layout
 
+        check_parallel_layout(config)
         return relaunch(current_argv(), config.gpus, config.hostfile)
 
     from lstune.train.run import train

@@ -60,3 +60,16 @@ def _check_output(config: TrainConfig) -> None:
             f"--output-dir {config.output_dir!r} already exists and is not empty; nothing is overwritten unasked. "
             "Use --resume to continue that run, --overwrite to replace it, or another --output-dir."
         )
+
+
+def check_parallel_layout(config: TrainConfig) -> None:
+    """Before launching N processes: the SP degree must fit them and the model's heads (ConfigError lists
+    the valid degrees). Multi-node runs learn their world size from the hostfile, so only --gpus is checked
+    for a single node."""
+    from lstune.models.loading import load_config, resolve_source
+    from lstune.parallel.dims import ParallelDims
+
+    if config.hostfile is not None:
+        return
+    model_config = load_config(resolve_source(config.model), trust_remote_code=config.trust_remote_code)
+    ParallelDims.for_model(config.gpus, config.sp, model_config)
