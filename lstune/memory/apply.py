@@ -43,7 +43,14 @@ logger = logging.getLogger("lstune")
 
 @dataclass
 class MemoryPlan:
-    """What `apply_memory_techniques` applied, with tile counts at `seq_len`; `summary()` is what the CLI prints."""
+    """What `apply_memory_techniques` applied, with tile counts at `seq_len`; `summary()` is what the CLI prints.
+
+    `mlp_tiles` / `loss_tiles_at_seq_len`: tile counts for one sample of `seq_len` tokens (the installed
+    code sizes tiles from each actual batch). `loss_tiles`: the setting `causal_lm_loss_sum(model, batch)`
+    uses ("auto", "off", a count or MST's TilePolicy). `fused_norms`: per layer, the norms mini-sequence
+    pulled into the tiled MLP. `offloader`: the checkpoint offloader (its `stats`), None without offload.
+    `notes`: warnings worth showing the user (int32 limits, skipped fusion).
+    """
 
     seq_len: int
     tiled_mlp: str | int = "off"
@@ -158,6 +165,9 @@ def _apply_mlp(model, plan: MemoryPlan, probing: bool) -> None:
     if probing:
         tiled_mlp_mod.check_per_token(layers, hidden)
     fused = _discover_fusion(model, layers) if plan.mini_sequence and probing else {}
+    if plan.mini_sequence and not probing:
+        _note(plan, "mini-sequence: norm fusion needs a probe forward on real weights (meta/fake model); "
+                    "the MLP is tiled alone")
     installed = _install_verified(model, layers, policy, fused, probing)
     plan.fused_norms = {t.layer_index: _names(t, layers) for t in installed if t.pre_norm or t.post_norm}
     plan._undos.append(lambda: tiled_mlp_mod.undo_tiled_blocks(installed))
@@ -210,6 +220,8 @@ def _apply_loss(model, plan: MemoryPlan, tiled_loss) -> None:
     else:
         plan.loss_tiles = tiled_loss
     plan.loss_tiles_at_seq_len = loss_tile_count(plan.loss_tiles, plan.seq_len, vocab, hidden)
+    if plan.loss_tiles == "off" and plan.seq_len * vocab >= INT32_LIMIT:
+        _note(plan, f"tiled_loss off: {plan.seq_len} x {vocab} logits reach 2^31 elements; int32 kernels may fail")
     probe = torch.empty(0, device=head.weight.device)
     if plan.loss_tiles == "auto" and liger_applies(head, probe):
         plan.loss_backend = "liger"
@@ -237,7 +249,8 @@ def _offload_decision(model, layers, seq_len: int, budget: int | None) -> tuple[
     config = text_config(model)
     per_layer = seq_len * config.hidden_size * param.element_size()
     host = per_layer * (len(layers) - 1)
-    budget_note = "" if budget is None else f", host budget {budget} B → {min(len(layers) - 1, budget // per_layer)} layers"
+    fits = min(len(layers) - 1, budget // per_layer) if budget is not None else None
+    budget_note = "" if budget is None else f", host budget {budget} B → {fits} layers"
     if param.device.type != "cuda":
         return True, f"offload on ({param.device.type}: plain copies into separate buffers{budget_note})"
     min_tokens = ckpt.offload_min_tokens(
@@ -272,8 +285,11 @@ def _warn_untiled_overflow(model, plan: MemoryPlan) -> None:
     """Tiles are int32-safe; the untiled hidden state itself is not, past 2^31 / hidden tokens."""
     hidden = text_config(model).hidden_size
     if plan.seq_len * hidden >= INT32_LIMIT:
-        note = (f"{plan.seq_len} x {hidden} hidden states reach 2^31 elements: kernels outside the tiles "
-                f"(norms, attention projections) may overflow int32; keep the local sequence below "
-                f"{math.ceil(INT32_LIMIT / hidden)} tokens (more sequence-parallel ranks)")
-        plan.notes.append(note)
-        logger.warning(note)
+        _note(plan, f"{plan.seq_len} x {hidden} hidden states reach 2^31 elements: kernels outside the tiles "
+                    f"(norms, attention projections) may overflow int32; keep the local sequence below "
+                    f"{math.ceil(INT32_LIMIT / hidden)} tokens (more sequence-parallel ranks)")
+
+
+def _note(plan: MemoryPlan, note: str) -> None:
+    plan.notes.append(note)
+    logger.warning(note)

@@ -29,7 +29,6 @@ applies). That path needs a GPU and is not exercised by the CPU test suite.
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -43,8 +42,6 @@ from lstune.models.introspect import decoder_body, output_embedding, text_config
 
 if TYPE_CHECKING:
     from torch import nn
-
-logger = logging.getLogger("lstune")
 
 IGNORE_INDEX = -100
 LOSS_TILE_BYTES = 2**30  # fp32 logits per tile (ALST's ~1 GiB shards)
@@ -150,8 +147,6 @@ def loss_sum_from_hidden(
 def loss_tile_count(setting: LossTiles, n_tokens: int, vocab: int, hidden: int) -> int:
     """How many tiles `setting` cuts `n_tokens` into (int32-safe except for "off", which is one tile)."""
     if setting == "off":
-        if n_tokens * vocab >= 2**31:
-            logger.warning("tiled_loss off: %d x %d logits exceed 2^31 elements; int32 kernels may fail", n_tokens, vocab)
         return 1
     if isinstance(setting, TilePolicy):
         return setting.tiles(n_tokens, width=vocab)
@@ -199,11 +194,17 @@ def _liger_loss_sum(head, transform: LogitTransform, hidden_TD, labels_T) -> tor
         if head.bias is not None:
             raise NotImplementedError("logit scaling with an LM head bias is not foldable into Liger's input")
         hidden_TD = hidden_TD * transform.scale
+    weight, bias = head.weight, head.bias
+    if torch.is_autocast_enabled("cuda"):
+        # Liger's autograd.Function does not autocast; cast as autocast would for the LM head's matmul.
+        dtype = torch.get_autocast_dtype("cuda")
+        hidden_TD, weight = hidden_TD.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
     loss = liger_fused_linear_cross_entropy(
         hidden_TD,
-        head.weight,
+        weight,
         labels_T,
-        bias=head.bias,
+        bias=bias,
         ignore_index=IGNORE_INDEX,
         reduction="sum",
         softcap=transform.softcap,

@@ -7,8 +7,8 @@ Steps, for every decoder layer of any HF causal LM:
 2. Replace that module instance's `forward` by one that runs it through `tiling.sequence_tiled`
    along the sequence (`tiles = ceil(seq / hidden)` by default, ALST; MST's MLP chunk = hidden size
    is the same rule).
-3. Mini-sequence mode (`fuse_norms=True`) also pulls the norm that feeds the block (Llama's
-   post-attention norm, Gemma-2's pre-feed-forward norm) and the norm applied to its output
+3. Mini-sequence mode (`fused=`, found by `find_fusable_norms`) also pulls the norm that feeds the
+   block (Llama's post-attention norm, Gemma-2's pre-feed-forward norm) and the norm applied to its output
    (Gemma-2's post-feed-forward norm) into the tiled function, when a probe shows their outputs
    feed only the block; those norms become identities in place. The fused layer is then checked
    against the original on the probe and falls back to the plain tiled block if they differ.
@@ -16,15 +16,14 @@ Steps, for every decoder layer of any HF causal LM:
 Memory (per layer, during the layer's backward, which is where the peak sits under checkpointing):
 plain `O(seq · (k · intermediate))` for the k intermediates the MLP saves (Llama: gate, up, act,
 product = 4 · intermediate) becomes `O(seq · hidden)` (x, output, grad) + `O(tile_len · k · intermediate)`.
-Fusing the norms also removes what the norm saves for backward (RMSNorm: fp32 input, rsqrt,
-normalised output: about 2-3 · seq · hidden). The residual add saves nothing, so there is nothing to
+Fusing the norms also removes what the norm saves for backward (RMSNorm: its input product and
+output, the rsqrt: 2 · seq · hidden measured on Llama). The residual add saves nothing, so there is nothing to
 gain by pulling it in. Cost: one extra MLP forward per step (the tile recompute), the MLP weights
 read once per tile. Composes with checkpointing + offload, LoRA, MoE, sequence parallelism.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Callable
@@ -39,8 +38,6 @@ from lstune.models.introspect import is_norm, layer_mlp
 
 if TYPE_CHECKING:
     from torch import nn
-
-logger = logging.getLogger("lstune")
 
 
 def _identity(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:

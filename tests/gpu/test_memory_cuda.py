@@ -112,15 +112,12 @@ def test_peak_memory_per_token_on_a_mid_size_model():
     assert slopes["lstune"] < slopes["hf"] / 10
 
 
-def test_offload_peak_does_not_grow_with_depth():
-    peaks = {}
-    for layers in (2, 6):
-        model = build_model("qwen3-0.6b", num_hidden_layers=layers, dtype=torch.bfloat16).cuda().train()
-        batch = _on_cuda(long_batch(16384, model.config.vocab_size))
-        weights = torch.cuda.memory_allocated()
-        peaks[layers] = _step_peak(model, batch, {"offload_checkpoints": True}) + weights
-        del model
-        torch.cuda.empty_cache()
-    checkpoint = 16384 * 1024 * 2
-    per_layer_weights = 2 * (15_730_944 * 2)  # weights + grads of one layer, bf16
-    assert peaks[6] - peaks[2] < 4 * per_layer_weights + 1.5 * checkpoint
+def test_offload_removes_the_checkpoints_from_the_device_peak():
+    """6 layers at 32K tokens: the peak (at the loss head's backward, every checkpoint alive) drops by
+    most of the 5 offloaded checkpoints (the last layer's stays)."""
+    model = build_model("qwen3-0.6b", num_hidden_layers=6, dtype=torch.bfloat16).cuda().train()
+    batch = _on_cuda(long_batch(32768, model.config.vocab_size))
+    kept = _step_peak(model, batch, {})
+    offloaded = _step_peak(model, batch, {"offload_checkpoints": True})
+    checkpoint = 32768 * model.config.hidden_size * 2
+    assert kept - offloaded >= 0.5 * 5 * checkpoint

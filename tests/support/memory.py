@@ -9,6 +9,7 @@
 Run as a script it prints the tables of docs/memory.md:
     python -m tests.support.memory --preset qwen3-0.6b --layers 2 --seq 1024 2048
     python -m tests.support.memory --preset qwen3-0.6b --dtype bfloat16 --loss-policies --seq 4096 65536 262144 1048576
+    python -m tests.support.memory --preset qwen3-0.6b --layers 2 --seq 1100 --step-times --threads 2
 """
 
 from __future__ import annotations
@@ -243,6 +244,39 @@ def measure_loss_policies(preset: str, seqs: list[int], dtype: torch.dtype):
     return rows
 
 
+TIMED = {
+    "HF plain": None,
+    "default (ALST tiles)": {},
+    "default + offload": {"offload_checkpoints": True},
+    "tiled_loss: 8": {"tiled_loss": 8},
+    "mini-sequence (MST tiles)": {"mini_sequence": True},
+}
+
+
+def measure_step_times(preset: str, layers: int, seq: int) -> list[tuple[str, int, float]]:
+    """Wall seconds of one forward + backward (real tensors, fp32) per configuration, after one warm-up step."""
+    import time
+
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.models.presets import build_model
+
+    model = build_model(preset, num_hidden_layers=layers)
+    model.train()
+    batch = _batch(seq, model.config.vocab_size, "cpu")
+    with no_leftover_grads(model):
+        hf_step(model, batch)
+    rows = []
+    for name, options in TIMED.items():
+        plan = apply_memory_techniques(model, seq_len=seq, **options) if options is not None else None
+        start = time.perf_counter()
+        with no_leftover_grads(model):
+            (lstune_step if plan else hf_step)(model, batch)
+        rows.append((name, plan.loss_tiles_at_seq_len if plan else 1, time.perf_counter() - start))
+        if plan is not None:
+            plan.undo()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="qwen3-0.6b")
@@ -255,8 +289,15 @@ def main() -> None:
                         help="lstune: every row uses lstune's mask-free attention (lstune.models.attention)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (memory does not depend on it)")
     parser.add_argument("--loss-policies", action="store_true", help="compare ALST and MST loss tiling instead")
+    parser.add_argument("--step-times", action="store_true", help="time one step per configuration instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.step_times:
+        print(f"| configuration | loss tiles | seconds per step ({args.seq[0]} tokens, CPU) |")
+        print("|---|---:|---:|")
+        for name, tiles, seconds in measure_step_times(args.preset, args.layers, args.seq[0]):
+            print(f"| {name} | {tiles} | {seconds:.1f} |")
+        return
     if args.loss_policies:
         print("| loss tiling | tokens | tiles | peak of the loss head (MiB) |")
         print("|---|---:|---:|---:|")
@@ -266,7 +307,8 @@ def main() -> None:
     rows = measure_table(args.preset, args.layers, args.seq, args.device, getattr(torch, args.dtype), args.fake,
                          args.attention)
     s1, s2 = args.seq[-2:]
-    print("| configuration | " + " | ".join(f"peak @ {s} (MiB)" for s in args.seq) + f" | bytes / token ({s1}→{s2}) |")
+    peaks_header = " | ".join(f"peak @ {s} (MiB)" for s in args.seq)
+    print(f"| configuration | {peaks_header} | bytes / token ({s1}→{s2}) |")
     print("|---|" + "---:|" * (len(args.seq) + 1))
     for name, peaks in rows:
         cells = " | ".join(f"{p / 2**20:,.0f}" for p in peaks)
