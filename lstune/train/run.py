@@ -246,10 +246,11 @@ def _plan(config, loaded, dataset, max_steps, output_dir, runtime: Runtime, stat
 def _describe_memory(memory_plan) -> str:
     s = memory_plan.summary()
     mlp, loss, offload = s["tiled_mlp"], s["tiled_loss"], s["offload_checkpoints"]
+    tiles = lambda n: f"{n} tile" + ("s" if n != 1 else "")  # noqa: E731
     parts = [
-        f"tiled MLP {mlp['tiles']} tiles" if mlp["setting"] != "off" else "tiled MLP off",
+        f"tiled MLP {tiles(mlp['tiles'])}" if mlp["setting"] != "off" else "tiled MLP off",
         "mini-sequence" if mlp["mini_sequence"] else None,
-        f"loss {loss['backend']} ({loss['tiles']} tiles)",
+        f"loss {loss['backend']} ({tiles(loss['tiles'])})",
         "checkpointing" if s["checkpointing"] else "no checkpointing",
         "offloaded checkpoints" if offload["enabled"] else (f"no offload ({offload['note']})" if offload["note"] else None),
     ]

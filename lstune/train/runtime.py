@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -114,8 +115,14 @@ def start_runtime(dtype: str) -> Runtime:
         from lstune.memory.allocator import ensure_expandable_segments
 
         ensure_expandable_segments()  # before anything initialises CUDA's allocator
+    else:
+        # DeepSpeed gets imported on the way (accelerate imports it to unwrap models); told the accelerator,
+        # it does not warn that it "was unable to detect" one.
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     launch = detect_launch_env()
     init_distributed(launch)
+    # DeepSpeed's ZeRO calls a torch.distributed collective that torch deprecates, warning every step.
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     if torch.cuda.is_available():
         index = launch.local_rank if launch else torch.cuda.current_device()
         torch.cuda.set_device(index)

@@ -44,3 +44,15 @@ def test_invalid_sp_degree_is_refused_before_launch(tmp_path, text_data):
     assert proc.returncode == 2
     assert "--sp 3" in proc.stderr and "1, 2" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_lora_with_tiling_under_zero3_and_sp_equals_one_process(tmp_path, text_data):
+    """Every technique composed: LoRA + tiled MLP + tiled loss + offloaded checkpoints, ZeRO-3, SP=2."""
+    common = ["--data", text_data, "--max-steps", "2", "--lora-r", "4", "--tiled-mlp", "3", "--tiled-loss", "3",
+              "--offload-checkpoints"]
+    _train(*common, "--gpus", "2", "--sp", "2", "--zero-stage", "3", "--output-dir", tmp_path / "sp2")
+    _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
+    sp2, one = read_metrics(tmp_path / "sp2"), read_metrics(tmp_path / "one")
+    assert [m["loss"] for m in sp2] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    assert [m["grad_norm"] for m in sp2] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+    assert (tmp_path / "sp2" / "final" / "adapter_config.json").exists()
