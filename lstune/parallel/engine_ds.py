@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lstune.errors import CheckpointError, ConfigError
+from lstune.optim import make_scheduler
 
 if TYPE_CHECKING:
     import torch
@@ -183,21 +184,6 @@ class DeepSpeedSPGroups:
     get_model_parallel_group = get_sequence_parallel_group
     get_model_parallel_world_size = get_sequence_parallel_world_size
     get_model_parallel_rank = get_sequence_parallel_rank
-
-
-def make_scheduler(optimizer, *, schedule: str, warmup_steps: int, max_steps: int, min_lr_ratio: float):
-    """Warmup then cosine (to min_lr_ratio·lr), linear (to 0) or constant — the same schedules as
-    TorchEngine's, via transformers (this layer cannot import lstune.train)."""
-    from transformers import get_scheduler
-
-    names = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
-    if schedule not in names:
-        raise ConfigError([f"--schedule {schedule!r} is not known; use cosine, linear or constant."])
-    extra = {"min_lr_rate": min_lr_ratio} if schedule == "cosine" else {}
-    return get_scheduler(
-        names[schedule], optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps,
-        scheduler_specific_kwargs=extra,
-    )
 
 
 class DeepSpeedEngine:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from lstune.optim import make_scheduler
+
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 MODEL_DIR = "model"
@@ -44,21 +46,6 @@ class Engine(Protocol):
     def export(self, out_dir: Path, *, merge_lora: bool = False) -> None: ...
 
 
-def make_scheduler(optimizer, cfg: OptimConfig):
-    """Warmup then cosine (to min_lr_ratio·lr), linear (to 0) or constant, via transformers' schedules."""
-    from transformers import get_scheduler
-
-    names = {"cosine": "cosine_with_min_lr", "linear": "linear", "constant": "constant_with_warmup"}
-    extra = {"min_lr_rate": cfg.min_lr_ratio} if cfg.schedule == "cosine" else {}
-    return get_scheduler(
-        names[cfg.schedule],
-        optimizer,
-        num_warmup_steps=cfg.warmup_steps,
-        num_training_steps=cfg.max_steps,
-        scheduler_specific_kwargs=extra,
-    )
-
-
 def is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
@@ -79,7 +66,10 @@ class TorchEngine:
         self.optimizer = torch.optim.AdamW(
             params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=on_cuda or None
         )
-        self.scheduler = make_scheduler(self.optimizer, cfg)
+        self.scheduler = make_scheduler(
+            self.optimizer, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
+            min_lr_ratio=cfg.min_lr_ratio,
+        )
 
     def backward(self, loss) -> None:
         loss.backward()
