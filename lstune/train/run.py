@@ -9,7 +9,7 @@ sequence parallelism): only `Runtime` and the engine differ.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -192,15 +192,7 @@ def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime):
     engine = DeepSpeedEngine(
         model,
         dims=runtime.dims,
-        lr=optim.lr,
-        weight_decay=optim.weight_decay,
-        betas=optim.betas,
-        eps=optim.eps,
-        warmup_steps=optim.warmup_steps,
-        max_steps=max_steps,
-        schedule=optim.schedule,
-        min_lr_ratio=optim.min_lr_ratio,
-        max_grad_norm=optim.max_grad_norm,
+        **asdict(optim),
         zero_stage=plan.stage,
         offload_optimizer=plan.offload_optimizer,
         offload_params=plan.offload_params,
