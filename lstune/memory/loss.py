@@ -12,6 +12,8 @@ Steps (generic path, `tiling.sequence_tiled` with `reduce="sum"`):
    logit transform (see `LogitTransform`), cross-entropy summed over labels != -100.
 3. Backward recomputes each tile's logits; the LM head weight gradient (the input embedding's with
    tied embeddings) is accumulated over tiles and scaled by the upstream gradient once per tile.
+   Under ZeRO-3 a tied weight is marked shared, so ZeRO reduces its gradient once, after the input
+   embedding's gradient is added (see tiling.py).
 The head returns (sum, count); the caller divides by the token count of the whole accumulation
 window (MST Alg. 2's per-chunk mean is only right when chunks have equal label counts: DIGEST.md).
 
@@ -23,8 +25,8 @@ twice (forward, recompute), plus once for the weight gradient, as without tiling
 
 On CUDA with liger-kernel installed, `auto` uses Liger's fused linear cross-entropy instead
 (reduction "sum", its softcap, scaling folded into the hidden states) when the head is a plain
-Linear; it never materialises full logits either and is faster (ALST recommends it where it
-applies). That path needs a GPU and is not exercised by the CPU test suite.
+Linear not partitioned by ZeRO-3; it never materialises full logits either and is faster (ALST
+recommends it where it applies). That path needs a GPU and is not exercised by the CPU test suite.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 import torch.nn.functional as F
 
-from lstune.memory.tiling import TilePolicy, int32_safe_tiles, sequence_tiled
+from lstune.memory.tiling import TilePolicy, int32_safe_tiles, is_zero3_partitioned, sequence_tiled
 from lstune.models.introspect import decoder_body, output_embedding, text_config, unwrap_model
 
 if TYPE_CHECKING:
@@ -140,8 +142,19 @@ def loss_sum_from_hidden(
         return _liger_loss_sum(head, transform, hidden_TD, labels_T), count
     n_tiles = loss_tile_count(setting, hidden_TD.shape[0], vocab_rows(head), hidden_TD.shape[-1])
     fn = partial(_tile_loss_sum, head, transform, labels_T)
-    loss = sequence_tiled(fn, hidden_TD, tiles=n_tiles, dim=0, params=list(head.parameters()), reduce="sum")
+    params = list(head.parameters())
+    loss = sequence_tiled(
+        fn, hidden_TD, tiles=n_tiles, dim=0, params=params, reduce="sum", shared_params=tied_to_input(model, params)
+    )
     return loss, count
+
+
+def tied_to_input(model: "nn.Module", params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Those of `params` that the input embedding also uses (tied embeddings): they get its gradient too."""
+    lm = unwrap_model(model)
+    embedding = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    used = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    return [p for p in params if id(p) in used]
 
 
 def loss_tile_count(setting: LossTiles, n_tokens: int, vocab: int, hidden: int) -> int:
@@ -176,8 +189,11 @@ def _resolve(model: "nn.Module", tiles: LossTiles) -> LossTiles:
 
 
 def liger_applies(head: "nn.Module", hidden: torch.Tensor) -> bool:
-    """Liger's fused linear CE fits: CUDA, liger-kernel installed, and a plain Linear head (no adapter)."""
-    if hidden.device.type != "cuda" or type(head) is not torch.nn.Linear:
+    """Liger's fused linear CE fits: CUDA, liger-kernel installed, and a plain Linear head (no adapter).
+
+    Not under ZeRO-3: Liger reads `head.weight` directly, outside the module call that gathers it.
+    """
+    if hidden.device.type != "cuda" or type(head) is not torch.nn.Linear or is_zero3_partitioned(head.weight):
         return False
     try:
         import liger_kernel.transformers.functional  # noqa: F401

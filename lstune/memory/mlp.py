@@ -19,7 +19,8 @@ product = 4 · intermediate) becomes `O(seq · hidden)` (x, output, grad) + `O(t
 Fusing the norms also removes what the norm saves for backward (RMSNorm: its input product and
 output, the rsqrt: 2 · seq · hidden measured on Llama). The residual add saves nothing, so there is nothing to
 gain by pulling it in. Cost: one extra MLP forward per step (the tile recompute), the MLP weights
-read once per tile. Composes with checkpointing + offload, LoRA, MoE, sequence parallelism.
+read once per tile. Composes with checkpointing + offload, LoRA, MoE, sequence parallelism and
+ZeRO-3 (whose partitioned weights take tiling.py's `.grad` route).
 """
 
 from __future__ import annotations

@@ -160,3 +160,89 @@ def test_backward_recomputes_under_the_forward_autocast():
     mlp.zero_grad()
     plain.float().sum().backward()
     torch.testing.assert_close(tiled_grad, mlp[0].weight.grad, rtol=2e-2, atol=2e-2)
+
+
+class _FakeZero3:
+    """ZeRO-3's gradient-hook contract on CPU, without DeepSpeed (deepspeed/runtime/zero/stage3.py).
+
+    Marks the weights partitioned (`ds_id`). When a weight's accumulate-grad hook fires with
+    `ds_grad_is_ready` (True when absent), ZeRO reduces its `.grad` and clears it; otherwise `.grad`
+    keeps accumulating. A second reduction of one weight in one backward is what ZeRO gets wrong.
+    """
+
+    def __init__(self, params):
+        self.reduced: dict[int, torch.Tensor] = {}
+        self.fired: dict[int, int] = {}
+        self.reduced_twice = False
+        for i, p in enumerate(params):
+            p.ds_id = i
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    def _hook(self, p):
+        self.fired[p.ds_id] = self.fired.get(p.ds_id, 0) + 1
+        if not getattr(p, "ds_grad_is_ready", True):
+            return
+        self.reduced_twice |= p.ds_id in self.reduced
+        self.reduced[p.ds_id] = p.grad.clone()
+        p.grad = None
+
+
+def test_zero3_weights_get_their_gradient_reduced_once_with_all_tiles_in_it():
+    mlp = _mlp()
+    x = torch.randn(2, 10, 4, requires_grad=True)
+    upstream = torch.randn(2, 10, 4)
+    (mlp(x) * upstream).sum().backward()
+    ref_x, ref_w = x.grad.clone(), [p.grad.clone() for p in mlp.parameters()]
+    x.grad = None
+    mlp.zero_grad(set_to_none=True)
+    zero = _FakeZero3(list(mlp.parameters()))
+    out = sequence_tiled(lambda t, s, e: mlp(t), x, tiles=3, dim=1, params=list(mlp.parameters()))
+    (out * upstream).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x)
+    assert zero.fired == {i: 3 for i in range(4)}  # into .grad once per tile ...
+    assert not zero.reduced_twice  # ... reduced once, after the last
+    for i, ref in enumerate(ref_w):
+        torch.testing.assert_close(zero.reduced[i], ref)
+    assert not any(hasattr(p, "ds_grad_is_ready") for p in mlp.parameters())
+
+
+@pytest.mark.parametrize("declare_tied", [True, False])
+def test_zero3_tied_head_is_reduced_once_after_the_input_embedding_adds_its_gradient(declare_tied):
+    """Tied LM head under ZeRO-3: loss_sum / N stays exact, and the shared weight is reduced once."""
+    torch.manual_seed(0)
+    embed, body = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 4)
+    ids, labels = torch.randint(0, 11, (23,)), torch.randint(0, 11, (23,))
+
+    def loss_fn(h, start, end):
+        return torch.nn.functional.cross_entropy(h @ embed.weight.T, labels[start:end], reduction="sum")
+
+    (loss_fn(body(embed(ids)), 0, 23) / 37.0).backward()
+    reference = [p.grad.clone() for p in (embed.weight, body.weight, body.bias)]
+    zero = _FakeZero3([embed.weight, body.weight, body.bias])
+    embed.weight.grad = body.weight.grad = body.bias.grad = None
+    shared = [embed.weight] if declare_tied else []
+    loss = sequence_tiled(
+        loss_fn, body(embed(ids)), tiles=5, dim=0, params=[embed.weight], reduce="sum", shared_params=shared
+    )
+    (loss / 37.0).backward()
+    assert zero.reduced_twice is not declare_tied
+    if declare_tied:
+        for i, ref in enumerate(reference):
+            torch.testing.assert_close(zero.reduced[i], ref)
+
+
+def test_zero3_weights_get_gradients_when_the_input_needs_none():
+    """A frozen body gives hidden states without grad; the tiled head's weights must still train."""
+    head = torch.nn.Linear(4, 11)
+    hidden = torch.randn(23, 4)
+    labels = torch.randint(0, 11, (23,))
+
+    def loss_fn(h, start, end):
+        return torch.nn.functional.cross_entropy(head(h), labels[start:end], reduction="sum")
+
+    loss_fn(hidden, 0, 23).backward()
+    reference = head.weight.grad.clone()
+    head.zero_grad(set_to_none=True)
+    zero = _FakeZero3([head.weight, head.bias])
+    sequence_tiled(loss_fn, hidden, tiles=4, dim=0, params=list(head.parameters()), reduce="sum").backward()
+    torch.testing.assert_close(zero.reduced[0], reference)
