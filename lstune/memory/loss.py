@@ -189,11 +189,14 @@ def _resolve(model: "nn.Module", tiles: LossTiles) -> LossTiles:
 
 
 def liger_applies(head: "nn.Module", hidden: torch.Tensor) -> bool:
-    """Liger's fused linear CE fits: CUDA, liger-kernel installed, and a plain Linear head (no adapter).
+    """Liger's fused linear CE fits: CUDA, liger-kernel installed, and a plain bias-free Linear head (no
+    adapter; a logit scale is folded into the hidden states, which a bias would not survive).
 
     Not under ZeRO-3: Liger reads `head.weight` directly, outside the module call that gathers it.
     """
-    if hidden.device.type != "cuda" or type(head) is not torch.nn.Linear or is_zero3_partitioned(head.weight):
+    if hidden.device.type != "cuda" or type(head) is not torch.nn.Linear or head.bias is not None:
+        return False
+    if is_zero3_partitioned(head.weight):
         return False
     try:
         import liger_kernel.transformers.functional  # noqa: F401
@@ -207,8 +210,6 @@ def _liger_loss_sum(head, transform: LogitTransform, hidden_TD, labels_T) -> tor
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
     if transform.scale != 1.0:
-        if head.bias is not None:
-            raise NotImplementedError("logit scaling with an LM head bias is not foldable into Liger's input")
         hidden_TD = hidden_TD * transform.scale
     weight, bias = head.weight, head.bias
     if torch.is_autocast_enabled("cuda"):
