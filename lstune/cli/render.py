@@ -6,6 +6,7 @@ from functools import cache
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -71,7 +72,7 @@ class RichReporter:
             self.task = self.progress.add_task("train", total=plan["steps"], completed=plan["start_step"], status="")
 
     def note(self, text: str) -> None:
-        self.con.print(f"[cyan]lstune[/cyan]: {text}", markup=True, highlight=False)
+        self.con.print(f"[cyan]lstune[/cyan]: {escape(text)}", markup=True, highlight=False)
 
     def step(self, metrics: dict[str, Any]) -> None:
         if self.progress is not None:

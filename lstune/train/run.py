@@ -80,8 +80,11 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
 
     state = RunState()
     if resume_from is not None:
-        state = _resume(engine, resume_from)
+        state, saved_config = _resume(engine, resume_from)
         reporter.note(f"resumed from {resume_from} at step {state.step}")
+        changes = config_changes(saved_config, _recipe_view(config))
+        if changes:
+            reporter.note("resumed with settings that differ from the checkpoint's run: " + "; ".join(changes))
     if runtime.is_main:
         write_config_snapshot(output_dir, _recipe_view(config))
 
@@ -201,11 +204,28 @@ def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime):
     return engine, f"engine: DeepSpeed ZeRO-{plan.stage} ({plan.reason}) on {runtime.world_size} process(es)"
 
 
-def _resume(engine, checkpoint: Path) -> RunState:
+def _resume(engine, checkpoint: Path) -> tuple[RunState, dict]:
     from lstune.train.checkpoint import load_checkpoint
 
     train_state = load_checkpoint(checkpoint, read_state=engine.load)
-    return RunState(train_state["step"], train_state["consumed_samples"], train_state.get("tokens_seen", 0))
+    state = RunState(train_state["step"], train_state["consumed_samples"], train_state.get("tokens_seen", 0))
+    return state, train_state.get("config", {})
+
+
+# Settings whose change makes a resumed run differ from continuing the old one (the data stream, the
+# samples per step, the objective); a change is allowed but said.
+_RESUME_SENSITIVE = (
+    "model", "data", "seq_len", "pack", "max_records", "seed", "micro_batch_size", "grad_accum", "gpus", "sp",
+    "lr", "schedule", "max_steps", "warmup_steps",
+)
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    return [
+        f"{key} {saved[key]!r} → {current.get(key)!r}"
+        for key in _RESUME_SENSITIVE
+        if key in saved and saved[key] != current.get(key)
+    ]
 
 
 def _recipe_view(config: TrainConfig) -> dict[str, Any]:

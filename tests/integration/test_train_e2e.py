@@ -184,3 +184,13 @@ def test_attention_that_cannot_be_honoured_is_refused(cli, tmp_path, text_data):
     assert result.code == 2 and "Traceback" not in result.err
     assert "softcap" in result.err.lower()
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+def test_resume_with_changed_settings_says_so(cli, tmp_path, text_data):
+    out = tmp_path / "run"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    result = cli("train", *TINY, "--data", text_data, "--max-steps", "3", "--grad-accum", "2", "--output-dir", out,
+                 "--resume")
+    assert result.code == 0, result.err
+    assert "differ from the checkpoint" in result.out and "grad_accum 1 → 2" in result.out
+    assert "max_steps 2 → 3" in result.out
