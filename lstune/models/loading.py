@@ -162,18 +162,19 @@ def load_tokenizer(source: ModelSource, config, *, trust_remote_code: bool = Fal
     from lstune.data.tokenizer import ByteTokenizer
 
     notes: list[str] = []
+    if source.kind == "local" and ByteTokenizer.saved_in(source.location):
+        return ByteTokenizer.from_pretrained(source.location), notes  # a model lstune trained and saved
     if source.kind != "preset":
         from transformers import AutoTokenizer
 
         try:
             return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code), notes
         except (OSError, ValueError, TypeError) as exc:
-            if (Path(source.location) / "lstune_byte_tokenizer.json").exists() or source.kind == "local":
-                log.debug("no HF tokenizer at %s: %s", source.location, exc)
-            else:
+            if source.kind != "local":
                 raise ModelError(
                     f"--model {source.name!r}: its tokenizer could not be loaded ({_first_line(exc)})."
                 ) from None
+            log.debug("no HF tokenizer in %s: %s", source.location, exc)
     tokenizer = ByteTokenizer()
     if config.vocab_size < tokenizer.vocab_size:
         raise UserError(

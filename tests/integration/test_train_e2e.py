@@ -194,3 +194,14 @@ def test_resume_with_changed_settings_says_so(cli, tmp_path, text_data):
     assert result.code == 0, result.err
     assert "differ from the checkpoint" in result.out and "grad_accum 1 → 2" in result.out
     assert "max_steps 2 → 3" in result.out
+
+
+def test_training_continues_from_a_final_model_folder(cli, tmp_path, text_data):
+    first = tmp_path / "first"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", first).code == 0
+    result = cli("train", "--model", first / "final", "--seq-len", "256", "--data", text_data, "--max-steps", "1",
+                 "--output-dir", tmp_path / "second")
+    assert result.code == 0, result.err
+    assert "(local)" in result.out
+    assert "no tokenizer shipped" not in result.out  # the byte tokenizer saved with the model is found
+    assert "randomly initialised" not in result.out
