@@ -69,8 +69,10 @@ def main(argv: list[str] | None = None) -> None:
     import click
 
     args = _normalise_resume(list(sys.argv[1:] if argv is None else argv))
-    _ARGV[:] = args
     debug = "--debug" in args
+    if debug:  # accepted anywhere on the line: `lstune train ... --debug` as well as `lstune --debug train`
+        args = ["--debug"] + [a for a in args if a != "--debug"]
+    _ARGV[:] = args
     try:
         code = app(args=args, prog_name="lstune", standalone_mode=False)
     except UserError as exc:

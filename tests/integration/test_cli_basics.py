@@ -120,9 +120,10 @@ def test_resume_without_checkpoint(cli, tmp_path):
 
 
 def test_debug_shows_the_traceback():
-    proc = run_subprocess("--debug", "train", "--model", "./no/such", "--dry-run", timeout=60)
-    assert proc.returncode == 2
-    assert "Traceback" in proc.stderr and "./no/such" in proc.stderr
+    for args in (("--debug", "train", "--model", "./no/such", "--dry-run"), ("train", "--model", "./no/such", "--debug")):
+        proc = run_subprocess(*args, timeout=60)
+        assert proc.returncode == 2
+        assert "Traceback" in proc.stderr and "./no/such" in proc.stderr
 
 
 def test_pretokenized_ids_beyond_the_vocabulary(cli, tmp_path):
