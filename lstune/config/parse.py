@@ -99,25 +99,20 @@ def parse_choice(value: Any, choices: tuple[str, ...]) -> str:
     return text
 
 
+def parse_auto_int(value: Any, *, words: tuple[str, ...] = ("auto",)) -> str | int:
+    """One of `words` (default 'auto') or a positive whole number."""
+    text = str(value).strip().lower()
+    if text in words:
+        return text
+    try:
+        return parse_int(value, minimum=1)
+    except ValueError:
+        raise ValueError(f"is not {' or '.join(words)} or a positive whole number") from None
+
+
 def parse_auto_off_int(value: Any) -> str | int:
     """'auto', 'off' or a positive whole number (a tile count)."""
-    text = str(value).strip().lower()
-    if text in ("auto", "off"):
-        return text
-    try:
-        return parse_int(value, minimum=1)
-    except ValueError:
-        raise ValueError("is not auto, off or a positive whole number") from None
-
-
-def parse_auto_int(value: Any) -> str | int:
-    text = str(value).strip().lower()
-    if text == "auto":
-        return text
-    try:
-        return parse_int(value, minimum=1)
-    except ValueError:
-        raise ValueError("is not auto or a positive whole number") from None
+    return parse_auto_int(value, words=("auto", "off"))
 
 
 def parse_optional_str(value: Any) -> str | None:

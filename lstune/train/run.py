@@ -8,6 +8,7 @@ sequence parallelism): only `Runtime` and the engine differ.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,8 @@ from lstune.train.runtime import Runtime, start_runtime
 from lstune.train.signals import StopOnSignal
 from lstune.train.step import RunState, Stepper
 
+log = logging.getLogger("lstune")
+
 
 @dataclass
 class TrainResult:
@@ -43,19 +46,19 @@ class TrainResult:
 
 
 class _Silent:
-    """The reporter of non-main ranks: the main process speaks for the run."""
+    """The reporter of non-main ranks: the main process speaks for the run; they only log at debug level."""
 
     def start(self, plan):
-        pass
+        log.debug("plan: %s", plan)
 
     def note(self, text):
-        pass
+        log.debug("%s", text)
 
     def step(self, metrics):
-        pass
+        log.debug("step %s", metrics["step"])
 
     def end(self, result):
-        pass
+        log.debug("done")
 
 
 def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:

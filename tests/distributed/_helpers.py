@@ -64,3 +64,23 @@ def max_grad_diff(a: dict, b: dict) -> tuple[float, str]:
     assert a.keys() == b.keys(), f"different parameters have gradients: {set(a) ^ set(b)}"
     worst = max(a, key=lambda n: float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)))
     return float((a[worst] - b[worst]).abs().max() / b[worst].abs().max().clamp_min(1e-12)), worst
+
+
+def train_steps(engine, batches, steps: int, accum: int, compute_loss_sum=None) -> list[tuple[float, float]]:
+    """`steps` optimizer steps of the lstune objective on `engine`: (global mean loss, grad norm) each."""
+    from lstune.parallel.loss import global_mean, global_token_count, local_objective
+    from lstune.parallel.sp_data import count_tokens
+
+    compute_loss_sum = compute_loss_sum or loss_sum
+    out = []
+    for _ in range(steps):
+        window = [next(batches) for _ in range(accum)]
+        n = global_token_count(window)
+        sums = []
+        for mb in window:
+            s, _ = compute_loss_sum(engine.model, mb)
+            engine.backward(local_objective(s, n))
+            sums.append(s.detach())
+        stats = engine.step()
+        out.append((global_mean(sums, [count_tokens(mb) for mb in window]), stats["grad_norm"]))
+    return out

@@ -17,22 +17,9 @@ ARCH = "tiny-qwen3"  # tied input/output embeddings: the export must write them 
 
 
 def _steps(engine, batches, n: int) -> list[float]:
-    from lstune.parallel.loss import global_mean, global_token_count, local_objective
-    from lstune.parallel.sp_data import count_tokens
-    from tests.distributed._helpers import loss_sum
+    from tests.distributed._helpers import train_steps
 
-    losses = []
-    for _ in range(n):
-        window = [next(batches) for _ in range(ACCUM)]
-        n_tokens = global_token_count(window)
-        sums = []
-        for mb in window:
-            s, _ = loss_sum(engine.model, mb)
-            engine.backward(local_objective(s, n_tokens))
-            sums.append(s.detach())
-        engine.step()
-        losses.append(global_mean(sums, [count_tokens(mb) for mb in window]))
-    return losses
+    return [loss for loss, _ in train_steps(engine, batches, n, ACCUM)]
 
 
 def _checkpoint_worker(rank: int, world: int, tmp: str) -> dict:

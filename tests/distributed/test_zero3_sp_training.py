@@ -57,10 +57,9 @@ def _train_worker(
 
     from lstune.parallel.dims import ParallelDims
     from lstune.parallel.engine_ds import DeepSpeedEngine
-    from lstune.parallel.loss import global_mean, global_token_count, local_objective
-    from lstune.parallel.sp_data import SPDataAdapter, count_tokens
+    from lstune.parallel.sp_data import SPDataAdapter
     from lstune.parallel.ulysses import apply_ulysses
-    from tests.distributed._helpers import loss_sum, tiny_model
+    from tests.distributed._helpers import loss_sum, tiny_model, train_steps
 
     samples = _samples(world)
     model = tiny_model(arch)
@@ -79,17 +78,7 @@ def _train_worker(
         model, dims=dims, zero_stage=stage, offload_optimizer=offload[0], offload_params=offload[1], **OPTIM
     )
     batches = iter(SPDataAdapter(samples[rank::world], dims))
-    losses = []
-    for _ in range(STEPS):
-        window = [next(batches) for _ in range(ACCUM)]
-        n = global_token_count(window)
-        sums = []
-        for mb in window:
-            s, _ = compute_loss_sum(engine.model, mb)
-            engine.backward(local_objective(s, n))
-            sums.append(s.detach())
-        stats = engine.step()
-        losses.append((global_mean(sums, [count_tokens(mb) for mb in window]), stats["grad_norm"]))
+    losses = train_steps(engine, batches, STEPS, ACCUM, compute_loss_sum)
     handle.undo()
     return {"losses": losses, "reference": reference}
 
