@@ -21,6 +21,7 @@ import torch
 from lstune.errors import ConfigError, UserError
 from lstune.memory import checkpoint as ckpt
 from lstune.memory import mlp as tiled_mlp_mod
+from lstune.memory.lora_inputs import share_lora_inputs
 from lstune.memory.loss import (
     PLAN_ATTRIBUTE,
     LossTiles,
@@ -113,6 +114,7 @@ def apply_memory_techniques(
     if probing:
         check_loss_head(model)
     try:
+        plan._undos.extend(share_lora_inputs(model))
         _apply_mlp(model, plan, probing)
         _apply_loss(model, plan, tiled_loss)
         _apply_checkpointing(model, plan, checkpointing, offload_checkpoints, host_mem_budget)

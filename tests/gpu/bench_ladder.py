@@ -260,6 +260,7 @@ def cmd_maxlen(args) -> None:
     """Longest length that completes a step, by steps of `--len-step` from `--start`: up while it fits, down
     while it does not. In-process (the allocator recovers from an OOM once its tensors are freed)."""
     model = build(args.preset, args.layers, args.lora_r, args.device)
+    ballast = _ballast(model, args.as_layers, args.device)  # noqa: F841  (held: stands for the missing layers)
     step = parse_length(args.len_step)
     seq = parse_length(args.start) if args.start else None
     if args.fit_lengths:
@@ -293,7 +294,24 @@ def cmd_maxlen(args) -> None:
                 break
             seq -= step
     emit(args.out, {"kind": "maxlen", "rung": args.rung, "preset": args.preset, "layers": _layers(model),
+                    "as_layers": args.as_layers, "ballast_bytes": ballast.numel() if ballast is not None else 0,
                     "longest_ok": best, "shortest_failed": worst, "len_step": step})
+
+
+def _ballast(model, as_layers: int | None, device: str) -> torch.Tensor | None:
+    """Device bytes of the layers a shallow model lacks to be `as_layers` deep: frozen weights plus adapters
+    with their gradients and AdamW state (fp32: 4 + 4 + 8 bytes per element). With checkpoints offloaded the
+    device peak of a deeper model is the shallow one's plus exactly these, so a shallow model carrying this
+    ballast finds the deep model's longest sequence at a fraction of its step time."""
+    from lstune.models.introspect import decoder_layers
+
+    layers = decoder_layers(model)
+    if not as_layers or as_layers <= len(layers):
+        return None
+    per_layer = sum(p.numel() * (p.element_size() if not p.requires_grad else 16) for p in layers[0].parameters())
+    nbytes = (as_layers - len(layers)) * per_layer
+    print(json.dumps({"kind": "ballast", "as_layers": as_layers, "bytes": nbytes}), flush=True)
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _model_bytes(model) -> dict[str, Any]:
@@ -373,13 +391,16 @@ def _timed(fn: Callable[[], Any], device: str, reps: int = 5) -> float:
 
 
 def cmd_overlap(args) -> None:
-    """Offload's copies hidden or exposed: one layer's checkpoint copied D2H on a side stream while the
-    compute stream runs a matmul of about the layer's forward, vs the same two serialised."""
-    dev = args.device
-    seq, hidden = parse_length(args.seq), 4096
-    x = torch.randn(seq, hidden, device=dev, dtype=torch.bfloat16)
+    emit(args.out, copy_overlap(parse_length(args.seq), 4096, args.device))
+
+
+def copy_overlap(seq: int, hidden: int, device: str) -> dict[str, Any]:
+    """Offload's copy hidden or exposed: one layer's checkpoint (seq x hidden, bf16) copied to pinned host
+    memory on a side stream, as the offloader does, while the compute stream runs a matmul of about a layer's
+    MLP, against the two timed alone."""
+    x = torch.randn(seq, hidden, device=device, dtype=torch.bfloat16)
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    w = torch.randn(hidden, 14336, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(hidden, int(3.5 * hidden), device=device, dtype=torch.bfloat16)
     side = torch.cuda.Stream()
 
     def copy():
@@ -388,9 +409,6 @@ def cmd_overlap(args) -> None:
     def compute():
         return x @ w
 
-    copy_s = _timed(copy, dev)
-    compute_s = _timed(compute, dev)
-
     def overlapped():
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -398,11 +416,12 @@ def cmd_overlap(args) -> None:
         compute()
         torch.cuda.current_stream().wait_stream(side)
 
-    both_s = _timed(overlapped, dev)
-    emit(args.out, {"kind": "overlap", "seq": seq, "bytes": x.numel() * 2, "copy_s": copy_s,
-                    "copy_gb_per_s": x.numel() * 2 / copy_s / 1e9, "compute_s": compute_s, "overlapped_s": both_s,
-                    "exposed_copy_s": max(0.0, both_s - compute_s), "hidden_fraction":
-                    1 - max(0.0, both_s - compute_s) / copy_s})
+    copy_s, compute_s, both_s = (_timed(fn, device) for fn in (copy, compute, overlapped))
+    exposed = max(0.0, both_s - max(compute_s, copy_s))
+    return {"kind": "overlap", "seq": seq, "bytes": x.numel() * 2, "copy_s": copy_s,
+            "copy_gb_per_s": x.numel() * 2 / copy_s / 1e9, "compute_s": compute_s, "overlapped_s": both_s,
+            "serial_s": copy_s + compute_s, "exposed_s": exposed,
+            "hidden_fraction": 1 - exposed / min(copy_s, compute_s)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -425,6 +444,7 @@ def main(argv: list[str] | None = None) -> None:
     maxlen.add_argument("--rung", choices=list(RUNGS), required=True)
     maxlen.add_argument("--start")
     maxlen.add_argument("--fit-lengths", help="measure these first and start at the linear fit's longest length")
+    maxlen.add_argument("--as-layers", type=int, help="carry the device bytes of a model this deep (see _ballast)")
     maxlen.add_argument("--max-len", help="never try longer than this (a step's time grows with length squared)")
     maxlen.add_argument("--margin", default="1.5G", help="device bytes kept free in the prediction")
     maxlen.add_argument("--len-step", default="8k")
