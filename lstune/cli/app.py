@@ -1,11 +1,15 @@
 """The `lstune` command: a Typer app with one thin module per command.
 
-User mistakes (lstune.errors.UserError) print one message and exit with code 2; `--debug` adds the
-traceback. Heavy libraries are imported by the commands' work, never here, so `--help` is instant.
+User mistakes (lstune.errors.UserError) and usage errors (an unknown flag or command, a flag without
+its value) print one message and exit with code 2; `--debug` adds the traceback. SIGTERM before the
+training loop takes over (while loading data or the model) stops with code 130 and a message, like
+Ctrl-C. Heavy libraries are imported by the commands' work, never here, so `--help` is instant.
 """
 
 from __future__ import annotations
 
+import importlib
+import signal
 import sys
 import traceback
 
@@ -32,9 +36,17 @@ def _version(value: bool) -> None:
 @app.callback()
 def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors and log at debug level."),
+    log_level: str = typer.Option(
+        "warning", "--log-level", help="Log level on the terminal: debug, info, warning or error."
+    ),
 ) -> None:
     """Fine-tune Hugging Face causal LMs on very long sequences."""
+    from lstune.cli.logs import LEVELS, setup_logging
+
+    if log_level.lower() not in LEVELS:
+        raise UserError(f"--log-level {log_level!r} is not one of {', '.join(LEVELS)}.")
+    setup_logging(log_level.lower(), debug=debug)
 
 
 def _register_commands() -> None:
@@ -65,14 +77,49 @@ def current_argv() -> list[str]:
     return list(_ARGV)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import click
+def _hoist_globals(args: list[str]) -> list[str]:
+    """`--debug` and `--log-level LEVEL` are accepted anywhere on the line (`lstune train ... --debug` as
+    well as `lstune --debug train`): move them before the command, where the root callback reads them."""
+    front, rest, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--debug" or arg.startswith("--log-level="):
+            front.append(arg)
+        elif arg == "--log-level" and i + 1 < len(args):
+            front += [arg, args[i + 1]]
+            i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return front + rest
 
-    args = _normalise_resume(list(sys.argv[1:] if argv is None else argv))
+
+def _click_classes(name: str) -> tuple[type, ...]:
+    """`name` from click and from typer's vendored copy of it (typer >= 0.2x raises its own classes)."""
+    found = []
+    for module in ("click.exceptions", "typer._click.exceptions", "typer.exceptions"):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM outside the training loop (whose own handler saves a checkpoint first)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _hoist_globals(_normalise_resume(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args
-    if debug:  # accepted anywhere on the line: `lstune train ... --debug` as well as `lstune --debug train`
-        args = ["--debug"] + [a for a in args if a != "--debug"]
     _ARGV[:] = args
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if _in_main_thread() else None
     try:
         code = app(args=args, prog_name="lstune", standalone_mode=False)
     except UserError as exc:
@@ -80,12 +127,27 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exc()
         typer.echo(f"lstune: {exc}", err=True)
         sys.exit(exc.exit_code)
-    except click.exceptions.Exit as exc:
+    except _click_classes("Exit") as exc:
         sys.exit(exc.exit_code)
-    except click.ClickException as exc:
+    except _click_classes("ClickException") as exc:
+        if debug:
+            traceback.print_exc()
         exc.show()
         sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except Terminated as exc:
+        typer.echo(f"lstune: {exc.args[0] if exc.args else 'SIGTERM'} received before training started; "
+                   "stopped without writing a checkpoint (nothing had been trained).", err=True)
+        sys.exit(130)
+    except (_click_classes("Abort") + (KeyboardInterrupt,)):
         typer.echo("lstune: interrupted", err=True)
         sys.exit(130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

@@ -6,6 +6,7 @@ Each parser returns the typed value or raises `ValueError` whose message complet
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -15,6 +16,7 @@ _UNITS = {"": 1, "k": 1024, "m": 1024**2}
 _BYTE_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
 
 LENGTH_HINT = "use e.g. 32768, 32k, 500K, 1M, 1.5M"
+INT64_MAX = 2**63 - 1  # every integer setting ends up in a torch/numpy int64 (seeds, counts, sizes)
 
 
 def parse_length(value: Any) -> int:
@@ -34,6 +36,8 @@ def parse_length(value: Any) -> int:
         n = int(n)
     if n < 2:
         raise ValueError("must be at least 2 tokens")
+    if n > INT64_MAX:
+        raise ValueError(f"is beyond any possible length (at most {INT64_MAX})")
     return n
 
 
@@ -48,11 +52,14 @@ def parse_bytes(value: Any) -> int:
         n = int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
     if n < 0:
         raise ValueError("must not be negative")
+    if n > INT64_MAX:
+        raise ValueError(f"is beyond any possible size (at most {INT64_MAX} bytes)")
     return n
 
 
-def parse_int(value: Any, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool):
+def parse_int(value: Any, *, minimum: int | None = None, maximum: int = INT64_MAX) -> int:
+    """A whole number in [minimum, maximum]; the default maximum is int64's, where torch and numpy stop."""
+    if isinstance(value, bool) or isinstance(value, float):
         raise ValueError("is not a whole number")
     try:
         n = int(str(value).strip()) if not isinstance(value, int) else value
@@ -60,20 +67,39 @@ def parse_int(value: Any, *, minimum: int | None = None) -> int:
         raise ValueError("is not a whole number") from None
     if minimum is not None and n < minimum:
         raise ValueError(f"must be at least {minimum}")
+    if n > maximum:
+        raise ValueError(f"must be at most {maximum}")
     return n
 
 
-def parse_float(value: Any, *, minimum: float | None = None, maximum: float | None = None) -> float:
+def parse_float(
+    value: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+) -> float:
+    """A finite number within the bounds: `minimum`/`maximum` inclusive, `above`/`below` exclusive.
+
+    NaN and infinity are refused for every setting: NaN compares false with every bound (so it would
+    pass them) and both turn the weights into NaN or silently disable what the setting controls."""
     if isinstance(value, bool):
         raise ValueError("is not a number")
     try:
         x = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError("is not a number") from None
+    if not math.isfinite(x):
+        raise ValueError("is not a finite number")
     if minimum is not None and x < minimum:
         raise ValueError(f"must be at least {minimum}")
     if maximum is not None and x > maximum:
         raise ValueError(f"must be at most {maximum}")
+    if above is not None and x <= above:
+        raise ValueError(f"must be more than {above}")
+    if below is not None and x >= below:
+        raise ValueError(f"must be less than {below}")
     return x
 
 
@@ -125,7 +151,9 @@ def parse_optional_str(value: Any) -> str | None:
 def parse_str_list(value: Any) -> list[str] | str:
     """A list of names (YAML list or comma-separated string), or 'auto'."""
     if isinstance(value, (list, tuple)):
-        items = [str(v).strip() for v in value]
+        if not all(isinstance(v, str) for v in value):
+            raise ValueError("must be a list of module names (strings), e.g. [q_proj, v_proj]")
+        items = [v.strip() for v in value]
     else:
         text = str(value).strip()
         if text.lower() == "auto":

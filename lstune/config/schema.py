@@ -67,6 +67,7 @@ class TrainConfig:
         "Modules LoRA adapts: comma-separated names, or 'auto' = every linear layer but the output head.",
         p.parse_str_list,
         MODEL,
+        accepts_list=True,
     )
     merge_lora: bool = _opt(
         False, "With LoRA: also write the merged full model to OUTPUT_DIR/final-merged.", p.parse_bool, MODEL
@@ -170,7 +171,7 @@ class TrainConfig:
     )
     epochs: float | None = _opt(
         None, "Epochs to train when --max-steps is not given (default 1).",
-        partial(p.parse_float, minimum=0.0), OPTIM,
+        partial(p.parse_float, above=0.0), OPTIM,
     )
     lr: float = _opt(2e-5, "Peak learning rate.", partial(p.parse_float, minimum=0.0), OPTIM)
     min_lr_ratio: float = _opt(
@@ -185,9 +186,10 @@ class TrainConfig:
         None, "Linear warmup steps (default: 3% of the steps).", _nonneg_int, OPTIM
     )
     weight_decay: float = _opt(0.0, "AdamW weight decay.", partial(p.parse_float, minimum=0.0), OPTIM)
-    adam_beta1: float = _opt(0.9, "AdamW beta1.", partial(p.parse_float, minimum=0.0, maximum=1.0), OPTIM)
-    adam_beta2: float = _opt(0.95, "AdamW beta2.", partial(p.parse_float, minimum=0.0, maximum=1.0), OPTIM)
-    adam_eps: float = _opt(1e-8, "AdamW epsilon.", partial(p.parse_float, minimum=0.0), OPTIM)
+    # Adam divides by (1 - beta^t) and by sqrt(v) + eps: beta = 1 or eps = 0 divide by zero.
+    adam_beta1: float = _opt(0.9, "AdamW beta1, in [0, 1).", partial(p.parse_float, minimum=0.0, below=1.0), OPTIM)
+    adam_beta2: float = _opt(0.95, "AdamW beta2, in [0, 1).", partial(p.parse_float, minimum=0.0, below=1.0), OPTIM)
+    adam_eps: float = _opt(1e-8, "AdamW epsilon (> 0).", partial(p.parse_float, above=0.0), OPTIM)
     max_grad_norm: float = _opt(
         1.0, "Clip the gradient norm to this (0 = no clipping).", partial(p.parse_float, minimum=0.0), OPTIM
     )
