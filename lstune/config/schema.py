@@ -225,6 +225,20 @@ class TrainConfig:
         RUN,
     )
     log_every: int = _opt(1, "Print a progress line every N steps.", _pos_int, RUN)
+    skip_nonfinite_steps: bool = _opt(
+        False,
+        "Skip a step whose loss or gradient norm is NaN/inf (its update is not applied) instead of stopping "
+        "the run; it still stops after 10 such steps in a row.",
+        p.parse_bool,
+        RUN,
+    )
+    trust_checkpoint: bool = _opt(
+        False,
+        "Resume from a DeepSpeed checkpoint even when its files hold Python objects beyond tensors and plain "
+        "data, which loading would execute: only for checkpoints you wrote or trust.",
+        p.parse_bool,
+        RUN,
+    )
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 MAP_BATCH_BYTES = 4 * 2**20
 MAP_MAX_BATCH = 1000
 # Bumped whenever the tokenized layout changes, so stale caches are never reused.
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)

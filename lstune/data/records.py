@@ -101,12 +101,17 @@ def _document_columns(docs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
         columns["length"].append(len(ids_T))
         columns["n_targets"].append(int(target_T.sum()))
         columns["first_target"].append(int(target_T.argmax()) if target_T.any() else len(ids_T))
-        columns["max_id"].append(int(ids_T.max()) if len(ids_T) else -1)
+        # Ids and targets both index the vocabulary (embedding rows, logit columns).
+        columns["max_id"].append(int(max(ids_T.max(), labels_T.max())) if len(ids_T) else -1)
     return columns
 
 
 def _text_documents(texts: list, tokenizer: Any) -> list[tuple[np.ndarray, np.ndarray]]:
     """Batch-encode (fast tokenizers do it in parallel in Rust); empty texts give empty documents."""
+    for i, t in enumerate(texts):
+        if t is not None and not isinstance(t, str):
+            raise DataError(f"the 'text' field holds {type(t).__name__} values (e.g. {str(t)[:40]!r}), not strings; "
+                            "give each record its text as one string.")
     present = [i for i, t in enumerate(texts) if isinstance(t, str) and t]
     encoded = []
     if present:  # `verbose=False`: long documents are the point here, not a mistake to warn about
@@ -121,10 +126,23 @@ def _text_documents(texts: list, tokenizer: Any) -> list[tuple[np.ndarray, np.nd
     return docs
 
 
+def _int_array(value: Any, column: str, index: int) -> np.ndarray:
+    try:
+        return np.asarray(value, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise DataError(f"record {index}: '{column}' must be a list of whole numbers (token ids), not "
+                        f"{type(value).__name__} values like {str(value)[:40]!r}.") from None
+
+
 def _pretokenized_document(batch: Mapping[str, list], row: int, index: int) -> tuple[np.ndarray, np.ndarray]:
-    ids_T = np.asarray(batch["input_ids"][row], dtype=np.int64).reshape(-1)
+    ids_T = _int_array(batch["input_ids"][row], "input_ids", index)
     labels = batch["labels"][row] if "labels" in batch else None
-    labels_T = ids_T if labels is None else np.asarray(labels, dtype=np.int64).reshape(-1)
+    labels_T = ids_T if labels is None else _int_array(labels, "labels", index)
+    if (ids_T < 0).any():
+        raise DataError(f"record {index}: input_ids has the negative id {int(ids_T.min())}; token ids are 0 or more.")
+    if ((labels_T < 0) & (labels_T != IGNORE)).any():
+        bad = int(labels_T[(labels_T < 0) & (labels_T != IGNORE)][0])
+        raise DataError(f"record {index}: labels has {bad}; a label is a token id (0 or more) or -100 (ignored).")
     mask = batch["attention_mask"][row] if "attention_mask" in batch else None
     keep_T = np.ones(len(ids_T), bool) if mask is None else np.asarray(mask).reshape(-1) != 0
     if not (len(labels_T) == len(ids_T) == len(keep_T)):

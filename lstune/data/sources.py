@@ -9,6 +9,7 @@ text never has to fit in RAM.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,22 +119,99 @@ def _read_files(builder: str, files: list[Path]) -> Dataset:
 
     names = ", ".join(str(p) for p in files[:3]) + (" ..." if len(files) > 3 else "")
     try:
-        return load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        with _quiet_datasets():  # its parse errors are reported below, once, with the file and line
+            dataset = load_dataset(builder, data_files=[str(p) for p in files], split="train")
+        # Arrow keeps text bytes as they were read; invalid UTF-8 would only fail later, mid-tokenization.
+        dataset.data.table.validate(full=True)
+        return dataset
     except ValueError as e:
         # datasets refuses to build a split of zero rows with this message; it is the user's empty data.
         if "corresponds to no data" not in str(e):
-            raise _unreadable(names, builder, e) from e
+            raise _unreadable(names, builder, e, files) from e
         raise DataError(f"data source {names}: no records. "
                         "Point the data source at a non-empty dataset.") from e
     except Exception as e:  # any parse failure of user files is a data problem, not an lstune bug
-        raise _unreadable(names, builder, e) from e
+        raise _unreadable(names, builder, e, files) from e
 
 
-def _unreadable(names: str, builder: str, e: Exception) -> DataError:
+@contextmanager
+def _quiet_datasets():
+    import logging
+
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _unreadable(names: str, builder: str, e: Exception, files: list[Path]) -> DataError:
+    where = _first_bad_line(files) if builder == "json" else None
+    if where is not None:
+        return DataError(f"data source: {where}. Fix that line (each line of a .jsonl file is one JSON record, "
+                         "in UTF-8).")
+    detail = str(e).splitlines()[0][:300] if str(e) else ""
     return DataError(
-        f"data source: could not read {names} as {builder}: {type(e).__name__}: {e}. "
+        f"data source: could not read {names} as {builder}: {type(e).__name__}: {detail}. "
         "Check that the file is valid (.json: one list of records or one record per line)."
     )
+
+
+def _first_bad_line(files: list[Path]) -> str | None:
+    """'FILE line N: what is wrong' for the first line that is not UTF-8 or not JSON; read only after
+    a load failed, so valid data never pays for this second pass."""
+    import json
+
+    for path in files:
+        with open(path, "rb") as f:
+            if path.suffix.lower() == ".json":
+                problem = _json_document_problem(f.read())
+                if problem:
+                    return f"{path} {problem}"
+                continue
+            for number, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    return f"{path} line {number} is not UTF-8 text (byte {exc.start + 1} is {raw[exc.start]:#04x})"
+                if line.strip():
+                    try:
+                        json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        return f"{path} line {number} is not valid JSON ({exc.msg}, column {exc.colno})"
+    return None
+
+
+def _json_document_problem(data: bytes) -> str | None:
+    import json
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        return f"line {line} is not UTF-8 text (byte {data[exc.start]:#04x})"
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        if text.lstrip().startswith("{") and "\n{" in text:
+            return _jsonl_lines_problem(text)
+        return f"line {exc.lineno} is not valid JSON ({exc.msg}, column {exc.colno})"
+    return None
+
+
+def _jsonl_lines_problem(text: str) -> str | None:
+    """A .json file holding one record per line (datasets accepts that too)."""
+    import json
+
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as exc:
+                return f"line {number} is not valid JSON ({exc.msg}, column {exc.colno})"
+    return None
 
 
 def _load_hub(name: str) -> Records:

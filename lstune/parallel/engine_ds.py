@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lstune.errors import CheckpointError, ConfigError
-from lstune.optim import make_scheduler
+from lstune.optim import apply_optim_settings, make_scheduler
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +46,16 @@ DS_TAG = "deepspeed"
 BYTES_PER_PARAM = {"weights": 2, "grads": 4, "optimizer": 12}  # bf16 weights, fp32 grads, fp32 master + m + v
 STATIC_SHARE = 0.5  # of device memory that weights, grads and optimizer may take; the rest is for activations
 EXPORT_SHARD_BYTES = 2 * 1024**3
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """This run's optimiser settings, applied again after a checkpoint's are loaded (lstune.optim)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
 
 
 @dataclass(frozen=True)
@@ -207,6 +217,7 @@ class DeepSpeedEngine:
         offload_optimizer: bool = False,
         offload_params: bool = False,
         bf16: bool = False,
+        trust_checkpoint: bool = False,
     ):
         import deepspeed
         import torch
@@ -238,6 +249,11 @@ class DeepSpeedEngine:
         )
         self.model = self._ds.module
         self._divisor = gradient_divisor(zero_stage, dims)
+        self._optim = OptimSettings(lr, betas, eps, weight_decay)
+        if not trust_checkpoint:
+            from lstune.parallel.safe_load import use_restricted_loader
+
+            use_restricted_loader(self._ds)
 
     def backward(self, loss: "torch.Tensor") -> None:
         """Accumulate gradients of this rank's share of the global mean loss (see loss.py)."""
@@ -275,6 +291,7 @@ class DeepSpeedEngine:
         )
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
+        apply_optim_settings(self.optimizer, self.scheduler, self._optim)
 
     def export(self, out_dir: Path, *, merge_lora: bool = False) -> None:
         """The HF-format model (from_pretrained loads it), gathered one parameter at a time.

@@ -30,7 +30,9 @@ Save protocol (`save_checkpoint`):
    `.old-checkpoint-STEP-<random>` first and deleted only after the new one is in place; if the process
    dies between those two renames, the next save renames the old one back.
 6. Prune: keep the `keep_last` newest complete checkpoints (by step), always including the one just
-   written; delete only other `checkpoint-N` folders that carry our manifest.
+   written; delete only other `checkpoint-N` folders that carry our manifest, each renamed to
+   `.pruned-checkpoint-N-<random>` first (atomic), then deleted, so a crash while deleting never leaves
+   a checkpoint folder half-deleted.
 
 Every step before 5 works inside the temporary folder, so a crash there leaves the existing
 checkpoints untouched; `find_latest_checkpoint` never sees a folder without a valid manifest.
@@ -84,7 +86,7 @@ FORMAT_VERSION = 1
 _HASH_BLOCK_BYTES = 8 * 1024 * 1024
 _HASH_THREADS = 4
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-_STALE_RE = re.compile(r"^\.(tmp|old)-checkpoint-(\d+)-[0-9a-f]{8}$")
+_STALE_RE = re.compile(r"^\.(tmp|old|pruned)-checkpoint-(\d+)-[0-9a-f]{8}$")
 
 
 def rng_state_name(rank: int, world_size: int) -> str:
@@ -368,7 +370,16 @@ def _prune(output_dir: Path, just_written: Path, keep_last: int | None) -> None:
     for path in ours:
         if path not in keep:
             logger.info("removing %s (keeping the last %d checkpoints)", path, keep_last)
-            shutil.rmtree(path)
+            _remove_checkpoint(path)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Rename, then delete: a crash mid-delete leaves a `.pruned-` folder (removed by the next save's
+    stale-folder pass), never a `checkpoint-N` folder with part of its files or without its manifest."""
+    doomed = path.with_name(f".pruned-{path.name}-{secrets.token_hex(4)}")
+    os.rename(path, doomed)
+    _fsync_dir(path.parent)
+    shutil.rmtree(doomed)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from lstune.optim import make_scheduler
+from lstune.errors import CheckpointError
+from lstune.optim import apply_optim_settings, make_scheduler
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -75,15 +76,31 @@ class TorchEngine:
         loss.backward()
 
     def step(self) -> dict[str, float]:
+        """Clip and update; an update from a non-finite gradient norm is never applied (the step is
+        skipped, `update_skipped` says so, and the loop decides whether the run may go on)."""
         import torch
 
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, max_norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, max_norm))
+        if not math.isfinite(grad_norm):
+            return {**self.skip_step(), "grad_norm": grad_norm}
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+        return {"grad_norm": grad_norm, "lr": float(lr), "update_skipped": False}
+
+    def skip_step(self) -> dict[str, float]:
+        """Drop this step's gradients, keep the weights; the schedule advances as if the step ran."""
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"grad_norm": float("nan"), "lr": float(lr), "update_skipped": True}
+
+    def weights_finite(self) -> bool:
+        import torch
+
+        return all(bool(torch.isfinite(p).all()) for p in self._params)
 
     def save(self, ckpt_dir: Path) -> None:
         import torch
@@ -93,11 +110,21 @@ class TorchEngine:
         torch.save(self.scheduler.state_dict(), ckpt_dir / SCHEDULER_FILE)
 
     def load(self, ckpt_dir: Path) -> None:
+        """Weights, optimizer and schedule position; then this run's optimiser settings take effect
+        (a changed --lr, betas, schedule on resume is applied, not silently replaced by the saved ones)."""
         import torch
 
-        load_model_weights(self.model, ckpt_dir / MODEL_DIR)
-        self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_FILE, weights_only=True))
-        self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, weights_only=True))
+        try:
+            load_model_weights(self.model, ckpt_dir / MODEL_DIR)
+            self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_FILE, weights_only=True))
+            self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, weights_only=True))
+        except (RuntimeError, ValueError, KeyError, OSError) as exc:
+            raise CheckpointError(
+                f"checkpoint {ckpt_dir} does not fit this model and optimizer ({str(exc)[:300]}). Resume with the "
+                "--model, LoRA settings and engine it was trained with (a DeepSpeed checkpoint needs the same "
+                "--gpus and --zero-stage)."
+            ) from exc
+        apply_optim_settings(self.optimizer, self.scheduler, self.cfg)
 
     def export(self, out_dir: Path, *, merge_lora: bool = False) -> None:
         export_model(self.model, out_dir, merge_lora=merge_lora)

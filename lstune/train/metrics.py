@@ -49,7 +49,8 @@ class MetricsWriter:
         self.path = output_dir / METRICS_FILE
         if resume_step is not None and self.path.exists():
             self._truncate_after(resume_step)
-        self._file = open(self.path, "a", encoding="utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def _truncate_after(self, step: int) -> None:
         kept = []

@@ -19,12 +19,13 @@ from lstune.config.schema import TrainConfig
 from lstune.train.outputs import (
     FINAL_DIR,
     MERGED_DIR,
-    create_output_dir,
+    OutputFolder,
     resolve_output_dir,
     write_config_snapshot,
 )
 from lstune.train.reporter import LogReporter, Reporter
 from lstune.train.runtime import Runtime, start_runtime
+from lstune.errors import UserError
 from lstune.train.signals import StopOnSignal
 from lstune.train.step import RunState, Stepper
 
@@ -68,8 +69,21 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     hf_logging.disable_progress_bar()  # lstune draws its own progress; HF's per-save bars are noise here
     runtime = start_runtime(config.dtype)
     reporter = (reporter or LogReporter()) if runtime.is_main else _Silent()
-    output_dir, resume_from = _setup_output(config, runtime)
+    output_dir, resume_from, folder = _setup_output(config, runtime)
+    try:
+        return _run(config, runtime, reporter, output_dir, resume_from, folder)
+    finally:
+        if folder is not None:
+            folder.close()
+
+
+def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path | None, folder) -> TrainResult:
+    from lstune.train.preflight import check_resume_compatible, check_sizes
+
+    if resume_from is not None:
+        check_resume_compatible(config, resume_from, runtime.world_size)
     model_config = _check_model_support(config, runtime)
+    check_sizes(config, model_config, runtime)
     runtime.set_dims(config.sp, model_config)
     tokenizer, notes = _setup_tokenizer(config)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
@@ -87,26 +101,36 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
         reporter.note(f"resumed from {resume_from} at step {state.step}")
         changes = config_changes(saved_config, _recipe_view(config))
         if changes:
-            reporter.note("resumed with settings that differ from the checkpoint's run: " + "; ".join(changes))
-    if runtime.is_main:
-        write_config_snapshot(output_dir, _recipe_view(config))
+            reporter.note("resumed with settings that differ from the checkpoint's run; they take effect from "
+                          "this step: " + "; ".join(changes))
+    if folder is not None:
+        folder.clear_previous()  # --overwrite: only now, with every check of the new run passed
+        write_config_snapshot(folder, _recipe_view(config))
 
     reporter.start(_plan(config, loaded, dataset, max_steps, output_dir, runtime, state))
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
-    _loop(config, engine, loaded, dataset, runtime, state, result, reporter)
+    result.last_checkpoint = resume_from if resume_from is not None and resume_from.parent == output_dir else None
+    _loop(config, engine, loaded, dataset, runtime, state, result, reporter, folder)
     reporter.end(result)
     return result
 
 
-def _setup_output(config: TrainConfig, runtime: Runtime) -> tuple[Path, Path | None]:
-    """Every rank checks (read-only) before the main process creates anything, so no rank races another."""
+def _setup_output(config: TrainConfig, runtime: Runtime) -> tuple[Path, Path | None, OutputFolder | None]:
+    """Every rank checks (read-only); then the main process creates and locks the folder (an error there,
+    such as another run holding it, reaches every rank) before anything heavy is loaded."""
     output_dir, resume_from = resolve_output_dir(config)
-    runtime.barrier()
+    folder, error = None, None
     if runtime.is_main:
-        create_output_dir(output_dir, overwrite=config.overwrite and not config.resume)
-    runtime.barrier()
+        try:
+            folder = OutputFolder(output_dir).open(overwrite=config.overwrite and not config.resume)
+        except UserError as exc:
+            error = exc
+    if runtime.any(error is not None):
+        if error is not None:
+            raise error
+        raise UserError(f"the main process could not open --output-dir {str(output_dir)!r} (its message says why)")
     config.output_dir = str(output_dir)
-    return output_dir, resume_from
+    return output_dir, resume_from, folder
 
 
 def _check_model_support(config: TrainConfig, runtime: Runtime):
@@ -142,7 +166,7 @@ def _setup_data(config: TrainConfig, tokenizer, model_config):
     max_id, vocab = dataset.summary()["max_token_id"], model_config.vocab_size
     if max_id is not None and max_id >= vocab:
         raise DataError(
-            f"--data {config.data!r} has token id {max_id}, but --model {config.model!r} has a vocabulary of "
+            f"--data {config.data!r} has token id {max_id} (as an input id or a label), but --model {config.model!r} has a vocabulary of "
             f"{vocab}; pre-tokenized data must come from the model's own tokenizer."
         )
     return dataset
@@ -203,6 +227,7 @@ def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime):
         offload_optimizer=plan.offload_optimizer,
         offload_params=plan.offload_params,
         bf16=runtime.autocast_dtype is not None,
+        trust_checkpoint=config.trust_checkpoint,
     )
     return engine, f"engine: DeepSpeed ZeRO-{plan.stage} ({plan.reason}) on {runtime.world_size} process(es)"
 
@@ -233,8 +258,8 @@ def config_changes(saved: dict, current: dict) -> list[str]:
 
 def _recipe_view(config: TrainConfig) -> dict[str, Any]:
     view = config.to_dict()
-    view.pop("resume")
-    view.pop("overwrite")
+    for key in ("resume", "overwrite", "trust_checkpoint"):  # about this invocation, not the run's recipe
+        view.pop(key)
     return view
 
 
@@ -272,10 +297,11 @@ def _describe_memory(memory_plan) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, reporter) -> None:
+def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, reporter, folder) -> None:
     from lstune.data.loader import make_dataloader
     from lstune.parallel.sp_data import SPDataAdapter
-    from lstune.train.metrics import MetricsWriter
+    from lstune.train.guard import NonFiniteGuard
+    from lstune.train.metrics import METRICS_FILE, MetricsWriter
 
     # Every rank reads its own share of one global stream; an SP group then works through its ranks'
     # samples one at a time, each sharded along the sequence (ALST 4.2).
@@ -284,40 +310,63 @@ def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, repo
         dp_rank=runtime.rank, dp_size=runtime.world_size,
     )
     batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device))
+    if folder is not None:
+        folder.claim(METRICS_FILE)
     metrics = MetricsWriter(result.output_dir, resume_step=state.step) if runtime.is_main else None
     stepper = Stepper(config, engine, runtime)
+    guard = NonFiniteGuard(skip=config.skip_nonfinite_steps)
     try:
         with StopOnSignal() as stop:
             while state.step < result.max_steps:
+                # Checked before each step as well as after it: a signal that arrives during a save stops
+                # the run right after that save, without one more step.
+                if _stop_requested(runtime, stop, result, reporter):
+                    break
                 record = stepper.step(batches, state)
                 if metrics is not None:
                     metrics.write(record)
                 result.history.append(record)
                 reporter.step(record)
-                if runtime.any(stop.requested):
-                    result.interrupted = True
-                    reporter.note(f"{stop.signal_name or 'stop signal'} received: saving a checkpoint, then stopping")
+                note = guard.check(record, result.last_checkpoint)
+                if note:
+                    reporter.note(note)
+                if _stop_requested(runtime, stop, result, reporter):
                     break
                 if config.stop_at_step is not None and state.step >= config.stop_at_step:
                     result.stopped_early = True
                     reporter.note(f"stopping at step {state.step} (--stop-at-step); continue with --resume")
                     break
                 if config.save_every and state.step % config.save_every == 0 and state.step < result.max_steps:
-                    result.last_checkpoint = _save(config, engine, state, result.output_dir, reporter)
+                    result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
             result.steps_done = state.step
-            if state.step > 0 and (result.last_checkpoint is None or result.last_checkpoint.name != f"checkpoint-{state.step}"):
-                result.last_checkpoint = _save(config, engine, state, result.output_dir, reporter)
+            if state.step > 0 and (result.last_checkpoint is None or result.last_checkpoint != result.output_dir / f"checkpoint-{state.step}"):
+                result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
             if not (result.interrupted or result.stopped_early):
-                _export(config, engine, loaded, runtime, result, reporter)
+                _export(config, engine, loaded, runtime, result, reporter, folder)
     finally:
         if metrics is not None:
             metrics.close()
 
 
-def _save(config, engine, state: RunState, output_dir: Path, reporter) -> Path:
+def _stop_requested(runtime: Runtime, stop, result: TrainResult, reporter) -> bool:
+    if not runtime.any(stop.requested):
+        return False
+    result.interrupted = True
+    reporter.note(f"{stop.signal_name or 'stop signal'} received: saving a checkpoint, then stopping")
+    return True
+
+
+def _save(config, engine, state: RunState, result: TrainResult, reporter, folder) -> Path:
     """Every rank takes part (DeepSpeed writes its shards); the checkpoint store coordinates them."""
     from lstune.train.checkpoint import save_checkpoint
+    from lstune.train.guard import DivergedError
+    from lstune.train.outputs import write_errors
 
+    if hasattr(engine, "weights_finite") and not engine.weights_finite():
+        raise DivergedError(
+            f"step {state.step}: the weights are no longer finite (NaN or inf) though the loss and gradient norm "
+            f"were; nothing was saved, and the newest checkpoint is {result.last_checkpoint or 'none'}. Lower --lr."
+        )
     train_state = {
         "step": state.step,
         "consumed_samples": state.consumed_samples,
@@ -325,27 +374,35 @@ def _save(config, engine, state: RunState, output_dir: Path, reporter) -> Path:
         "config": _recipe_view(config),
         "lstune_version": __version__,
     }
-    path = save_checkpoint(
-        output_dir, state.step, write_state=engine.save, train_state=train_state, keep_last=config.keep_last or None
-    )
+    name = f"checkpoint-{state.step}"
+    if folder is not None:
+        folder.claim(name)
+    with write_errors(result.output_dir / name, kept=result.last_checkpoint):
+        path = save_checkpoint(
+            result.output_dir, state.step, write_state=engine.save, train_state=train_state,
+            keep_last=config.keep_last or None,
+        )
     reporter.note(f"checkpoint saved: {path}")
     return path
 
 
-def _export(config, engine, loaded, runtime: Runtime, result: TrainResult, reporter) -> None:
+def _export(config, engine, loaded, runtime: Runtime, result: TrainResult, reporter, folder) -> None:
     """OUTPUT_DIR/final (and final-merged with --merge-lora), each written to a temp folder and renamed.
     Every rank takes part in gathering sharded weights; only the main process writes."""
-    result.final_dir = _export_one(result.output_dir / FINAL_DIR, engine, loaded, runtime, merge_lora=False)
+    result.final_dir = _export_one(result, FINAL_DIR, engine, loaded, runtime, folder, merge_lora=False)
     if config.merge_lora:
-        result.merged_dir = _export_one(result.output_dir / MERGED_DIR, engine, loaded, runtime, merge_lora=True)
+        result.merged_dir = _export_one(result, MERGED_DIR, engine, loaded, runtime, folder, merge_lora=True)
     reporter.note(f"final model saved: {result.final_dir}")
 
 
-def _export_one(target: Path, engine, loaded, runtime: Runtime, *, merge_lora: bool) -> Path:
+def _export_one(result: TrainResult, name: str, engine, loaded, runtime: Runtime, folder, *, merge_lora: bool) -> Path:
     from lstune.train.atomic import atomic_dir
+    from lstune.train.outputs import write_errors
 
+    target = result.output_dir / name
     if runtime.is_main:
-        with atomic_dir(target) as tmp:
+        folder.claim(name)
+        with write_errors(target, kept=result.last_checkpoint), atomic_dir(target) as tmp:
             engine.export(tmp, merge_lora=merge_lora)
             if hasattr(loaded.tokenizer, "save_pretrained"):
                 loaded.tokenizer.save_pretrained(str(tmp))

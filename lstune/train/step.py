@@ -8,6 +8,7 @@ and SP = N equals SP = 1.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -50,20 +51,22 @@ class Stepper:
                 loss_sum, _ = self.loss_sum(self.engine.model, batch)
             self.engine.backward(local_objective(loss_sum, n_global))
             local_loss += float(loss_sum.detach())
-        stats = self.engine.step()
+        local_tokens = sum(int(b["input_ids"].numel()) for b in window)
+        loss_total, tokens = self.runtime.sum([local_loss, float(local_tokens)])
+        loss = loss_total / n_global if n_global else float("nan")
+        stats = self._update(loss)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
 
-        local_tokens = sum(int(b["input_ids"].numel()) for b in window)
-        loss_total, tokens = self.runtime.sum([local_loss, float(local_tokens)])
         tokens = int(tokens)
         state.step += 1
         state.consumed_samples += self.samples_per_step
         state.tokens_seen += tokens
         return {
             "step": state.step,
-            "loss": loss_total / n_global if n_global else float("nan"),
+            "loss": loss,
+            "update_skipped": stats.get("update_skipped", False),
             "tokens": tokens,
             "label_tokens": n_global,
             "tokens_per_s": tokens / elapsed,
@@ -74,6 +77,17 @@ class Stepper:
             "host_rss_bytes": host_rss_bytes(),
             "tokens_seen": state.tokens_seen,
         }
+
+    def _update(self, loss: float) -> dict[str, Any]:
+        """The optimizer step, unless the loss is not finite: then an engine that can skip does, and one
+        that cannot (DeepSpeed) is not stepped at all, so its weights stay as they were (lstune.train.guard
+        stops the run)."""
+        if math.isfinite(loss):
+            return self.engine.step()
+        if hasattr(self.engine, "skip_step"):
+            return self.engine.skip_step()
+        lr = self.engine.scheduler.get_last_lr()[0] if hasattr(self.engine, "scheduler") else float("nan")
+        return {"grad_norm": float("nan"), "lr": float(lr), "update_skipped": False}
 
     def _autocast(self):
         import torch

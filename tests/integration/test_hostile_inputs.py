@@ -1,0 +1,257 @@
+"""Hostile and careless input: every case exits 2 with a message naming the problem, prints no traceback,
+and touches no file outside lstune's own (a folder of the user's files is compared before and after)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import TINY
+
+
+@pytest.fixture
+def user_files(tmp_path):
+    """A folder of the user's files, and a check that nothing in it changed."""
+    folder = tmp_path / "users"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    (folder / "config.yaml").write_text("not lstune's")
+
+    def snapshot():
+        return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.iterdir())}
+
+    before = snapshot()
+    yield folder
+    assert snapshot() == before, "a file outside lstune's own was touched"
+
+
+def refused(result, *fragments):
+    assert result.code == 2, (result.code, result.out[-2000:], result.err[-2000:])
+    assert "Traceback" not in result.err + result.out
+    for fragment in fragments:
+        assert fragment in result.err, (fragment, result.err)
+
+
+# --- usage: typer raises its vendored click exceptions --------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("train", "--seq-lenn", "4k"), "No such option: --seq-lenn"),
+    (("trian",), "No such command 'trian'"),
+    (("train", "--lr"), "'--lr' requires an argument"),
+    (("train", "--dry-run", "--log-level", "loud"), "--log-level 'loud'"),
+    (("train", "--dry-run", "--unknown-thing=1"), "No such option"),
+])
+def test_usage_errors(cli, user_files, args, fragment):
+    refused(cli(*args), fragment)
+
+
+# --- numbers: NaN, inf, out of range, beyond int64 ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, value, fragment", [
+    ("--lr", "nan", "not a finite number"),
+    ("--lr", "inf", "not a finite number"),
+    ("--weight-decay", "inf", "not a finite number"),
+    ("--adam-beta1", "1", "must be less than 1.0"),
+    ("--adam-beta2", "1.5", "must be less than 1.0"),
+    ("--adam-eps", "0", "must be more than 0.0"),
+    ("--max-grad-norm", "nan", "not a finite number"),
+    ("--min-lr-ratio", "nan", "not a finite number"),
+    ("--min-lr-ratio", "2", "must be at most 1.0"),
+    ("--epochs", "inf", "not a finite number"),
+    ("--epochs", "0", "must be more than 0.0"),
+    ("--seed", "18446744073709551617", "must be at most 9223372036854775807"),
+    ("--micro-batch-size", "99999999999999999999", "must be at most"),
+    ("--seq-len", "99999999999999999999999", "beyond any possible length"),
+    ("--max-steps", "1e3", "not a whole number"),
+    ("--keep-last", "-1", "must be at least 0"),
+    ("--lr", "1e400", "not a finite number"),
+])
+def test_bad_numbers(cli, user_files, flag, value, fragment):
+    refused(cli("train", flag, value, "--dry-run"), f"{flag} '{value}'", fragment)
+
+
+def test_nan_lora_dropout(cli, user_files):
+    refused(cli("train", "--lora-r", "4", "--lora-dropout", "nan", "--dry-run"), "--lora-dropout 'nan'", "finite")
+
+
+# --- recipes ----------------------------------------------------------------------------------------------------
+
+
+def _recipe(tmp_path, body: bytes | str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_bytes(body if isinstance(body, bytes) else body.encode())
+    return path
+
+
+def test_billion_laughs_recipe_is_refused_at_once(cli, tmp_path, user_files):
+    levels = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        levels.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    import time
+
+    started = time.perf_counter()
+    refused(cli("train", "--config", _recipe(tmp_path, "\n".join(levels)), "--dry-run"), "expands to more than")
+    assert time.perf_counter() - started < 5
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b"lr: 1e-4\nmodel: \"\xff\xfe\"\n", "not UTF-8"),
+    ("lr: [1, 2]\n", "lr in"),
+    ("seq_len: {a: 1}\n", "is a mapping"),
+    ("lora_r: 4\nlora_targets: [[q_proj]]\n", "list of module names"),
+    ("x: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ("- just\n- a list\n", "must be a mapping"),
+    ("seq_len: 4k\n  bad: indent\n", "not valid YAML"),
+])
+def test_bad_recipes(cli, tmp_path, user_files, body, fragment):
+    refused(cli("train", "--config", _recipe(tmp_path, body), "--dry-run"), fragment)
+
+
+def test_oversized_recipe(cli, tmp_path, user_files):
+    refused(cli("train", "--config", _recipe(tmp_path, "# " + "x" * (2 * 1024 * 1024)), "--dry-run"), "at most")
+
+
+# --- impossible sizes, refused before loading ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flag, value", [("--micro-batch-size", "1000000000"), ("--seq-len", "1099511627776")])
+def test_impossible_sizes(cli, tmp_path, user_files, flag, value):
+    result = cli("train", "--model", "tiny-llama", "--seq-len", "256", flag, value, "--output-dir", tmp_path / "o")
+    refused(result, "cannot fit", "GiB")
+    assert not (tmp_path / "o" / "metrics.jsonl").exists()
+
+
+# --- data -------------------------------------------------------------------------------------------------------
+
+
+def _write(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _parquet(path: Path, columns: dict) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def _data_cases(tmp_path):
+    bad_json = [json.dumps({"text": f"doc {i}"}) for i in range(3000)]
+    bad_json[2345] = '{"text": "cut'
+    (tmp_path / "bad.jsonl").write_text("\n".join(bad_json) + "\n")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    return {
+        "non_utf8": (tmp_path / "latin1.jsonl", ["latin1.jsonl line 2", "not UTF-8"]),
+        "bad_json_deep": (tmp_path / "bad.jsonl", ["bad.jsonl line 2346", "not valid JSON"]),
+        "negative_id": (_write(tmp_path / "neg.jsonl", [{"input_ids": [5, -3, 7]}]), ["negative id -3"]),
+        "label_beyond_vocab": (_write(tmp_path / "lab.jsonl", [{"input_ids": [5, 6, 7], "labels": [5, 999, 7]}]),
+                               ["token id 999", "vocabulary of 320"]),
+        "negative_label": (_write(tmp_path / "nl.jsonl", [{"input_ids": [5, 6, 7], "labels": [5, -7, 7]}]),
+                           ["labels has -7"]),
+        "text_is_list": (_write(tmp_path / "tl.jsonl", [{"text": ["a", "b"]}]), ["'text' field holds list"]),
+        "text_is_mapping": (_write(tmp_path / "tm.jsonl", [{"text": {"a": "b"}}]), ["'text' field holds dict"]),
+        "parquet_int_text": (_parquet(tmp_path / "it.parquet", {"text": [1, 2, 3]}), ["'text' field holds int"]),
+        "parquet_str_ids": (_parquet(tmp_path / "si.parquet", {"input_ids": [["a", "b"], ["c"]]}),
+                            ["'input_ids' must be a list of whole numbers"]),
+    }
+
+
+@pytest.mark.parametrize("case", ["non_utf8", "bad_json_deep", "negative_id", "label_beyond_vocab", "negative_label",
+                                  "text_is_list", "text_is_mapping", "parquet_int_text", "parquet_str_ids"])
+def test_bad_data(cli, tmp_path, user_files, case):
+    data, fragments = _data_cases(tmp_path)[case]
+    result = cli("train", *TINY, "--max-steps", "1", "--data", data, "--output-dir", tmp_path / "out")
+    refused(result, *fragments)
+    assert not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+# --- the output folder ------------------------------------------------------------------------------------------
+
+
+def test_symlinked_config_is_refused_and_its_target_untouched(cli, tmp_path, text_data, user_files):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(user_files / "config.yaml", out / "config.yaml")
+    refused(cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
+            "symbolic links", "config.yaml")
+
+
+def test_symlinked_checkpoint_is_refused(cli, tmp_path, text_data, user_files):
+    out = tmp_path / "out"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out).code == 0
+    os.symlink(user_files, out / "checkpoint-5")
+    refused(cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out, "--resume"),
+            "symbolic links", "checkpoint-5")
+
+
+def test_foreign_file_at_lstunes_name_stops_overwrite(cli, tmp_path, text_data, user_files):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("the user's own metrics\n")
+    refused(cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
+            "metrics.jsonl", "did not write")
+    assert (out / "metrics.jsonl").read_text() == "the user's own metrics\n"
+
+
+def test_resume_into_another_runs_folder_is_refused(cli, tmp_path, text_data, user_files):
+    first, other = tmp_path / "first", tmp_path / "other"
+    for out in (first, other):
+        assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    before = {p.name: p.stat().st_mtime_ns for p in other.rglob("*")}
+    refused(cli("train", *TINY, "--data", text_data, "--max-steps", "3", "--output-dir", other,
+                "--resume", first / "checkpoint-2"), "another folder", "empty or new --output-dir")
+    assert {p.name: p.stat().st_mtime_ns for p in other.rglob("*")} == before
+
+
+def test_a_second_run_into_a_locked_folder_is_refused(cli, tmp_path, text_data, user_files):
+    from lstune.train.lock import OutputLock
+
+    out = tmp_path / "out"
+    out.mkdir()
+    lock = OutputLock(out).acquire()  # another run holds the folder
+    try:
+        refused(cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
+                "in use by another lstune run", f"pid {os.getpid()}")
+    finally:
+        lock.release()
+
+
+# --- resuming what cannot be resumed ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (("--model", "tiny-qwen2"), "--model is 'tiny-qwen2'"),
+    (("--lora-r", "4"), "--lora-r is 4"),
+])
+def test_resume_with_another_model_or_lora_is_refused(cli, tmp_path, text_data, user_files, change, fragment):
+    out = tmp_path / "run"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out).code == 0
+    args = [a for a in TINY if a not in ("--model", "tiny-llama")]
+    refused(cli("train", *args, *change, "--data", text_data, "--max-steps", "2", "--output-dir", out, "--resume"),
+            fragment, "checkpoint-1")
+    assert not (out / "checkpoint-2").exists()
+
+
+def test_full_disk_names_the_path_and_keeps_the_previous_checkpoint(cli, tmp_path, text_data, monkeypatch):
+    from lstune.train import engine as engine_module
+
+    out = tmp_path / "run"
+    real_save, calls = engine_module.TorchEngine.save, []
+
+    def save_then_fill(self, ckpt_dir):
+        calls.append(ckpt_dir)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device", str(ckpt_dir / "optimizer.pt"))
+        real_save(self, ckpt_dir)
+
+    monkeypatch.setattr(engine_module.TorchEngine, "save", save_then_fill)
+    result = cli("train", *TINY, "--data", text_data, "--max-steps", "4", "--save-every", "2", "--output-dir", out)
+    refused(result, "no space left", "checkpoint-4", "checkpoint-2 is intact")
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", ".tmp"))) == ["checkpoint-2"]
