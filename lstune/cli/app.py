@@ -107,8 +107,10 @@ def _click_classes(name: str) -> tuple[type, ...]:
     return tuple(found)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM outside the training loop (whose own handler saves a checkpoint first)."""
+class Terminated(BaseException):
+    """SIGTERM outside the training loop (whose own handler saves a checkpoint first). A BaseException
+    that is not KeyboardInterrupt, so that no library's `except Exception` swallows it and typer does not
+    turn it into a silent exit."""
 
 
 def _on_sigterm(signum, frame) -> None:

@@ -92,9 +92,13 @@ class TorchEngine:
 
     def skip_step(self) -> dict[str, float]:
         """Drop this step's gradients, keep the weights; the schedule advances as if the step ran."""
+        import warnings
+
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.step()
         return {"grad_norm": float("nan"), "lr": float(lr), "update_skipped": True}
 
     def weights_finite(self) -> bool:

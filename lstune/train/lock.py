@@ -35,16 +35,14 @@ class OutputLock:
     def __init__(self, output_dir: Path):
         self.path = Path(output_dir) / LOCK_NAME
         self._fd: int | None = None
+        self.stale: dict = {}
 
     def acquire(self) -> "OutputLock":
         if self.path.is_symlink():
             raise UserError(f"{self.path} is a symbolic link; lstune never writes through links in its output "
                             "folder. Remove the link or choose another --output-dir.")
         fd = self._open_locked()
-        stale = _read(fd)
-        if stale:
-            log.warning("taking over the lock of %s: the run that held it (pid %s on %s) is no longer running",
-                        self.path.parent, stale.get("pid"), stale.get("host"))
+        self.stale = _read(fd)  # the record of a run that died holding the folder; reported by the caller
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(_me()).encode(), 0)
         os.fsync(fd)

@@ -100,6 +100,9 @@ class OutputFolder:
             _refuse_foreign(self.path, self.entries | self.previous)
             self.claim(RECORD_NAME)
             self._attach_log_file()
+            if self.lock.stale:
+                log.warning("taking over the lock of %s: the run that held it (pid %s on %s) is no longer running",
+                            self.path, self.lock.stale.get("pid"), self.lock.stale.get("host"))
         except BaseException:
             self.close()
             raise

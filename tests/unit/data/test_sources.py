@@ -109,7 +109,7 @@ def _file(folder, name: str, content: str) -> str:
         (lambda p: _file(p, "e.jsonl", ""), "the file is empty"),
         (lambda p: _file(p, "z.json", "[]"), "no records"),
         (lambda p: _file(p, "d.csv", "text\na\n"), r"unsupported file type '\.csv'"),
-        (lambda p: _file(p, "bad.jsonl", "{not json\n"), "could not read .* as json"),
+        (lambda p: _file(p, "bad.jsonl", "{not json\n"), "bad.jsonl line 1 is not valid JSON"),
         (lambda p: str(p), "no .jsonl/.json/.parquet/.arrow files"),
         (lambda p: _file(p, "e.jsonl", "") and str(p), "only empty data files"),
         (lambda p: "builtin:nope", "no such built-in dataset; available: builtin:passkey"),
