@@ -185,3 +185,20 @@ def test_a_crafted_deepspeed_checkpoint_runs_no_code_on_resume(tmp_path, text_da
     # the refusal above is what kept it from running.
     trusted = run_subprocess("train", *common, "--max-steps", "2", "--resume", "--trust-checkpoint", timeout=300)
     assert marker.exists(), trusted.stderr
+
+
+def test_sigterm_during_a_save_stops_right_after_it(cli, tmp_path, text_data, monkeypatch):
+    from lstune.train import engine as engine_module
+
+    real_save = engine_module.TorchEngine.save
+
+    def save_and_get_terminated(self, ckpt_dir):
+        real_save(self, ckpt_dir)
+        os.kill(os.getpid(), signal.SIGTERM)  # lands while the checkpoint is being written
+
+    monkeypatch.setattr(engine_module.TorchEngine, "save", save_and_get_terminated)
+    out = tmp_path / "run"
+    result = cli("train", *TINY, "--data", text_data, "--max-steps", "10", "--save-every", "2", "--output-dir", out)
+    assert result.code == 130, result.err
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]  # no further step after the save
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
