@@ -50,7 +50,7 @@ def resolve_output_dir(config: TrainConfig) -> tuple[Path, Path | None]:
         checkpoint = resolve_resume(output_dir, config.resume)
         _refuse_foreign_resume(output_dir, checkpoint, config.resume)
         return output_dir, checkpoint
-    if output_dir.exists() and any(output_dir.iterdir()) and not config.overwrite:
+    if output_dir.exists() and holds_a_run(output_dir) and not config.overwrite:
         raise UserError(
             f"--output-dir {str(output_dir)!r} already exists and is not empty; nothing is overwritten "
             "unasked. Use --resume to continue that run, --overwrite to replace it, or another --output-dir."
@@ -63,12 +63,21 @@ def _refuse_foreign_resume(output_dir: Path, checkpoint: Path | None, resume: st
     another run, whose metrics, checkpoints and final model the resumed run would replace."""
     if checkpoint is None or checkpoint.resolve().parent == output_dir.resolve():
         return
-    if output_dir.exists() and any(output_dir.iterdir()):
+    if output_dir.exists() and holds_a_run(output_dir):
         raise UserError(
             f"--resume {resume!r} is a checkpoint of another folder, and --output-dir {str(output_dir)!r} already "
             "holds files, which the resumed run would replace. Give an empty or new --output-dir, or leave "
             f"--output-dir out to continue in {str(checkpoint.parent)!r}."
         )
+
+
+def holds_a_run(output_dir: Path) -> bool:
+    """Anything in the folder beyond what a run that stopped before training leaves (its record, its log,
+    a stale lock): such a folder may be used again without --overwrite."""
+    names = {entry.name for entry in output_dir.iterdir()}
+    if not names:
+        return False
+    return not (names <= {RECORD_NAME, LOG_FILE, LOCK_NAME} and names <= _read_record(output_dir) | {LOCK_NAME})
 
 
 def default_output_dir(config: TrainConfig) -> Path:

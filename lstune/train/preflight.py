@@ -54,8 +54,10 @@ def _check_data(config: TrainConfig) -> None:
 def _check_output(config: TrainConfig) -> None:
     if config.output_dir is None or config.resume or config.overwrite:
         return
+    from lstune.train.outputs import holds_a_run
+
     output_dir = Path(config.output_dir)
-    if output_dir.exists() and (not output_dir.is_dir() or any(output_dir.iterdir())):
+    if output_dir.exists() and (not output_dir.is_dir() or holds_a_run(output_dir)):
         raise UserError(
             f"--output-dir {config.output_dir!r} already exists and is not empty; nothing is overwritten unasked. "
             "Use --resume to continue that run, --overwrite to replace it, or another --output-dir."
@@ -86,7 +88,7 @@ def check_sizes(config: TrainConfig, model_config, runtime) -> None:
     hidden = getattr(model_config, "hidden_size", None) or getattr(model_config, "n_embd", None)
     if not hidden:
         return
-    sp = config.sp if isinstance(config.sp, int) else 1
+    sp = runtime.sp
     bytes_per_value = 2 if runtime.autocast_dtype is not None else 4
     tokens = config.micro_batch_size * -(-config.seq_len // sp)
     needed = tokens * hidden * bytes_per_value

@@ -83,8 +83,8 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     if resume_from is not None:
         check_resume_compatible(config, resume_from, runtime.world_size)
     model_config = _check_model_support(config, runtime)
-    check_sizes(config, model_config, runtime)
     runtime.set_dims(config.sp, model_config)
+    check_sizes(config, model_config, runtime)
     tokenizer, notes = _setup_tokenizer(config)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, model_config)

@@ -255,3 +255,12 @@ def test_full_disk_names_the_path_and_keeps_the_previous_checkpoint(cli, tmp_pat
     result = cli("train", *TINY, "--data", text_data, "--max-steps", "4", "--save-every", "2", "--output-dir", out)
     refused(result, "no space left", "checkpoint-4", "checkpoint-2 is intact")
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", ".tmp"))) == ["checkpoint-2"]
+
+
+def test_a_run_refused_for_its_data_can_be_retried_in_the_same_folder(cli, tmp_path, text_data, user_files):
+    out = tmp_path / "out"
+    bad = _write(tmp_path / "neg.jsonl", [{"input_ids": [5, -3, 7]}])
+    refused(cli("train", *TINY, "--max-steps", "1", "--data", bad, "--output-dir", out), "negative id")
+    result = cli("train", *TINY, "--max-steps", "1", "--data", text_data, "--output-dir", out)
+    assert result.code == 0, result.err
+    assert (out / "final").is_dir()
