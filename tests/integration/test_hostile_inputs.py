@@ -264,3 +264,32 @@ def test_a_run_refused_for_its_data_can_be_retried_in_the_same_folder(cli, tmp_p
     result = cli("train", *TINY, "--max-steps", "1", "--data", text_data, "--output-dir", out)
     assert result.code == 0, result.err
     assert (out / "final").is_dir()
+
+
+def test_overwrite_with_a_broken_new_run_keeps_the_old_one(cli, tmp_path, text_data):
+    out = tmp_path / "out"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    for name in ("final_report.txt", "config.yaml.bak", "metrics.jsonl.orig"):
+        (out / name).write_text("the user's")
+    (out / "finals").mkdir()
+    old = sorted(p.name for p in out.iterdir())
+    bad = _write(tmp_path / "neg.jsonl", [{"input_ids": [5, -3, 7]}])
+    refused(cli("train", *TINY, "--max-steps", "1", "--data", bad, "--output-dir", out, "--overwrite"), "negative id")
+    assert sorted(p.name for p in out.iterdir()) == old  # the old run is intact: the new one failed its checks
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite").code == 0
+    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-1").is_dir()
+    for name in ("final_report.txt", "config.yaml.bak", "metrics.jsonl.orig"):
+        assert (out / name).read_text() == "the user's"
+    assert (out / "finals").is_dir()
+
+
+def test_a_changed_lr_on_resume_takes_effect(cli, tmp_path, text_data):
+    out = tmp_path / "run"
+    base = [*TINY, "--data", text_data, "--schedule", "constant", "--output-dir", out]
+    assert cli("train", *base, "--max-steps", "2").code == 0
+    result = cli("train", *[a if a != "1e-3" else "5e-4" for a in base], "--max-steps", "3", "--resume")
+    assert result.code == 0, result.err
+    assert "lr 0.001 → 0.0005" in result.out and "take effect" in result.out
+    from tests.integration.conftest import read_metrics
+
+    assert [m["lr"] for m in read_metrics(out)] == [1e-3, 1e-3, 5e-4]
