@@ -131,7 +131,8 @@ def test_a_nonfinite_update_is_never_applied_and_can_be_skipped():
 def test_sigterm_while_loading_exits_130_with_a_message(tmp_path, text_data):
     out = tmp_path / "run"
     proc = _start("train", *TINY, "--data", text_data, "--max-steps", "3", "--output-dir", out)
-    _wait_for(lambda: (out / ".lstune.lock").exists(), timeout=60)  # inside train(), before data and model
+    # The first line of the run's log is written while the model is being prepared: loading, not training.
+    _wait_for(lambda: (out / "lstune.log").exists() and (out / "lstune.log").stat().st_size > 0, timeout=120)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr
@@ -202,3 +203,26 @@ def test_sigterm_during_a_save_stops_right_after_it(cli, tmp_path, text_data, mo
     assert result.code == 130, result.err
     assert [m["step"] for m in read_metrics(out)] == [1, 2]  # no further step after the save
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_really_full_disk_names_the_path(cli, tmp_path, text_data):
+    """A 24 MiB tmpfs holds two 9.5 MiB checkpoints of tiny-llama, not a third."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(disk)]).returncode != 0:
+        pytest.skip("tmpfs cannot be mounted here")
+    try:
+        out = disk / "run"
+        result = cli("train", *TINY, "--data", text_data, "--max-steps", "6", "--save-every", "1", "--keep-last", "0",
+                     "--output-dir", out)
+        assert result.code == 2 and "Traceback" not in result.err, result.err
+        assert "no space left" in result.err and "could not write" in result.err
+        newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
+        assert f"checkpoint-{newest} is intact" in result.err
+        from lstune.train.checkpoint import validate_checkpoint
+
+        validate_checkpoint(out / f"checkpoint-{newest}")  # complete, every hash matching
+        assert not list(out.glob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(disk)])
