@@ -119,6 +119,7 @@ def _setup_output(config: TrainConfig, runtime: Runtime) -> tuple[Path, Path | N
     """Every rank checks (read-only); then the main process creates and locks the folder (an error there,
     such as another run holding it, reaches every rank) before anything heavy is loaded."""
     output_dir, resume_from = resolve_output_dir(config)
+    runtime.barrier()  # every rank has checked the folder before the main process writes into it
     folder, error = None, None
     if runtime.is_main:
         try:
