@@ -57,14 +57,6 @@ def _normalise_resume(argv: list[str]) -> list[str]:
     return out
 
 
-_ARGV: list[str] = []
-
-
-def current_argv() -> list[str]:
-    """The arguments of this invocation (after the program name), for relaunching it in N processes."""
-    return list(_ARGV)
-
-
 def main(argv: list[str] | None = None) -> None:
     import click
 
@@ -72,7 +64,6 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     if debug:  # accepted anywhere on the line: `lstune train ... --debug` as well as `lstune --debug train`
         args = ["--debug"] + [a for a in args if a != "--debug"]
-    _ARGV[:] = args
     try:
         code = app(args=args, prog_name="lstune", standalone_mode=False)
     except UserError as exc:

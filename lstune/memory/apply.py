@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lstune.config.schema import MemorySection
 from lstune.errors import ConfigError, UserError
 from lstune.memory import checkpoint as ckpt
 from lstune.memory import mlp as tiled_mlp_mod
@@ -86,38 +87,32 @@ class MemoryPlan:
         logger.info("memory techniques undone")
 
 
-def apply_memory_techniques(
-    model: "nn.Module",
-    *,
-    seq_len: int,
-    tiled_mlp: str | int = "auto",
-    tiled_loss: str | int = "auto",
-    mini_sequence: bool = False,
-    checkpointing: bool = True,
-    offload_checkpoints: bool = False,
-    host_mem_budget: int | None = None,
-) -> MemoryPlan:
+def apply_memory_techniques(model: "nn.Module", memory: MemorySection | None = None, *, seq_len: int) -> MemoryPlan:
     """Apply tiled MLP / mini-sequence, the loss-head tiling, checkpointing and offload to `model`.
 
-    `seq_len` is the local (per-rank) sequence length a micro-batch will have; tile counts in the
-    plan are for it, while the installed code sizes tiles from each actual batch. `tiled_mlp` and
-    `tiled_loss`: "auto" (ALST policies), "off", or a tile count. `mini_sequence`: MST policies
-    (loss in vocab/hidden tiles) and norms fused into the tiled MLP. `host_mem_budget`: bytes of host
-    memory offloaded checkpoints may use. Works on peft-wrapped models (LoRA applied first).
+    `memory` is the config's memory section (defaults when None): `tiled_mlp` and `tiled_loss` "auto"
+    (ALST policies), "off" or a tile count; `mini_sequence` (MST policies: loss in vocab/hidden tiles,
+    norms fused into the tiled MLP); `checkpointing`, `offload_checkpoints` and `host_mem_budget` (bytes
+    of host memory offloaded checkpoints may use). `seq_len` is the local (per-rank) sequence length a
+    micro-batch will have; tile counts in the plan are for it, while the installed code sizes tiles from
+    each actual batch. Works on peft-wrapped models (LoRA applied first).
     """
-    _validate(seq_len, tiled_mlp, tiled_loss, mini_sequence, checkpointing, offload_checkpoints, host_mem_budget)
+    memory = memory if memory is not None else MemorySection()
+    _validate(memory, seq_len)
     lm = unwrap_model(model)
     if getattr(lm, PLAN_ATTRIBUTE, None) is not None:
         raise UserError("memory techniques are already applied to this model; call plan.undo() first.")
-    plan = MemoryPlan(seq_len=seq_len, tiled_mlp=tiled_mlp, mini_sequence=mini_sequence)
+    plan = MemoryPlan(seq_len=seq_len, tiled_mlp=memory.tiled_mlp, mini_sequence=memory.mini_sequence)
     probing = _can_probe(lm)
     if probing:
         check_loss_head(model)
     try:
         plan._undos.extend(share_lora_inputs(model))
         _apply_mlp(model, plan, probing)
-        _apply_loss(model, plan, tiled_loss)
-        _apply_checkpointing(model, plan, checkpointing, offload_checkpoints, host_mem_budget)
+        _apply_loss(model, plan, memory.tiled_loss)
+        _apply_checkpointing(
+            model, plan, memory.checkpointing, memory.offload_checkpoints, memory.host_mem_budget
+        )
     except BaseException:
         run_undos(plan._undos)
         raise
@@ -127,27 +122,14 @@ def apply_memory_techniques(
     return plan
 
 
-def _validate(seq_len, tiled_mlp, tiled_loss, mini_sequence, checkpointing, offload, budget) -> None:
+def _validate(memory: MemorySection, seq_len) -> None:
+    """The section's own rules (the same the CLI reports), and a usable sequence length."""
     problems = []
-    if not isinstance(seq_len, int) or seq_len < 1:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         problems.append(f"seq_len must be a positive number of tokens, not {seq_len!r}")
-    for name, value in (("tiled_mlp", tiled_mlp), ("tiled_loss", tiled_loss)):
-        if not _valid_tiles(value):
-            problems.append(f"{name} must be 'auto', 'off' or a tile count >= 1, not {value!r}")
-    if mini_sequence and tiled_mlp == "off":
-        problems.append("mini_sequence tiles the MLP: drop tiled_mlp: off, or set mini_sequence: false")
-    if offload and not checkpointing:
-        problems.append("offload_checkpoints moves activation checkpoints to host: it needs checkpointing: true")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-        problems.append(f"host_mem_budget must be a number of bytes >= 0, not {budget!r}")
+    problems += memory.problems()
     if problems:
         raise ConfigError(problems)
-
-
-def _valid_tiles(value) -> bool:
-    if isinstance(value, bool):
-        return False
-    return value in ("auto", "off") or (isinstance(value, int) and value >= 1)
 
 
 def _can_probe(lm: "nn.Module") -> bool:

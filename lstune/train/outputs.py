@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from lstune.config.schema import TrainConfig
+from lstune.config.schema import RunSection
 from lstune.errors import UserError
 
 FINAL_DIR = "final"
@@ -19,18 +19,16 @@ CONFIG_FILE = "config.yaml"
 OWN_ENTRIES = (".tmp-", ".old-checkpoint-", FINAL_DIR, MERGED_DIR, "metrics.jsonl", CONFIG_FILE)
 
 
-def resolve_output_dir(config: TrainConfig) -> tuple[Path, Path | None]:
+def resolve_output_dir(run: RunSection, model_name: str) -> tuple[Path, Path | None]:
     """The output folder and the checkpoint to resume from; read-only, so every rank may call it."""
     from lstune.train.checkpoint import resolve_resume
 
-    output_dir = Path(config.output_dir) if config.output_dir else default_output_dir(config)
-    if config.resume:
-        return output_dir, resolve_resume(output_dir, config.resume)
-    if output_dir.exists() and any(output_dir.iterdir()) and not config.overwrite:
-        raise UserError(
-            f"--output-dir {str(output_dir)!r} already exists and is not empty; nothing is overwritten "
-            "unasked. Use --resume to continue that run, --overwrite to replace it, or another --output-dir."
-        )
+    output_dir = Path(run.output_dir) if run.output_dir else default_output_dir(model_name)
+    if run.resume:
+        return output_dir, resolve_resume(output_dir, run.resume)
+    problems = run.output_dir_problems(output_dir)
+    if problems:
+        raise UserError(problems[0])
     return output_dir, None
 
 
@@ -49,8 +47,8 @@ def create_output_dir(output_dir: Path, *, overwrite: bool) -> None:
         ) from None
 
 
-def default_output_dir(config: TrainConfig) -> Path:
-    name = Path(config.model).name.lower().replace(":", "-")
+def default_output_dir(model_name: str) -> Path:
+    name = Path(model_name).name.lower().replace(":", "-")
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 

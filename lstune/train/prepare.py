@@ -28,29 +28,18 @@ def prepare_model(model, config: TrainConfig, runtime):
     from lstune.memory.apply import apply_memory_techniques
     from lstune.models.attention import use_lstune_attention
 
-    device = runtime.device
-    if device.type == "cuda" and config.lora_r and config.dtype != "fp32":
+    device, spec = runtime.device, config.model
+    if device.type == "cuda" and spec.lora_r and spec.dtype != "fp32":
         model = model.to(dtype=torch.bfloat16)
     model = model.to(device)
-    if config.lora_r:
-        model = apply_lora(
-            model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout, targets=config.lora_targets
-        )
-        log.info("LoRA r=%d applied", config.lora_r)
-    use_lstune_attention(model, backend=config.attn)
+    if spec.lora_r:
+        model = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout, targets=spec.lora_targets)
+        log.info("LoRA r=%d applied", spec.lora_r)
+    use_lstune_attention(model, backend=spec.attn)
     if runtime.sp > 1:
         from lstune.parallel.ulysses import apply_ulysses
 
         apply_ulysses(model, runtime.dims)
-    plan = apply_memory_techniques(
-        model,
-        seq_len=math.ceil(config.seq_len / runtime.sp),
-        tiled_mlp=config.tiled_mlp,
-        tiled_loss=config.tiled_loss,
-        mini_sequence=config.mini_sequence,
-        checkpointing=config.checkpointing,
-        offload_checkpoints=config.offload_checkpoints,
-        host_mem_budget=config.host_mem_budget,
-    )
+    plan = apply_memory_techniques(model, config.memory, seq_len=math.ceil(config.data.seq_len / runtime.sp))
     model.train()
     return model, plan

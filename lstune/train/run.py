@@ -66,11 +66,11 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # lstune draws its own progress; HF's per-save bars are noise here
-    runtime = start_runtime(config.dtype)
+    runtime = start_runtime(config.model.dtype)
     reporter = (reporter or LogReporter()) if runtime.is_main else _Silent()
     output_dir, resume_from = _setup_output(config, runtime)
     model_config = _check_model_support(config, runtime)
-    runtime.set_dims(config.sp, model_config)
+    runtime.set_dims(config.parallel.sp, model_config)
     tokenizer, notes = _setup_tokenizer(config)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, model_config)
@@ -100,12 +100,12 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
 
 def _setup_output(config: TrainConfig, runtime: Runtime) -> tuple[Path, Path | None]:
     """Every rank checks (read-only) before the main process creates anything, so no rank races another."""
-    output_dir, resume_from = resolve_output_dir(config)
+    output_dir, resume_from = resolve_output_dir(config.run, config.model.name)
     runtime.barrier()
     if runtime.is_main:
-        create_output_dir(output_dir, overwrite=config.overwrite and not config.resume)
+        create_output_dir(output_dir, overwrite=config.run.overwrite and not config.run.resume)
     runtime.barrier()
-    config.output_dir = str(output_dir)
+    config.run.output_dir = str(output_dir)
     return output_dir, resume_from
 
 
@@ -115,9 +115,10 @@ def _check_model_support(config: TrainConfig, runtime: Runtime):
     from lstune.models.attention import check_attention_support
     from lstune.models.loading import load_config, resolve_source
 
-    model_config = load_config(resolve_source(config.model), trust_remote_code=config.trust_remote_code)
+    model_config = load_config(resolve_source(config.model.name), trust_remote_code=config.model.trust_remote_code)
     check_attention_support(
-        model_config, pack=config.pack, seq_len=config.seq_len, backend=config.attn, device=runtime.device.type
+        model_config, pack=config.data.pack, seq_len=config.data.seq_len, backend=config.model.attn,
+        device=runtime.device.type,
     )
     return model_config
 
@@ -126,7 +127,7 @@ def _setup_tokenizer(config: TrainConfig):
     """Tokenizer first: the data is built (and its problems reported) before any weights load."""
     from lstune.models.loading import load_tokenizer_for
 
-    return load_tokenizer_for(config.model, trust_remote_code=config.trust_remote_code)
+    return load_tokenizer_for(config.model.name, trust_remote_code=config.model.trust_remote_code)
 
 
 def _setup_data(config: TrainConfig, tokenizer, model_config):
@@ -136,13 +137,14 @@ def _setup_data(config: TrainConfig, tokenizer, model_config):
     from lstune.errors import DataError
 
     datasets.disable_progress_bars()
+    data = config.data
     dataset = build_dataset(
-        config.data, tokenizer, config.seq_len, pack=config.pack, seed=config.seed, max_records=config.max_records
+        data.source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=data.max_records
     )
     max_id, vocab = dataset.summary()["max_token_id"], model_config.vocab_size
     if max_id is not None and max_id >= vocab:
         raise DataError(
-            f"--data {config.data!r} has token id {max_id}, but --model {config.model!r} has a vocabulary of "
+            f"--data {data.source!r} has token id {max_id}, but --model {config.model.name!r} has a vocabulary of "
             f"{vocab}; pre-tokenized data must come from the model's own tokenizer."
         )
     return dataset
@@ -154,10 +156,10 @@ def _setup_model(config: TrainConfig, runtime: Runtime, tokenizer, notes):
     from lstune.train.prepare import prepare_model
 
     loaded = load_model(
-        config.model,
-        init=config.init,
-        trust_remote_code=config.trust_remote_code,
-        seed=config.seed,
+        config.model.name,
+        init=config.model.init,
+        trust_remote_code=config.model.trust_remote_code,
+        seed=config.optim.seed,
         tokenizer=tokenizer,
         notes=notes,
     )
@@ -166,10 +168,11 @@ def _setup_model(config: TrainConfig, runtime: Runtime, tokenizer, notes):
 
 
 def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> int:
-    if config.max_steps is not None:
-        return config.max_steps
-    per_step = config.micro_batch_size * config.grad_accum * world_size
-    return max(1, math.ceil((config.epochs or 1.0) * num_samples / per_step))
+    optim = config.optim
+    if optim.max_steps is not None:
+        return optim.max_steps
+    per_step = optim.micro_batch_size * optim.grad_accum * world_size
+    return max(1, math.ceil((optim.epochs or 1.0) * num_samples / per_step))
 
 
 def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime):
@@ -177,19 +180,20 @@ def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime):
     from lstune.train.engine import OptimConfig, TorchEngine
     from lstune.train.engine_choice import choose_zero
 
-    warmup = config.warmup_steps if config.warmup_steps is not None else math.ceil(0.03 * max_steps)
+    section = config.optim
+    warmup = section.warmup_steps if section.warmup_steps is not None else math.ceil(0.03 * max_steps)
     optim = OptimConfig(
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps,
+        lr=section.lr,
+        weight_decay=section.weight_decay,
+        betas=(section.adam_beta1, section.adam_beta2),
+        eps=section.adam_eps,
         warmup_steps=min(warmup, max_steps),
         max_steps=max_steps,
-        schedule=config.schedule,
-        min_lr_ratio=config.min_lr_ratio,
-        max_grad_norm=config.max_grad_norm,
+        schedule=section.schedule,
+        min_lr_ratio=section.min_lr_ratio,
+        max_grad_norm=section.max_grad_norm,
     )
-    plan = choose_zero(config, model, runtime)
+    plan = choose_zero(config.parallel, model, runtime)
     if plan is None:
         return TorchEngine(model, optim), f"engine: AdamW on {runtime.device}"
     from lstune.parallel.engine_ds import DeepSpeedEngine
@@ -241,15 +245,15 @@ def _recipe_view(config: TrainConfig) -> dict[str, Any]:
 def _plan(config, loaded, dataset, max_steps, output_dir, runtime: Runtime, state) -> dict[str, Any]:
     model = loaded.model
     plan = {
-        "model": f"{config.model} ({loaded.source.kind})",
+        "model": f"{config.model.name} ({loaded.source.kind})",
         "parameters": sum(p.numel() for p in model.parameters()),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "device": str(runtime.device),
-        "seq_len": config.seq_len,
+        "seq_len": config.data.seq_len,
         "data": dataset.summary()["note"],
         "steps": max_steps,
         "start_step": state.step,
-        "samples_per_step": config.micro_batch_size * config.grad_accum * runtime.world_size,
+        "samples_per_step": config.optim.micro_batch_size * config.optim.grad_accum * runtime.world_size,
         "output_dir": str(output_dir),
         "memory": _describe_memory(loaded.memory_plan),
     }
@@ -280,7 +284,7 @@ def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, repo
     # Every rank reads its own share of one global stream; an SP group then works through its ranks'
     # samples one at a time, each sharded along the sequence (ALST 4.2).
     loader = make_dataloader(
-        dataset, config.micro_batch_size, seed=config.seed, start_sample=state.consumed_samples,
+        dataset, config.optim.micro_batch_size, seed=config.optim.seed, start_sample=state.consumed_samples,
         dp_rank=runtime.rank, dp_size=runtime.world_size,
     )
     batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device))
@@ -298,11 +302,11 @@ def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, repo
                     result.interrupted = True
                     reporter.note(f"{stop.signal_name or 'stop signal'} received: saving a checkpoint, then stopping")
                     break
-                if config.stop_at_step is not None and state.step >= config.stop_at_step:
+                if config.run.stop_at_step is not None and state.step >= config.run.stop_at_step:
                     result.stopped_early = True
                     reporter.note(f"stopping at step {state.step} (--stop-at-step); continue with --resume")
                     break
-                if config.save_every and state.step % config.save_every == 0 and state.step < result.max_steps:
+                if config.run.save_every and state.step % config.run.save_every == 0 and state.step < result.max_steps:
                     result.last_checkpoint = _save(config, engine, state, result.output_dir, reporter)
             result.steps_done = state.step
             if state.step > 0 and (result.last_checkpoint is None or result.last_checkpoint.name != f"checkpoint-{state.step}"):
@@ -326,7 +330,7 @@ def _save(config, engine, state: RunState, output_dir: Path, reporter) -> Path:
         "lstune_version": __version__,
     }
     path = save_checkpoint(
-        output_dir, state.step, write_state=engine.save, train_state=train_state, keep_last=config.keep_last or None
+        output_dir, state.step, write_state=engine.save, train_state=train_state, keep_last=config.run.keep_last or None
     )
     reporter.note(f"checkpoint saved: {path}")
     return path
@@ -336,7 +340,7 @@ def _export(config, engine, loaded, runtime: Runtime, result: TrainResult, repor
     """OUTPUT_DIR/final (and final-merged with --merge-lora), each written to a temp folder and renamed.
     Every rank takes part in gathering sharded weights; only the main process writes."""
     result.final_dir = _export_one(result.output_dir / FINAL_DIR, engine, loaded, runtime, merge_lora=False)
-    if config.merge_lora:
+    if config.model.merge_lora:
         result.merged_dir = _export_one(result.output_dir / MERGED_DIR, engine, loaded, runtime, merge_lora=True)
     reporter.note(f"final model saved: {result.final_dir}")
 

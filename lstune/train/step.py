@@ -29,8 +29,8 @@ class Stepper:
         self.runtime = runtime
         self.loss_sum = causal_lm_loss_sum
         # Each SP round holds one micro-batch from every rank of the group: sp micro-batches per round.
-        self.micro_batches = config.grad_accum * runtime.sp
-        self.samples_per_step = config.micro_batch_size * config.grad_accum * runtime.world_size
+        self.micro_batches = config.optim.grad_accum * runtime.sp
+        self.samples_per_step = config.optim.micro_batch_size * config.optim.grad_accum * runtime.world_size
 
     def step(self, batches: Iterator[dict], state: RunState) -> dict[str, Any]:
         import torch

@@ -30,6 +30,7 @@ TOL = 2e-5
 def _equivalence_worker(rank: int, world: int, case_names: list[str], memory: bool = False) -> dict:
     import copy
 
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.loss import causal_lm_loss_sum
     from lstune.parallel.dims import ParallelDims
@@ -55,9 +56,8 @@ def _equivalence_worker(rank: int, world: int, case_names: list[str], memory: bo
         handle = apply_ulysses(model, dims)
         plan = None
         if memory:  # every technique, small tiles so each one really cuts the shard
-            plan = apply_memory_techniques(
-                model, seq_len=64 // world, tiled_mlp=2, tiled_loss=3, checkpointing=True, offload_checkpoints=True
-            )
+            memory_section = MemorySection(tiled_mlp=2, tiled_loss=3, checkpointing=True, offload_checkpoints=True)
+            plan = apply_memory_techniques(model, memory_section, seq_len=64 // world)
         for seq, docs in DATA:
             ref.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)

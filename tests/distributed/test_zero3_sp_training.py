@@ -69,10 +69,11 @@ def _train_worker(
     handle = apply_ulysses(model, dims)
     compute_loss_sum = loss_sum
     if memory is not None:  # lstune's loss head and memory techniques, applied before the engine
-        from lstune.memory.apply import apply_memory_techniques
+        from lstune.config.schema import MemorySection
+    from lstune.memory.apply import apply_memory_techniques
         from lstune.memory.loss import causal_lm_loss_sum
 
-        apply_memory_techniques(model, seq_len=SEQ // sp, **memory)
+        apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // sp)
         compute_loss_sum = causal_lm_loss_sum
     engine = DeepSpeedEngine(
         model, dims=dims, zero_stage=stage, offload_optimizer=offload[0], offload_params=offload[1], **OPTIM

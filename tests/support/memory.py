@@ -169,9 +169,10 @@ def _build(preset: str, layers: int, dtype: torch.dtype, device: str, fake):
 
 
 def _run_config(model, name, options, seq, device) -> int:
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
 
-    plan = apply_memory_techniques(model, seq_len=seq, **options) if options is not None else None
+    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq) if options is not None else None
     step = lstune_step if options is not None and not name.startswith("HF") else hf_step
     batch = _batch(seq, model.config.vocab_size, device)
     exclude = (lambda: plan.offloader.stats.host_bytes) if plan is not None and plan.offloader else None
@@ -257,6 +258,7 @@ def measure_step_times(preset: str, layers: int, seq: int) -> list[tuple[str, in
     """Wall seconds of one forward + backward (real tensors, fp32) per configuration, after one warm-up step."""
     import time
 
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.models.presets import build_model
 
@@ -267,7 +269,7 @@ def measure_step_times(preset: str, layers: int, seq: int) -> list[tuple[str, in
         hf_step(model, batch)
     rows = []
     for name, options in TIMED.items():
-        plan = apply_memory_techniques(model, seq_len=seq, **options) if options is not None else None
+        plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq) if options is not None else None
         start = time.perf_counter()
         with no_leftover_grads(model):
             (lstune_step if plan else hf_step)(model, batch)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lstune.config.schema import MemorySection
 from lstune.memory.apply import apply_memory_techniques
 from lstune.models.presets import build_model
 from tests.conftest import TINY_ARCHS
@@ -51,7 +52,7 @@ def models():
 
 def _compare(model, batches, options, reference=None, scale=None):
     ref_loss, ref_grads = reference or run_grads(model, hf_loss_sum, batches, scale)
-    plan = apply_memory_techniques(model, seq_len=SEQ, **options)
+    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=SEQ)
     try:
         loss, grads = run_grads(model, lstune_step, batches, scale)
     finally:
