@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from lstune.errors import ConfigError, ModelError, UserError
+from lstune.models import hf_internals
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -513,13 +514,9 @@ class AttentionHandle:
     def undo(self) -> None:
         if not self.active:
             return
-        from transformers.masking_utils import AttentionMaskInterface
-        from transformers.modeling_utils import AttentionInterface
-
         for config, implementation in self._previous:
-            config._attn_implementation_internal = implementation
-        AttentionInterface._global_mapping.pop(self.key, None)
-        AttentionMaskInterface._global_mapping.pop(self.key, None)
+            hf_internals.restore_attention_implementation(config, implementation)
+        hf_internals.unregister_attention(self.key)
         self.active = False
         logger.info("lstune attention: removed %r (%s); attention implementation restored", self.key, self.description)
 
@@ -539,17 +536,13 @@ def register_attention_function(
     sub-configs) at it. Other models keep their implementation: a new key changes nothing for configs that do not
     name it. The Ulysses wrapper registers its all-to-all function through here too.
     """
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     _refuse_unsupported_model(model)
     key = f"lstune_{next(_registration_ids)}"
-    AttentionInterface.register(key, attention_fn)
-    AttentionMaskInterface.register(key, _build_no_mask)
+    hf_internals.register_attention(key, attention_fn, _build_no_mask)
     handle = AttentionHandle(key, model, description, _previous=_attention_configs(model))
     try:
         model.set_attn_implementation(key)
-        if model.config._attn_implementation != key:
+        if hf_internals.attention_implementation(model.config) != key:
             raise ModelError(
                 f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so lstune "
                 "cannot install its attention; use a transformers-native architecture."
@@ -588,7 +581,7 @@ def _attention_configs(model: PreTrainedModel) -> list[tuple[Any, str | None]]:
             continue
         configs[id(config)] = config
         pending.extend(sub for name in config.sub_configs if (sub := getattr(config, name, None)) is not None)
-    return [(config, config._attn_implementation_internal) for config in configs.values()]
+    return [(config, hf_internals.raw_attention_implementation(config)) for config in configs.values()]
 
 
 def _refuse_unsupported_model(model: PreTrainedModel) -> None:

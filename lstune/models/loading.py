@@ -148,9 +148,9 @@ def _hub_hint(source: ModelSource) -> str:
 
 
 def _check_causal_lm(config, name: str) -> None:
-    from transformers import AutoModelForCausalLM
+    from lstune.models.hf_internals import is_causal_lm_config
 
-    if type(config) not in AutoModelForCausalLM._model_mapping and not getattr(config, "auto_map", None):
+    if not is_causal_lm_config(config):
         raise ModelError(
             f"--model {name!r} ({config.model_type}) is not a causal language model transformers can "
             "load with AutoModelForCausalLM; lstune trains decoder-only causal LMs."

@@ -291,14 +291,14 @@ class UlyssesHandle:
 
 
 def _default_core(model: Any) -> tuple[Callable, str]:
-    from transformers import AttentionInterface
-
+    from lstune.models import hf_internals
     from lstune.models.attention import lstune_attention_forward
 
-    current = model.config._attn_implementation
-    if current in _REPLACED_BY_DEFAULT or current not in AttentionInterface._global_mapping:
+    current = hf_internals.attention_implementation(model.config)
+    current_fn = hf_internals.attention_function(current)
+    if current in _REPLACED_BY_DEFAULT or current_fn is None:
         return lstune_attention_forward, "lstune"
-    return AttentionInterface._global_mapping[current], current
+    return current_fn, current
 
 
 def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None = None) -> UlyssesHandle:
@@ -311,8 +311,7 @@ def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None 
     with `position_ids` (see `sp_data.SPDataAdapter`). Order (DESIGN): after LoRA and the attention
     backend, before tiled MLP / loss head / checkpointing.
     """
-    from transformers import AttentionInterface
-
+    from lstune.models import hf_internals
     from lstune.models.attention import register_attention_function
 
     if core is None:
@@ -323,7 +322,9 @@ def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None 
                 f"attention '{core}' needs a [seq, seq] mask, which sequence parallelism never builds; use "
                 "--attn auto (lstune's attention), flex or flash_attention_2."
             )
-        core_fn, core_name = AttentionInterface._global_mapping[core], core
+        core_fn, core_name = hf_internals.attention_function(core), core
+        if core_fn is None:
+            raise ModelError(f"no attention function is registered as {core!r} in transformers' AttentionInterface.")
     else:
         core_fn, core_name = core, getattr(core, "__name__", "custom")
     if dims.sp > 1 and dims.sp_group is None:

@@ -211,11 +211,10 @@ def _one_document_positions(fake: bool):
     """Under fake tensors transformers cannot read position_ids, assumes a packed batch and builds a seq x seq
     mask (an artifact: with real data it sees one document and builds none). Tell it what real data would."""
     import contextlib
-    from unittest import mock
 
-    if not fake:
-        return contextlib.nullcontext()
-    return mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+    from lstune.models.hf_internals import no_packed_sequence_detection
+
+    return no_packed_sequence_detection() if fake else contextlib.nullcontext()
 
 
 def measure_loss_policies(preset: str, seqs: list[int], dtype: torch.dtype):
