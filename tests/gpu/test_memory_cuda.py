@@ -10,7 +10,7 @@ from lstune.config.schema import MemorySection
 from lstune.memory.apply import apply_memory_techniques
 from lstune.memory.loss import causal_lm_loss_sum, liger_applies
 from lstune.models.presets import build_model
-from tests.support.memory import peak_bytes
+from lstune.memory.measure import peak_bytes
 from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads
 
 pytestmark = pytest.mark.gpu

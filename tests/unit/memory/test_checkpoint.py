@@ -11,7 +11,7 @@ from lstune.memory.checkpoint import offload_min_tokens
 from lstune.memory.loss import causal_lm_loss_sum
 from lstune.models.introspect import decoder_layers
 from lstune.models.presets import build_model
-from tests.support.memory import LiveBytes
+from lstune.memory.measure import LiveBytes
 from tests.unit.memory._helpers import long_batch
 
 HIDDEN = 128  # tiny-llama
