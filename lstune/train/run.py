@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -177,37 +177,18 @@ def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> i
 
 def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime):
     """Plain AdamW on one device unless ZeRO is asked for or needed (lstune.train.engine_choice)."""
-    from lstune.train.engine import OptimConfig, TorchEngine
+    from lstune.optim import OptimConfig
+    from lstune.train.engine import TorchEngine
     from lstune.train.engine_choice import choose_zero
 
-    section = config.optim
-    warmup = section.warmup_steps if section.warmup_steps is not None else math.ceil(0.03 * max_steps)
-    optim = OptimConfig(
-        lr=section.lr,
-        weight_decay=section.weight_decay,
-        betas=(section.adam_beta1, section.adam_beta2),
-        eps=section.adam_eps,
-        warmup_steps=min(warmup, max_steps),
-        max_steps=max_steps,
-        schedule=section.schedule,
-        min_lr_ratio=section.min_lr_ratio,
-        max_grad_norm=section.max_grad_norm,
-    )
+    optim = OptimConfig.from_section(config.optim, max_steps)
     plan = choose_zero(config.parallel, model, runtime)
     if plan is None:
         return TorchEngine(model, optim), f"engine: AdamW on {runtime.device}"
     from lstune.parallel.engine_ds import DeepSpeedEngine
 
     runtime.ensure_process_group()
-    engine = DeepSpeedEngine(
-        model,
-        dims=runtime.dims,
-        **asdict(optim),
-        zero_stage=plan.stage,
-        offload_optimizer=plan.offload_optimizer,
-        offload_params=plan.offload_params,
-        bf16=runtime.autocast_dtype is not None,
-    )
+    engine = DeepSpeedEngine(model, dims=runtime.dims, optim=optim, zero=plan, bf16=runtime.autocast_dtype is not None)
     return engine, f"engine: DeepSpeed ZeRO-{plan.stage} ({plan.reason}) on {runtime.world_size} process(es)"
 
 

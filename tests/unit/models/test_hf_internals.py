@@ -6,8 +6,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 from lstune.models import hf_internals
 from lstune.models.presets import build_model, preset_config
 
