@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-import click
 import typer
 
 from lstune.cli.options import config_parameter, given_flags, section_parameters, to_argv
@@ -28,7 +27,8 @@ def _signature() -> inspect.Signature:
         "dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
         default=typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
     )
-    return inspect.Signature([config_parameter(), dry_run, *section_parameters()])
+    ctx = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+    return inspect.Signature([ctx, config_parameter(), dry_run, *section_parameters()])
 
 
 def _train_command(**kwargs: Any) -> int:
@@ -36,6 +36,7 @@ def _train_command(**kwargs: Any) -> int:
     from lstune.config.load import build_config, read_recipe
     from lstune.train.preflight import preflight_problems
 
+    ctx = kwargs.pop("ctx")
     config_path = kwargs.pop("config")
     dry_run = kwargs.pop("dry_run")
     flags = given_flags(kwargs)
@@ -50,7 +51,8 @@ def _train_command(**kwargs: Any) -> int:
         from lstune.train.preflight import check_parallel_layout
 
         check_parallel_layout(config)
-        return relaunch(_relaunch_argv(flags, config_path), config.parallel.gpus, config.parallel.hostfile)
+        argv = _relaunch_argv(ctx, flags, config_path)
+        return relaunch(argv, config.parallel.gpus, config.parallel.hostfile)
 
     from lstune.train.run import train
 
@@ -60,9 +62,9 @@ def _train_command(**kwargs: Any) -> int:
     return 130 if result.interrupted else 0
 
 
-def _relaunch_argv(flags: dict[str, Any], config_path) -> list[str]:
+def _relaunch_argv(ctx: typer.Context, flags: dict[str, Any], config_path) -> list[str]:
     """This command again, as each launched process runs it (with --debug when this one had it)."""
-    debug = click.get_current_context().find_root().params.get("debug", False)
+    debug = ctx.find_root().params.get("debug", False)
     return (["--debug"] if debug else []) + ["train", *to_argv(flags, config_path)]
 
 
