@@ -30,7 +30,6 @@ class LoadedModel:
     tokenizer: Any
     source: ModelSource
     notes: list[str] = field(default_factory=list)  # things the user should know (fallback tokenizer, ...)
-    memory_plan: Any = None  # lstune.memory.apply.MemoryPlan once the techniques are applied
 
 
 def resolve_source(name: str) -> ModelSource:

@@ -74,11 +74,11 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     tokenizer, notes = _setup_tokenizer(config)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, model_config)
-    loaded = _setup_model(config, runtime, tokenizer, notes)
+    loaded, prepared = _setup_model(config, runtime, tokenizer, notes)
     for note in loaded.notes:
         reporter.note(note)
     max_steps = total_steps(config, len(dataset), runtime.world_size)
-    engine, engine_note = _make_engine(config, loaded.model, max_steps, runtime)
+    engine, engine_note = _make_engine(config, prepared.model, max_steps, runtime)
     reporter.note(engine_note)
 
     state = RunState()
@@ -91,9 +91,9 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     if runtime.is_main:
         write_config_snapshot(output_dir, _recipe_view(config))
 
-    reporter.start(_plan(config, loaded, dataset, max_steps, output_dir, runtime, state))
+    reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state))
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
-    _loop(config, engine, loaded, dataset, runtime, state, result, reporter)
+    _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter)
     reporter.end(result)
     return result
 
@@ -151,7 +151,7 @@ def _setup_data(config: TrainConfig, tokenizer, model_config):
 
 
 def _setup_model(config: TrainConfig, runtime: Runtime, tokenizer, notes):
-    """Load, then apply the techniques in their fixed order (lstune.train.prepare)."""
+    """Load, then adapt and apply the techniques in their fixed order (lstune.train.prepare)."""
     from lstune.models.loading import load_model
     from lstune.train.prepare import prepare_model
 
@@ -163,8 +163,9 @@ def _setup_model(config: TrainConfig, runtime: Runtime, tokenizer, notes):
         tokenizer=tokenizer,
         notes=notes,
     )
-    loaded.model, loaded.memory_plan = prepare_model(loaded.model, config, runtime)
-    return loaded
+    prepared = prepare_model(loaded.model, config, runtime)
+    loaded.model = prepared.model
+    return loaded, prepared
 
 
 def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> int:
@@ -223,8 +224,8 @@ def _recipe_view(config: TrainConfig) -> dict[str, Any]:
     return view
 
 
-def _plan(config, loaded, dataset, max_steps, output_dir, runtime: Runtime, state) -> dict[str, Any]:
-    model = loaded.model
+def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Runtime, state) -> dict[str, Any]:
+    model = prepared.model
     plan = {
         "model": f"{config.model.name} ({loaded.source.kind})",
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -236,7 +237,7 @@ def _plan(config, loaded, dataset, max_steps, output_dir, runtime: Runtime, stat
         "start_step": state.step,
         "samples_per_step": config.optim.micro_batch_size * config.optim.grad_accum * runtime.world_size,
         "output_dir": str(output_dir),
-        "memory": _describe_memory(loaded.memory_plan),
+        "memory": _describe_memory(prepared.memory),
     }
     if runtime.distributed:
         plan["parallelism"] = f"{runtime.world_size} processes: SP {runtime.sp} × DP {runtime.dims.dp}"
@@ -257,7 +258,7 @@ def _describe_memory(memory_plan) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, reporter) -> None:
+def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, result, reporter) -> None:
     from lstune.data.loader import make_dataloader
     from lstune.parallel.sp_data import SPDataAdapter
     from lstune.train.metrics import MetricsWriter
@@ -270,7 +271,7 @@ def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, repo
     )
     batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device))
     metrics = MetricsWriter(result.output_dir, resume_step=state.step) if runtime.is_main else None
-    stepper = Stepper(config, engine, runtime)
+    stepper = Stepper(config, engine, runtime, prepared.loss_sum)
     try:
         with StopOnSignal() as stop:
             while state.step < result.max_steps:

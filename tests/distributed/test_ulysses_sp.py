@@ -32,7 +32,6 @@ def _equivalence_worker(rank: int, world: int, case_names: list[str], memory: bo
 
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
-    from lstune.memory.loss import causal_lm_loss_sum
     from lstune.parallel.dims import ParallelDims
     from lstune.parallel.loss import global_mean, global_token_count, local_objective, sum_gradients
     from lstune.parallel.sp_data import count_tokens, shard_batch
@@ -67,7 +66,7 @@ def _equivalence_worker(rank: int, world: int, case_names: list[str], memory: bo
 
             shard = shard_batch(batch, dims.sp, dims.sp_rank)
             n_global = global_token_count([shard])
-            local_sum = causal_lm_loss_sum(model, shard)[0] if memory else loss_sum(model, shard)[0]
+            local_sum = plan.loss_sum(model, shard)[0] if memory else loss_sum(model, shard)[0]
             local_objective(local_sum, n_global).backward()
             sum_gradients(model.parameters())
 

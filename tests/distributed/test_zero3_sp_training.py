@@ -72,10 +72,9 @@ def _train_worker(
     if memory is not None:  # lstune's loss head and memory techniques, applied before the engine
         from lstune.config.schema import MemorySection
         from lstune.memory.apply import apply_memory_techniques
-        from lstune.memory.loss import causal_lm_loss_sum
 
-        apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // sp)
-        compute_loss_sum = causal_lm_loss_sum
+        plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // sp)
+        compute_loss_sum = plan.loss_sum
     engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, *offload, 0, "test"), bf16=False)
     batches = iter(SPDataAdapter(samples[rank::world], dims))
     losses = train_steps(engine, batches, STEPS, ACCUM, compute_loss_sum)

@@ -42,7 +42,7 @@ def _compare(model, batch, options, *, loss_rel, grad_rel):
     ref_loss, ref_grads = run_grads(model, hf_loss_sum, [batch])
     plan = apply_memory_techniques(model, MemorySection(**options), seq_len=batch["input_ids"].shape[1])
     try:
-        loss, grads = run_grads(model, lambda m, b: causal_lm_loss_sum(m, b), [batch])
+        loss, grads = run_grads(model, plan.loss_sum, [batch])
     finally:
         plan.undo()
     assert loss == pytest.approx(ref_loss, rel=loss_rel)
@@ -89,7 +89,7 @@ def _step_peak(model, batch, options) -> int:
     plan = apply_memory_techniques(model, MemorySection(**options), seq_len=batch["input_ids"].shape[1]) if options else None
 
     def step():
-        loss, _ = (causal_lm_loss_sum(model, batch) if plan else hf_loss_sum(model, batch))
+        loss, _ = (plan.loss_sum(model, batch) if plan else hf_loss_sum(model, batch))
         loss.backward()
 
     try:

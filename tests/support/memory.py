@@ -36,11 +36,14 @@ def hf_step(model, batch) -> None:
     loss.backward()
 
 
-def lstune_step(model, batch) -> None:
-    from lstune.memory.loss import causal_lm_loss_sum
+def lstune_step(plan):
+    """One forward + backward through lstune's loss head with `plan`'s tiles."""
 
-    loss, _ = causal_lm_loss_sum(model, batch)
-    loss.backward()
+    def step(model, batch) -> None:
+        loss, _ = plan.loss_sum(model, batch)
+        loss.backward()
+
+    return step
 
 
 CONFIGS = {
@@ -74,7 +77,7 @@ def _run_config(model, name, options, seq, device) -> int:
     from lstune.memory.apply import apply_memory_techniques
 
     plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq) if options is not None else None
-    step = lstune_step if options is not None and not name.startswith("HF") else hf_step
+    step = lstune_step(plan) if options is not None and not name.startswith("HF") else hf_step
     batch = _batch(seq, model.config.vocab_size, device)
     exclude = (lambda: plan.offloader.stats.host_bytes) if plan is not None and plan.offloader else None
     try:
@@ -172,7 +175,7 @@ def measure_step_times(preset: str, layers: int, seq: int) -> list[tuple[str, in
         plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq) if options is not None else None
         start = time.perf_counter()
         with no_leftover_grads(model):
-            (lstune_step if plan else hf_step)(model, batch)
+            (lstune_step(plan) if plan else hf_step)(model, batch)
         rows.append((name, plan.loss_tiles_at_seq_len if plan else 1, time.perf_counter() - start))
         if plan is not None:
             plan.undo()

@@ -64,8 +64,11 @@ def test_plan_summary_and_loss_tiles_used_by_the_loss_head():
     assert plan.loss_tiles == TilePolicy(count=5)  # MST: vocab / hidden
     assert summary["tiled_loss"] == {"setting": "5 tiles", "tiles": 5, "backend": "tiled"}
     assert summary["checkpointing"] and not summary["offload_checkpoints"]["enabled"]
+    batch = long_batch(200)
+    loss_sum, count = plan.loss_sum(model, batch)
+    assert loss_sum.item() == pytest.approx(causal_lm_loss_sum(model, batch, tiles=TilePolicy(count=5))[0].item())
     plan.undo()
-    assert getattr(model, "_lstune_memory_plan") is None
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_every_patch_is_logged(caplog):

@@ -17,7 +17,6 @@ from tests.unit.memory._helpers import (
     assert_grads_match,
     hf_loss_sum,
     long_batch,
-    lstune_step,
     packed_batch,
     run_grads,
     split_documents,
@@ -54,7 +53,7 @@ def _compare(model, batches, options, reference=None, scale=None):
     ref_loss, ref_grads = reference or run_grads(model, hf_loss_sum, batches, scale)
     plan = apply_memory_techniques(model, MemorySection(**options), seq_len=SEQ)
     try:
-        loss, grads = run_grads(model, lstune_step, batches, scale)
+        loss, grads = run_grads(model, plan.loss_sum, batches, scale)
     finally:
         plan.undo()
     assert loss == pytest.approx(ref_loss, rel=1e-5)
