@@ -43,10 +43,10 @@ def check_parallel_layout(config: TrainConfig) -> None:
     """Before launching N processes: the SP degree must fit them and the model's heads (ConfigError lists
     the valid degrees). Multi-node runs learn their world size from the hostfile, so only --gpus is checked
     for a single node."""
-    from lstune.models.loading import load_config, resolve_source
+    from lstune.models.loading import resolve_model
     from lstune.parallel.dims import ParallelDims
 
     if config.parallel.hostfile is not None:
         return
-    model_config = load_config(resolve_source(config.model.name), trust_remote_code=config.model.trust_remote_code)
-    ParallelDims.for_model(config.parallel.gpus, config.parallel.sp, model_config)
+    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    ParallelDims.for_model(config.parallel.gpus, config.parallel.sp, spec.config)

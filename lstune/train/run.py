@@ -69,12 +69,12 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     runtime = start_runtime(config.model.dtype)
     reporter = (reporter or LogReporter()) if runtime.is_main else _Silent()
     output_dir, resume_from = _setup_output(config, runtime)
-    model_config = _check_model_support(config, runtime)
-    runtime.set_dims(config.parallel.sp, model_config)
-    tokenizer, notes = _setup_tokenizer(config)
+    spec = _check_model_support(config, runtime)
+    runtime.set_dims(config.parallel.sp, spec.config)
+    tokenizer, notes = _setup_tokenizer(config, spec)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
-        dataset = _setup_data(config, tokenizer, model_config)
-    loaded, prepared = _setup_model(config, runtime, tokenizer, notes)
+        dataset = _setup_data(config, tokenizer, spec.config)
+    loaded, prepared = _setup_model(config, runtime, spec, tokenizer, notes)
     for note in loaded.notes:
         reporter.note(note)
     max_steps = total_steps(config, len(dataset), runtime.world_size)
@@ -110,24 +110,28 @@ def _setup_output(config: TrainConfig, runtime: Runtime) -> tuple[Path, Path | N
 
 
 def _check_model_support(config: TrainConfig, runtime: Runtime):
-    """Refuse, from the model's config alone, what lstune's attention would get wrong here; returns that
-    config."""
+    """Resolve the model once (its source and config, a ModelSpec every later step takes) and refuse, from
+    the config alone, what lstune's attention would get wrong here."""
     from lstune.models.attention import check_attention_support
-    from lstune.models.loading import load_config, resolve_source
+    from lstune.models.loading import resolve_model
 
-    model_config = load_config(resolve_source(config.model.name), trust_remote_code=config.model.trust_remote_code)
+    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
     check_attention_support(
-        model_config, pack=config.data.pack, seq_len=config.data.seq_len, backend=config.model.attn,
+        spec.config, pack=config.data.pack, seq_len=config.data.seq_len, backend=config.model.attn,
         device=runtime.device.type,
     )
-    return model_config
+    return spec
 
 
-def _setup_tokenizer(config: TrainConfig):
+def _setup_tokenizer(config: TrainConfig, spec):
     """Tokenizer first: the data is built (and its problems reported) before any weights load."""
-    from lstune.models.loading import load_tokenizer_for
+    from lstune.data.tokenizer import load_model_tokenizer
 
-    return load_tokenizer_for(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    source = spec.source
+    return load_model_tokenizer(
+        source.kind, source.location, name=source.name, vocab_size=spec.config.vocab_size,
+        trust_remote_code=config.model.trust_remote_code,
+    )
 
 
 def _setup_data(config: TrainConfig, tokenizer, model_config):
@@ -150,13 +154,13 @@ def _setup_data(config: TrainConfig, tokenizer, model_config):
     return dataset
 
 
-def _setup_model(config: TrainConfig, runtime: Runtime, tokenizer, notes):
+def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
     """Load, then adapt and apply the techniques in their fixed order (lstune.train.prepare)."""
     from lstune.models.loading import load_model
     from lstune.train.prepare import prepare_model
 
     loaded = load_model(
-        config.model.name,
+        spec,
         init=config.model.init,
         trust_remote_code=config.model.trust_remote_code,
         seed=config.optim.seed,
