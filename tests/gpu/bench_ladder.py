@@ -110,15 +110,15 @@ def rung_applied(model, rung: str, seq: int) -> Iterator[tuple[Callable, Any]]:
         finally:
             model.gradient_checkpointing_disable()
         return
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
-    from lstune.memory.loss import causal_lm_loss_sum
     from lstune.models.attention import use_lstune_attention
 
     attention = use_lstune_attention(model)
     plan = None
     try:
-        plan = apply_memory_techniques(model, seq_len=seq, **options)
-        yield (lambda m, b: _mean(*causal_lm_loss_sum(m, b))), plan
+        plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq)
+        yield (lambda m, b: _mean(*plan.loss_sum(m, b))), plan
     finally:
         if plan is not None:
             plan.undo()
