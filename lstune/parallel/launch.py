@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
+from lstune.config.schema import ParallelSection
 from lstune.errors import ConfigError
 
 LAUNCHER_MARKERS = (
@@ -88,11 +89,10 @@ def _cuda_available() -> bool:
 
 def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> list[str]:
     """The command that runs `python -m <module> <argv>` once per process (see the module docstring)."""
-    if gpus < 1:
-        raise ConfigError([f"--gpus {gpus}: give at least 1 process per node."])
+    problems = ParallelSection(gpus=gpus, hostfile=hostfile).problems()
+    if problems:
+        raise ConfigError(problems)
     if hostfile is not None:
-        if not os.path.isfile(hostfile):
-            raise ConfigError([f"--hostfile {hostfile} does not exist; write one line per node: `node-1 slots=8`."])
         return [
             sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--num_gpus", str(gpus),
             "--module", module, *argv,
