@@ -153,6 +153,7 @@ def _apply_mlp(model, plan: MemoryPlan, probing: bool) -> None:
         return
     layers, hidden = plan.parts.layers, plan.parts.hidden_size
     policy = TilePolicy(tile_len=hidden) if plan.tiled_mlp == "auto" else TilePolicy(count=plan.tiled_mlp)
+    tiled_mlp_mod.check_call_signature(layers)
     if probing:
         tiled_mlp_mod.check_per_token(layers, hidden)
     fused = _discover_fusion(model, layers) if plan.mini_sequence and probing else {}

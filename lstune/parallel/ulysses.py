@@ -158,12 +158,19 @@ class UlyssesAttention:
         return _plan(q_heads, kv_heads, self.sp)
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None)."""
+        """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None). v may have its own head
+        dim (multi-head latent attention); each tensor is exchanged with its own."""
         if kwargs.get("s_aux") is not None:
             raise ModelError("attention sinks (s_aux) are not supported with sequence parallelism; use --sp 1")
+        from lstune.models.attention import window_from_mask
+
         plan = self.plan(query.shape[1], key.shape[1])
+        # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
+        window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
+                                  query.shape[2])
+        kwargs["sliding_window"] = window
         positions = self.full_positions(kwargs.get("position_ids"))
-        self._check_kernel_fits(positions, kwargs.get("sliding_window"))
+        self._check_kernel_fits(positions, window)
         q_BhSD = self.seq_to_heads(query, plan.q_counts, plan.q_counts[self.sp_rank])
         kv_index = plan.kv_send_index
         k_BhSD = self.seq_to_heads(key, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
