@@ -321,6 +321,12 @@ class RunSection:
         _pos_int,
     )
     log_every: int = _opt(1, "Print a progress line every N steps.", _pos_int)
+    skip_self_check: bool = _opt(
+        False,
+        "Skip the startup self-check (the prepared model's loss and input-embedding gradient against the unmodified "
+        "model on a short probe; see docs/models.md).",
+        p.parse_bool,
+    )
 
     def problems(self) -> list[str]:
         problems = []

@@ -467,7 +467,7 @@ def lstune_attention_forward(
     """An attention function with transformers' signature (`AttentionInterface`): refuses what it cannot honour, then
     runs `local_attention`. Other HF kwargs (output_attentions, cu_seq_lens_*, ...) are ignored: documents always
     come from `position_ids`, and no attention weights are ever materialised."""
-    sliding_window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2])
+    sliding_window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
     if s_aux is not None:
         raise ModelError(_SINKS_MESSAGE.format(name=type(module).__name__))
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
@@ -530,16 +530,22 @@ class ModelMask:
     local_size: int | None
     _checked: Any = field(default=None, repr=False)
 
-    def window_for(self, position_ids_BS: Tensor, seq: int) -> int | None:
-        if self._checked is position_ids_BS:
+    def window_for(self, position_ids_BS: Tensor | None, seq: int, device: Any = None) -> int | None:
+        if self._checked is not None and self._checked[0] is position_ids_BS and self._checked[1] == seq:
             return self.local_size
         from torch._subclasses.fake_tensor import is_fake
 
-        if position_ids_BS is not None and not is_fake(position_ids_BS):
-            positions_BS = position_ids_BS if position_ids_BS.shape[-1] == seq else None
-            if positions_BS is not None:
+        if position_ids_BS is None:
+            # The model does not hand position_ids to its attention: lstune sees one document per row, which is
+            # right only if the model's own mask agrees (it separates packed documents when it detects them).
+            positions_BS = torch.arange(seq, device=device)[None]
+            try:
                 _check_model_mask(self.mask_function, positions_BS, self.local_size)
-        self._checked = position_ids_BS
+            except ModelError:
+                raise ModelError(_NO_POSITIONS_MESSAGE) from None
+        elif not is_fake(position_ids_BS) and position_ids_BS.shape[-1] == seq:
+            _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
+        self._checked = (position_ids_BS, seq)
         return self.local_size
 
 
@@ -575,6 +581,14 @@ _UNKNOWN_MASK_MESSAGE = (
 )
 
 
+_NO_POSITIONS_MESSAGE = (
+    "this model does not pass position_ids to its attention layers, and its mask differs from one causal "
+    "(windowed) document per row — packed documents, or a mask pattern lstune's kernels do not implement (e.g. "
+    "chunked attention). lstune's attention takes documents from position_ids, so it cannot train this exactly: "
+    "train without --pack, or, for another mask pattern, this model is not supported (lstune's limitation)."
+)
+
+
 def _sample_rows(doc_BS: Tensor, window: int | None) -> Tensor:
     """Every query row up to 512 tokens; beyond, rows at the ends, evenly spaced, and around the first document
     starts and their window edges."""
@@ -590,7 +604,9 @@ def _sample_rows(doc_BS: Tensor, window: int | None) -> Tensor:
     return torch.tensor(sorted({p for p in picks if 0 <= p < seq}), device=doc_BS.device)
 
 
-def window_from_mask(mask: Any, position_ids_BS: Tensor | None, sliding_window: int | None, seq: int) -> int | None:
+def window_from_mask(
+    mask: Any, position_ids_BS: Tensor | None, sliding_window: int | None, seq: int, device: Any = None
+) -> int | None:
     """The sliding window an attention call must apply: the one in the model's mask (`ModelMask`, checked), which
     must agree with the `sliding_window` the model passed to the attention call, if any (within the sequence)."""
     if mask is None:
@@ -600,7 +616,7 @@ def window_from_mask(mask: Any, position_ids_BS: Tensor | None, sliding_window: 
             "lstune attention got an explicit attention mask; it builds none itself. Mark documents with position_ids "
             "resets and ignored tokens with -100 labels instead of passing attention_mask."
         )
-    window = mask.window_for(position_ids_BS, seq)
+    window = mask.window_for(position_ids_BS, seq, device)
     effective = [w if w is not None and w < seq else None for w in (window, sliding_window)]
     if sliding_window is not None and effective[0] != effective[1]:
         raise ModelError(

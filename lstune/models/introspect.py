@@ -78,11 +78,24 @@ def decoder_body(model: "nn.Module") -> "nn.Module":
     lm = unwrap_model(model)
     body = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "base_model", lm)
     if body is lm:
+        # get_decoder() answers the model itself when base_model_prefix names no child (Llama-4 text: the prefix is
+        # "language_model", the child "model"): take the child model that owns the input embeddings.
+        body = _child_owning_embeddings(lm) or lm
+    if body is lm:
         raise ModelError(
-            f"{type(lm).__name__} has no separate decoder body (the module returning hidden states); "
-            "lstune needs a *ForCausalLM model with a base model inside it. Load it with AutoModelForCausalLM."
+            f"lstune cannot find the decoder body of {type(lm).__name__} (the submodule that returns the final hidden "
+            "states: neither get_decoder() nor a child model holding the input embeddings), so it cannot run the "
+            "loss head on hidden states; this is lstune's limitation for this class layout."
         )
     return body
+
+
+def _child_owning_embeddings(lm: "nn.Module") -> "nn.Module | None":
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    for child in lm.children():
+        if hasattr(child, "config") and embeddings is not None and any(m is embeddings for m in child.modules()):
+            return child
+    return None
 
 
 def decoder_layers(model: "nn.Module") -> "nn.ModuleList":

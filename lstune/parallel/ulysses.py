@@ -167,7 +167,7 @@ class UlyssesAttention:
         plan = self.plan(query.shape[1], key.shape[1])
         # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
         window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
-                                  query.shape[2])
+                                  query.shape[2], query.device)
         kwargs["sliding_window"] = window
         positions = self.full_positions(kwargs.get("position_ids"))
         self._check_kernel_fits(positions, window)

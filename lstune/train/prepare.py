@@ -3,6 +3,7 @@
 Order (each step sees the result of the previous one):
 1. move to the device (on CUDA with LoRA, frozen base weights in bf16; adapters stay fp32);
 2. LoRA adapters (peft) — before anything wraps modules, so peft finds the plain linear layers;
+   token mixers that are not attention (convolutions) refuse --pack and SP here (lstune.models.mixers);
 3. attention backend: lstune's attention function (no 4D mask, packed documents from position_ids);
 4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1;
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
@@ -75,7 +76,10 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     from lstune.models.attention import use_lstune_attention
     from lstune.models.introspect import find_parts
 
+    from lstune.models.mixers import check_token_mixers
+
     parts = find_parts(model)
+    check_token_mixers(model, pack=config.data.pack, sp=runtime.sp)
     attention = use_lstune_attention(model, backend=config.model.attn)
     ulysses = None
     try:

@@ -155,7 +155,8 @@ def _setup_data(config: TrainConfig, tokenizer, model_config):
 
 
 def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
-    """Load, then adapt and apply the techniques in their fixed order (lstune.train.prepare)."""
+    """Load, self-check on a probe (lstune.train.self_check), then adapt and apply the techniques in their fixed
+    order (lstune.train.prepare)."""
     from lstune.models.loading import load_model
     from lstune.train.prepare import prepare_model
 
@@ -167,6 +168,12 @@ def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
         tokenizer=tokenizer,
         notes=notes,
     )
+    if config.run.skip_self_check:
+        loaded.notes.append("self-check skipped (--skip-self-check)")
+    else:
+        from lstune.train.self_check import run_self_check
+
+        loaded.notes.append(run_self_check(loaded.model, config, runtime).note())
     prepared = prepare_model(loaded.model, config, runtime)
     loaded.model = prepared.model
     return loaded, prepared

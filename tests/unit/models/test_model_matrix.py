@@ -1,0 +1,108 @@
+"""Exact or refused, on many architectures: loss and every gradient vs plain Hugging Face (fp32, CPU).
+
+For each tiny random-init architecture of tests/support/archs.py (>= 20 model types), lstune's attention (sdpa) alone
+and with each memory technique, and with all of them together, on one long sample and on packed documents, either
+matches the reference — HF with its own eager attention and mask on the long sample; each document run alone on the
+packed one — or is refused with the expected message. Windows (16 tokens) are shorter than the sequences (70 tokens),
+so a window that is dropped changes the result. A model that passes here silently wrong fails this test.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+from lstune.errors import ModelError
+from tests.support.archs import ARCHS, refusal, tiny_model
+from tests.unit.memory._helpers import hf_loss_sum, long_batch, lstune_step, packed_batch, run_grads, split_documents
+
+SEQ = 70
+DOCS = [29, 24, 17]
+TECHNIQUES = {
+    "attention": None,
+    "tiled_mlp": dict(tiled_mlp=3, tiled_loss="off", checkpointing=False),
+    "tiled_loss": dict(tiled_mlp="off", tiled_loss=3, checkpointing=False),
+    "mini_sequence": dict(tiled_mlp=3, mini_sequence=True, tiled_loss="off", checkpointing=False),
+    "checkpointing_offload": dict(tiled_mlp="off", tiled_loss="off", offload_checkpoints=True),
+    "all": dict(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True),
+}
+
+
+@functools.cache
+def _reference(model_type: str, data: str):
+    model = tiny_model(model_type)
+    if data == "long":
+        batch = long_batch(SEQ)
+        return batch, run_grads(model, hf_loss_sum, [batch])
+    batch = packed_batch(DOCS)
+    return batch, run_grads(model, hf_loss_sum, split_documents(batch, DOCS))
+
+
+def _assert_close(got, ref) -> None:
+    loss, grads = got
+    ref_loss, ref_grads = ref
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    # Gradients that are zero in exact arithmetic (a key bias under softmax) are compared at the model's scale.
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for name, ref in ref_grads.items():
+        atol = 1e-5 * max(float(ref.abs().max()), 1e-3 * scale)
+        torch.testing.assert_close(grads[name], ref, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _apply(model, technique: str, data: str):
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.models.attention import use_lstune_attention
+    from lstune.models.mixers import check_token_mixers
+
+    check_token_mixers(model, pack=data == "packed", sp=1)
+    use_lstune_attention(model, backend="sdpa")
+    if TECHNIQUES[technique] is not None:
+        apply_memory_techniques(model, seq_len=SEQ, **TECHNIQUES[technique])
+
+
+def _expected_refusal(model_type: str, technique: str, data: str) -> str | None:
+    """A regex of the refusals this case may get (the first check to run wins), None when it must be exact."""
+    cases = ["attention"]
+    if data == "packed":
+        cases.append("pack")
+    if technique in ("tiled_mlp", "mini_sequence", "all"):
+        cases.append("tiled_mlp")
+    patterns = [refusal(model_type, case) for case in cases if refusal(model_type, case)]
+    return "|".join(patterns) or None
+
+
+@pytest.mark.parametrize("technique", list(TECHNIQUES))
+@pytest.mark.parametrize("data", ["long", "packed"])
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_exact_or_refused(model_type, data, technique):
+    batch, reference = _reference(model_type, data)
+    model = copy.deepcopy(tiny_model(model_type))
+    expected = _expected_refusal(model_type, technique, data)
+    if expected:
+        with pytest.raises(ModelError, match=expected):
+            _apply(model, technique, data)
+            run_grads(model, lstune_step, [batch])
+        return
+    _apply(model, technique, data)
+    _assert_close(run_grads(model, lstune_step, [batch]), reference)
+
+
+def test_the_matrix_covers_at_least_20_architectures():
+    assert len(ARCHS) >= 20
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mistral", "gemma3_text"])
+def test_a_dropped_window_would_fail_the_matrix(model_type, monkeypatch):
+    """The windows really cut: with lstune's window forced off, the comparison fails."""
+    from lstune.models import attention
+
+    batch, reference = _reference(model_type, "long")
+    model = copy.deepcopy(tiny_model(model_type))
+    monkeypatch.setattr(attention, "window_from_mask", lambda *args: None)
+    _apply(model, "attention", "long")
+    with pytest.raises(AssertionError):
+        _assert_close(run_grads(model, lstune_step, [batch]), reference)
