@@ -163,12 +163,17 @@ def load_model_tokenizer(
         from transformers import AutoTokenizer
 
         try:
-            return AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code), notes
+            tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, TypeError) as exc:
             if kind != "local":
                 first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise ModelError(f"--model {name!r}: its tokenizer could not be loaded ({first}).") from None
             logger.debug("no HF tokenizer in %s: %s", location, exc)
+        else:
+            if not is_empty_tokenizer(tokenizer):
+                return tokenizer, notes
+            notes.append("transformers built an empty tokenizer for this model (no tokenizer files: it encodes "
+                         "text to no tokens)")
     tokenizer = ByteTokenizer()
     if vocab_size < tokenizer.vocab_size:
         raise UserError(
@@ -178,3 +183,12 @@ def load_model_tokenizer(
         )
     notes.append("no tokenizer shipped with this model: using lstune's byte-level tokenizer (1 token per byte)")
     return tokenizer, notes
+
+
+def is_empty_tokenizer(tokenizer) -> bool:
+    """transformers 5 builds a tokenizer with no vocabulary for a folder without tokenizer files (GPT-2 and Qwen2
+    classes among others): it encodes any text to no ids."""
+    try:
+        return len(tokenizer) <= 1 or not tokenizer("lstune probe text", add_special_tokens=False)["input_ids"]
+    except (TypeError, ValueError, KeyError):
+        return False
