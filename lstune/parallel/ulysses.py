@@ -216,8 +216,10 @@ class UlyssesAttention:
 
         if position_ids_Bs is None:
             raise DataError(
-                "sequence parallelism needs position_ids in every batch (they carry causality and document "
-                "boundaries across shards); batches from lstune's data pipeline and SP adapter have them."
+                "sequence parallelism needs position_ids at every attention call (they carry causality and "
+                "document boundaries across shards), and this one got none: either the batch has none (batches "
+                "from lstune's data pipeline and SP adapter have them) or the model does not pass them to its "
+                "attention layers, which lstune cannot shard (use --sp 1)."
             )
         if self.sp == 1:
             return position_ids_Bs

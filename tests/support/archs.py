@@ -53,7 +53,8 @@ ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "llama4_text": (dict(attention_chunk_size=WINDOW, head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
                          interleave_moe_layer_step=1, no_rope_layers=[1, 0], layer_types=["chunked_attention",
                          "full_attention"]),
-                    {"attention": "does not pass position_ids to its attention", "tiled_mlp": "more than one tensor"}),
+                    {"attention": "does not pass position_ids to its attention", "tiled_mlp": "more than one tensor",
+                     "sp": "needs position_ids at every attention call"}),
 }
 
 
