@@ -65,7 +65,7 @@ def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
     on a mismatch. `model` itself is not changed."""
     import torch
 
-    probe, kind = probe_model(model)
+    probe, kind = probe_model(model, trust_remote_code=config.trust_remote_code)
     check_config = _check_config(config, probe, runtime)
     batch = probe_batch(probe.config, pack=config.pack, sp=runtime.sp, vocab=probe.config.vocab_size)
     with torch.random.fork_rng(devices=[]):
@@ -82,7 +82,7 @@ def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def probe_model(model: Any) -> tuple[Any, str]:
+def probe_model(model: Any, *, trust_remote_code: bool = False) -> tuple[Any, str]:
     """(fp32 eager copy with dropout off, "copy" or "truncated copy") of `model` on the CPU."""
     import torch
 
@@ -92,19 +92,19 @@ def probe_model(model: Any) -> tuple[Any, str]:
     if sum(p.numel() for p in lm.parameters()) <= _SMALL_MODEL:
         probe, kind = copy.deepcopy(lm).to(device="cpu", dtype=torch.float32), "copy"
     else:
-        probe, kind = _truncated_copy(lm.config), "truncated random-init copy"
+        probe, kind = _truncated_copy(lm.config, trust_remote_code), "truncated random-init copy"
     _drop_dropout(probe)
     probe.config.use_cache = False
     return probe, kind
 
 
-def _truncated_copy(config: Any) -> Any:
+def _truncated_copy(config: Any, trust_remote_code: bool) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
     small = truncated_config(config)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(small, dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(small, dtype=torch.float32, trust_remote_code=trust_remote_code)
 
 
 def truncated_config(config: Any) -> Any:
@@ -282,8 +282,22 @@ def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict) -> tuple[
         for handle in handles:
             handle.remove()
         plan.undo()
+        _forget_attention_key(prepared)
     grad = _gather_tokens(embeds[0].grad[0].detach(), runtime)
     return total / count_tokens(batch), grad, {i: _gather_tokens(h[0], runtime) for i, h in layers.items()}
+
+
+def _forget_attention_key(prepared: Any) -> None:
+    """The probe copy is thrown away: drop the attention key its preparation registered with transformers."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    from lstune.models.introspect import unwrap_model
+
+    key = unwrap_model(prepared).config._attn_implementation
+    if key and key.startswith("lstune_"):
+        AttentionInterface._global_mapping.pop(key, None)
+        AttentionMaskInterface._global_mapping.pop(key, None)
 
 
 def _sp_sum(value: Any, runtime: Any) -> float:
