@@ -106,3 +106,26 @@ def test_a_dropped_window_would_fail_the_matrix(model_type, monkeypatch):
     _apply(model, "attention", "long")
     with pytest.raises(AssertionError):
         _assert_close(run_grads(model, lstune_step, [batch]), reference)
+
+
+def test_a_block_called_with_more_than_the_hidden_states_is_refused_at_apply_time():
+    """BLOOM's MLP takes the residual too: refused when tiling is applied, not in the first step."""
+    from lstune.memory.apply import apply_memory_techniques
+
+    model = tiny_model("bloom")
+    with pytest.raises(ModelError, match=r"BloomMLP is called with more than the hidden states \(residual\)"):
+        apply_memory_techniques(model, seq_len=SEQ, tiled_mlp=3)
+    assert not any("forward" in vars(layer.mlp) for layer in model.transformer.h)  # nothing left patched
+
+
+def test_a_per_token_argument_reaching_a_tiled_block_is_refused():
+    """The guard at call time: an optional argument shaped like the tokens would reach every tile whole."""
+    from lstune.memory.mlp import TiledForward
+    from lstune.memory.tiling import TilePolicy
+
+    block = torch.nn.Linear(8, 8)
+    tiled = TiledForward(block, TilePolicy(count=2))
+    x = torch.randn(1, 6, 8)
+    assert tiled(x).shape == x.shape
+    with pytest.raises(ModelError, match="per-token tensor argument"):
+        tiled(x, torch.randn(1, 6, 8))
