@@ -5,9 +5,10 @@ say everything (a window applied only through the mask, positions that do not co
 mixer that is not attention). So before the run, on a short probe, it compares the model as lstune prepared it with
 the unmodified model running its own attention implementation (eager) and its own mask:
 
-1. probe model: a copy of the loaded model when it is small (<= 100M parameters); else a random-init copy of a
-   prefix of its layers long enough to hold every layer type the config lists per layer (a layer or a few), with a
-   vocabulary of 512 — exactness is a property of the code path, not of the weights;
+1. probe model: a copy of the loaded model when it is small (<= 100M parameters); else a random-init copy, built on
+   the run's device, of a prefix of its layers long enough to hold every layer type the config lists per layer (a
+   layer or a few), with a vocabulary of 512 and windows / attention chunks cut to 16 tokens — exactness is a
+   property of the code path, not of the weights or the window's size;
 2. probe batch: one sequence longer than every window/chunk the config names (at least 64 tokens), with two packed
    documents when the run packs; labels pre-shifted as the data pipeline makes them;
 3. reference: the probe model with `attn_implementation="eager"`, fp32, dropout off; prepared: a copy put through
@@ -36,6 +37,7 @@ log = logging.getLogger("lstune")
 
 _SMALL_MODEL = 100_000_000
 _PROBE_VOCAB = 512
+_PROBE_WINDOW = 16
 _MIN_PROBE = 64
 _LOSS_RTOL = 1e-5
 _GRAD_RTOL = 1e-4
@@ -65,7 +67,7 @@ def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
     on a mismatch. `model` itself is not changed."""
     import torch
 
-    probe, kind = probe_model(model, trust_remote_code=config.trust_remote_code)
+    probe, kind = probe_model(model, trust_remote_code=config.trust_remote_code, device=runtime.device)
     check_config = _check_config(config, probe, runtime)
     batch = probe_batch(probe.config, pack=config.pack, sp=runtime.sp, vocab=probe.config.vocab_size)
     with torch.random.fork_rng(devices=[]):
@@ -82,29 +84,31 @@ def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def probe_model(model: Any, *, trust_remote_code: bool = False) -> tuple[Any, str]:
-    """(fp32 eager copy with dropout off, "copy" or "truncated copy") of `model` on the CPU."""
+def probe_model(model: Any, *, trust_remote_code: bool = False, device: Any = "cpu") -> tuple[Any, str]:
+    """(fp32 copy with dropout off, "copy" or "truncated random-init copy") of `model` on `device`."""
     import torch
 
     from lstune.models.introspect import unwrap_model
 
     lm = unwrap_model(model)
     if sum(p.numel() for p in lm.parameters()) <= _SMALL_MODEL:
-        probe, kind = copy.deepcopy(lm).to(device="cpu", dtype=torch.float32), "copy"
+        probe, kind = copy.deepcopy(lm).to(device=device, dtype=torch.float32), "copy"
     else:
-        probe, kind = _truncated_copy(lm.config, trust_remote_code), "truncated random-init copy"
+        probe, kind = _truncated_copy(lm.config, trust_remote_code, device), "truncated random-init copy"
     _drop_dropout(probe)
     probe.config.use_cache = False
     return probe, kind
 
 
-def _truncated_copy(config: Any, trust_remote_code: bool) -> Any:
+def _truncated_copy(config: Any, trust_remote_code: bool, device: Any) -> Any:
+    """Built on the run's device: random init of a few full-width layers is most of the check's cost on a CPU."""
     import torch
     from transformers import AutoModelForCausalLM
 
     small = truncated_config(config)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(small, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(small, dtype=torch.float32, trust_remote_code=trust_remote_code)
 
 
 def truncated_config(config: Any) -> Any:
@@ -121,6 +125,8 @@ def truncated_config(config: Any) -> Any:
     small.num_hidden_layers = min(layers, max(keep, 2))
     for key, values in per_layer.items():
         setattr(small, key, values[: small.num_hidden_layers])
+    for key, window in named_windows(small).items():  # a short window is as good a test, on a short probe
+        setattr(small, key, min(window, _PROBE_WINDOW))
     if getattr(small, "vocab_size", 0) > _PROBE_VOCAB:
         small.vocab_size = _PROBE_VOCAB
         if (getattr(small, "pad_token_id", None) or 0) >= _PROBE_VOCAB:
@@ -147,7 +153,8 @@ def named_windows(config: Any) -> dict[str, int]:
     """Integer config entries that limit how far attention reaches (sliding windows, attention chunks)."""
     return {
         key: value for key, value in vars(config).items()
-        if ("window" in key or "chunk" in key) and isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if ("window" in key or "attention_chunk" in key) and isinstance(value, int) and not isinstance(value, bool)
+        and value > 0
     }
 
 
@@ -200,10 +207,10 @@ def _check_config(config: Any, probe: Any, runtime: Any) -> Any:
 
 
 def _compare(probe: Any, config: Any, runtime: Any, batch: dict) -> SelfCheckResult:
-    reference = copy.deepcopy(probe)
-    _set_eager(reference)
     prepared_input = copy.deepcopy(probe)
-    ref_loss, ref_grad, ref_layers = _reference_step(reference, batch, runtime.device)
+    _set_eager(probe)  # the probe is lstune's own copy: it serves as the reference
+    ref_loss, ref_grad, ref_layers = _reference_step(probe, batch, runtime.device)
+    probe.zero_grad(set_to_none=True)
     loss, grad, layers = _prepared_step(prepared_input, config, runtime, batch)
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
     grad_rel = float((grad - ref_grad).abs().max() / ref_grad.abs().max().clamp_min(1e-12))
