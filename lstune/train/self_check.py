@@ -67,9 +67,9 @@ def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
     on a mismatch. `model` itself is not changed."""
     import torch
 
-    probe, kind = probe_model(model, trust_remote_code=config.trust_remote_code, device=runtime.device)
+    probe, kind = probe_model(model, trust_remote_code=config.model.trust_remote_code, device=runtime.device)
     check_config = _check_config(config, probe, runtime)
-    batch = probe_batch(probe.config, pack=config.pack, sp=runtime.sp, vocab=probe.config.vocab_size)
+    batch = probe_batch(probe.config, pack=config.data.pack, sp=runtime.sp, vocab=probe.config.vocab_size)
     with torch.random.fork_rng(devices=[]):
         result = _compare(probe, check_config, runtime, batch)
     result.copy_kind, result.layers = kind, _layer_count(probe)
@@ -191,18 +191,23 @@ def _check_config(config: Any, probe: Any, runtime: Any) -> Any:
     from lstune.errors import UserError
     from lstune.models.attention import resolve_backend
 
+    import torch
+
     softcap = getattr(probe.config, "attn_logit_softcapping", None)
-    attn = config.attn
+    attn = config.model.attn
     try:
-        resolve_backend(attn, device_type=runtime.device.type, dtype=__import__("torch").float32, softcap=softcap)
+        resolve_backend(attn, device_type=runtime.device.type, dtype=torch.float32, softcap=softcap)
     except UserError:
         attn = "sdpa"
+    memory = config.memory
     return dataclasses.replace(
         config,
-        attn=attn,
-        tiled_mlp="off" if config.tiled_mlp == "off" else 2,
-        tiled_loss="off" if config.tiled_loss == "off" else 2,
-        dtype="fp32",
+        model=dataclasses.replace(config.model, attn=attn, dtype="fp32"),
+        memory=dataclasses.replace(
+            memory,
+            tiled_mlp="off" if memory.tiled_mlp == "off" else 2,
+            tiled_loss="off" if memory.tiled_loss == "off" else 2,
+        ),
     )
 
 
@@ -272,39 +277,24 @@ def _reference_step(model: Any, batch: dict, device: Any) -> tuple[float, Any, d
 
 
 def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict) -> tuple[float, Any, dict]:
-    from lstune.memory.loss import causal_lm_loss_sum
     from lstune.parallel.sp_data import count_tokens, shard_batch
     from lstune.train.prepare import prepare_model
 
-    prepared, plan = prepare_model(model, config, runtime)
+    prepared = prepare_model(model, config, runtime)
     embeds, layers = [], {}
-    handles = [_embedding_capture(prepared, embeds), *_layer_capture(prepared, layers)]
+    handles = [_embedding_capture(prepared.model, embeds), *_layer_capture(prepared.model, layers)]
     try:
         shard = shard_batch(batch, runtime.sp, runtime.dims.sp_rank if runtime.sp > 1 else 0)
         shard = {k: v.to(runtime.device) for k, v in shard.items()}
-        loss_sum, _ = causal_lm_loss_sum(prepared, shard)
+        loss_sum, _ = prepared.loss_sum(shard)
         (loss_sum / count_tokens(batch)).backward()
         total = _sp_sum(loss_sum.detach(), runtime)
     finally:
         for handle in handles:
             handle.remove()
-        plan.undo()
-        _forget_attention_key(prepared)
+        prepared.undo()  # the copy is thrown away; undo also drops its attention registration
     grad = _gather_tokens(embeds[0].grad[0].detach(), runtime)
     return total / count_tokens(batch), grad, {i: _gather_tokens(h[0], runtime) for i, h in layers.items()}
-
-
-def _forget_attention_key(prepared: Any) -> None:
-    """The probe copy is thrown away: drop the attention key its preparation registered with transformers."""
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
-    from lstune.models.introspect import unwrap_model
-
-    key = unwrap_model(prepared).config._attn_implementation
-    if key and key.startswith("lstune_"):
-        AttentionInterface._global_mapping.pop(key, None)
-        AttentionMaskInterface._global_mapping.pop(key, None)
 
 
 def _sp_sum(value: Any, runtime: Any) -> float:
@@ -404,17 +394,19 @@ def _describe_layer(probe: Any, index: int | None) -> str:
 def _find_culprit(probe: Any, config: Any, runtime: Any, batch: dict) -> str | None:
     """The first technique whose removal alone makes the check pass; "all" when only all off passes; None when even
     all off fails."""
-    all_off = dataclasses.replace(config, **{k: off for k, (off, _) in _TECHNIQUES.items()})
-    if not _compare(probe, all_off, runtime, batch).ok:
+    def with_memory(**changes):
+        return dataclasses.replace(config, memory=dataclasses.replace(config.memory, **changes))
+
+    if not _compare(probe, with_memory(**{k: off for k, (off, _) in _TECHNIQUES.items()}), runtime, batch).ok:
         return None
     for name, (off, _) in _TECHNIQUES.items():
-        if getattr(config, name) == off:
+        if getattr(config.memory, name) == off:
             continue
         changes = {name: off}
         if name == "checkpointing":
             changes["offload_checkpoints"] = False
         if name == "tiled_mlp":
             changes["mini_sequence"] = False
-        if _compare(probe, dataclasses.replace(config, **changes), runtime, batch).ok:
+        if _compare(probe, with_memory(**changes), runtime, batch).ok:
             return name
     return "all"

@@ -16,6 +16,7 @@ TOL = 2e-5
 def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
     import copy
 
+    from lstune.config.schema import MemorySection
     from lstune.errors import UserError
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.loss import causal_lm_loss_sum
@@ -41,11 +42,12 @@ def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
                 try:
                     check_token_mixers(model, pack=data == "packed", sp=world)
                     apply_ulysses(model, dims)
+                    step = causal_lm_loss_sum
                     if memory:
-                        apply_memory_techniques(model, seq_len=SEQ // world, tiled_mlp=2, tiled_loss=2,
-                                                offload_checkpoints=True)
+                        techniques = MemorySection(tiled_mlp=2, tiled_loss=2, offload_checkpoints=True)
+                        step = apply_memory_techniques(model, techniques, seq_len=SEQ // world).loss_sum
                     shard = shard_batch(batch, dims.sp, dims.sp_rank)
-                    local_sum, _ = causal_lm_loss_sum(model, shard)
+                    local_sum, _ = step(model, shard)
                     local_objective(local_sum, global_token_count([shard])).backward()
                 except UserError as error:
                     results[(model_type, data, memory)] = ("refused", str(error))

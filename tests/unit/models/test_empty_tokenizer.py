@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lstune.data.tokenizer import ByteTokenizer, is_empty_tokenizer
-from lstune.models.loading import load_tokenizer_for
+from lstune.data.tokenizer import load_model_tokenizer
 from tests.support.archs import tiny_config
 
 
@@ -15,7 +15,7 @@ def test_an_empty_tokenizer_falls_back_to_bytes_and_says_so(model_type, tmp_path
     from transformers import AutoTokenizer
 
     assert is_empty_tokenizer(AutoTokenizer.from_pretrained(tmp_path))  # what transformers gives here
-    tokenizer, notes = load_tokenizer_for(str(tmp_path))
+    tokenizer, notes = load_model_tokenizer("local", str(tmp_path), name=str(tmp_path), vocab_size=320)
     assert isinstance(tokenizer, ByteTokenizer) and tokenizer("hi")["input_ids"]
     assert any("empty tokenizer" in note for note in notes)
     assert any("byte-level tokenizer" in note for note in notes)

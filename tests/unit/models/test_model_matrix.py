@@ -17,7 +17,8 @@ import torch
 
 from lstune.errors import ModelError
 from tests.support.archs import ARCHS, refusal, tiny_model
-from tests.unit.memory._helpers import hf_loss_sum, long_batch, lstune_step, packed_batch, run_grads, split_documents
+from lstune.memory.loss import causal_lm_loss_sum as lstune_step
+from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads, split_documents
 
 SEQ = 70
 DOCS = [29, 24, 17]
@@ -54,14 +55,17 @@ def _assert_close(got, ref) -> None:
 
 
 def _apply(model, technique: str, data: str):
+    """Install lstune's attention (and the techniques); returns the loss step: the plan's, or the untiled one."""
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.models.attention import use_lstune_attention
     from lstune.models.mixers import check_token_mixers
 
     check_token_mixers(model, pack=data == "packed", sp=1)
     use_lstune_attention(model, backend="sdpa")
-    if TECHNIQUES[technique] is not None:
-        apply_memory_techniques(model, seq_len=SEQ, **TECHNIQUES[technique])
+    if TECHNIQUES[technique] is None:
+        return lstune_step
+    return apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SEQ).loss_sum
 
 
 def _expected_refusal(model_type: str, technique: str, data: str) -> str | None:
@@ -84,11 +88,11 @@ def test_exact_or_refused(model_type, data, technique):
     expected = _expected_refusal(model_type, technique, data)
     if expected:
         with pytest.raises(ModelError, match=expected):
-            _apply(model, technique, data)
-            run_grads(model, lstune_step, [batch])
+            step = _apply(model, technique, data)
+            run_grads(model, step, [batch])
         return
-    _apply(model, technique, data)
-    _assert_close(run_grads(model, lstune_step, [batch]), reference)
+    step = _apply(model, technique, data)
+    _assert_close(run_grads(model, step, [batch]), reference)
 
 
 def test_the_matrix_covers_at_least_20_architectures():
@@ -103,18 +107,19 @@ def test_a_dropped_window_would_fail_the_matrix(model_type, monkeypatch):
     batch, reference = _reference(model_type, "long")
     model = copy.deepcopy(tiny_model(model_type))
     monkeypatch.setattr(attention, "window_from_mask", lambda *args: None)
-    _apply(model, "attention", "long")
+    step = _apply(model, "attention", "long")
     with pytest.raises(AssertionError):
-        _assert_close(run_grads(model, lstune_step, [batch]), reference)
+        _assert_close(run_grads(model, step, [batch]), reference)
 
 
 def test_a_block_called_with_more_than_the_hidden_states_is_refused_at_apply_time():
     """BLOOM's MLP takes the residual too: refused when tiling is applied, not in the first step."""
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
 
     model = tiny_model("bloom")
     with pytest.raises(ModelError, match=r"BloomMLP is called with more than the hidden states \(residual\)"):
-        apply_memory_techniques(model, seq_len=SEQ, tiled_mlp=3)
+        apply_memory_techniques(model, MemorySection(tiled_mlp=3), seq_len=SEQ)
     assert not any("forward" in vars(layer.mlp) for layer in model.transformer.h)  # nothing left patched
 
 

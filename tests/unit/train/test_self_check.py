@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lstune.config.schema import TrainConfig
+from lstune.config.schema import DataSection, RunSection, TrainConfig
 from lstune.errors import ModelError
 from lstune.train import self_check
 from lstune.train.runtime import Runtime
@@ -15,10 +15,14 @@ from tests.support.archs import tiny_config, tiny_model
 CPU = Runtime(torch.device("cpu"), None)
 
 
+def _config(pack: bool = False) -> TrainConfig:
+    return TrainConfig(data=DataSection(pack=pack))
+
+
 @pytest.mark.parametrize("model_type, pack", [("qwen2_moe", True), ("deepseek_v3", True), ("gemma3_text", False),
                                               ("lfm2", False)])
 def test_exact_models_pass(model_type, pack):
-    result = self_check.run_self_check(tiny_model(model_type), TrainConfig(pack=pack), CPU)
+    result = self_check.run_self_check(tiny_model(model_type), _config(pack), CPU)
     assert result.ok and result.loss_rel < 1e-5 and result.documents == (2 if pack else 1)
     assert result.tokens > 16 + 16  # crosses the 16-token windows of the test configs
     assert "self-check passed" in result.note()
@@ -30,7 +34,7 @@ def test_a_dropped_window_is_caught(monkeypatch):
     monkeypatch.setattr(attention, "window_from_mask", lambda *args: None)
     with pytest.raises(ModelError, match=r"self-check failed.*layer 0 \(Qwen2MoeDecoderLayer, layer type "
                                          r"'sliding_attention'\).*every memory technique off"):
-        self_check.run_self_check(tiny_model("qwen2_moe"), TrainConfig(), CPU)
+        self_check.run_self_check(tiny_model("qwen2_moe"), _config(), CPU)
 
 
 def test_shifted_positions_are_caught(monkeypatch):
@@ -39,12 +43,12 @@ def test_shifted_positions_are_caught(monkeypatch):
 
     original = loss.final_hidden_states
 
-    def shifted(model, batch):
-        return original(model, {**batch, "position_ids": batch["position_ids"] + 1})
+    def shifted(model, batch, **kwargs):
+        return original(model, {**batch, "position_ids": batch["position_ids"] + 1}, **kwargs)
 
     monkeypatch.setattr(loss, "final_hidden_states", shifted)
     with pytest.raises(ModelError, match="self-check failed.*first differing layer: layer 0"):
-        self_check.run_self_check(tiny_model("gpt2"), TrainConfig(pack=True), CPU)
+        self_check.run_self_check(tiny_model("gpt2"), _config(True), CPU)
 
 
 def test_a_broken_technique_is_named(monkeypatch):
@@ -57,12 +61,12 @@ def test_a_broken_technique_is_named(monkeypatch):
 
     monkeypatch.setattr(mlp.TiledForward, "_run_tile", off_by_a_little)
     with pytest.raises(ModelError, match="matches with --tiled-mlp off"):
-        self_check.run_self_check(tiny_model("llama"), TrainConfig(), CPU)
+        self_check.run_self_check(tiny_model("llama"), _config(), CPU)
 
 
 def test_big_models_are_checked_on_a_truncated_copy(monkeypatch):
     monkeypatch.setattr(self_check, "_SMALL_MODEL", 0)
-    result = self_check.run_self_check(tiny_model("gemma3_text"), TrainConfig(pack=True), CPU)
+    result = self_check.run_self_check(tiny_model("gemma3_text"), _config(True), CPU)
     assert result.ok and result.copy_kind.startswith("truncated")
 
 
@@ -84,9 +88,10 @@ def test_the_probe_crosses_every_named_window():
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_training_setup_runs_it_unless_skipped(skip, tmp_path):
+    from lstune.models.loading import resolve_model
     from lstune.train.run import _setup_model
 
-    config = TrainConfig(model="tiny-llama", seq_len=64, skip_self_check=skip)
-    loaded = _setup_model(config, CPU, None, [])
+    config = TrainConfig(data=DataSection(seq_len=64), run=RunSection(skip_self_check=skip))
+    loaded, _ = _setup_model(config, CPU, resolve_model("tiny-llama"), None, [])
     expected = "self-check skipped" if skip else "self-check passed"
     assert any(expected in note for note in loaded.notes)
