@@ -69,14 +69,6 @@ def _normalise_resume(argv: list[str]) -> list[str]:
     return out
 
 
-_ARGV: list[str] = []
-
-
-def current_argv() -> list[str]:
-    """The arguments of this invocation (after the program name), for relaunching it in N processes."""
-    return list(_ARGV)
-
-
 def _hoist_globals(args: list[str]) -> list[str]:
     """`--debug` and `--log-level LEVEL` are accepted anywhere on the line (`lstune train ... --debug` as
     well as `lstune --debug train`): move them before the command, where the root callback reads them."""
@@ -120,7 +112,6 @@ def _on_sigterm(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = _hoist_globals(_normalise_resume(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args
-    _ARGV[:] = args
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if _in_main_thread() else None
     try:
         code = app(args=args, prog_name="lstune", standalone_mode=False)

@@ -1,15 +1,13 @@
-"""`lstune train`: parse flags (built from TrainConfig's fields), validate, run, render."""
+"""`lstune train`: parse flags (built from the config sections' fields), validate, run, render."""
 
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
-from lstune.config import parse
-from lstune.config.schema import config_fields, field_default
+from lstune.cli.options import config_parameter, given_flags, section_parameters, to_argv
 
 HELP = (
     "Fine-tune a causal LM on long sequences.\n\n"
@@ -25,35 +23,12 @@ def register(app: typer.Typer) -> None:
 
 
 def _signature() -> inspect.Signature:
-    params = [
-        _param("config", Optional[Path], typer.Option(None, "--config", "-c", help="A YAML recipe (see recipes/).")),
-        _param("dry_run", bool, typer.Option(False, "--dry-run", help="Print the resolved config and exit.")),
-    ]
-    for f in config_fields():
-        flag = "--" + f.name.replace("_", "-")
-        default = field_default(f)
-        shown = parse.format_length(default) if f.name == "seq_len" else default
-        help_text = f"{f.metadata['help']} [default: {shown}]"
-        if f.metadata["parser"] is parse.parse_bool and f.metadata.get("style") != "value":
-            option = typer.Option(None, f"{flag}/--no-{flag[2:]}", help=help_text, rich_help_panel=f.metadata["section"],
-                                  show_default=False)
-            params.append(_param(f.name, Optional[bool], option))
-        else:
-            option = typer.Option(None, flag, help=help_text, rich_help_panel=f.metadata["section"], show_default=False,
-                                  metavar=_metavar(f.name))
-            params.append(_param(f.name, Optional[str], option))
-    return inspect.Signature(params)
-
-
-def _param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
-
-
-def _metavar(name: str) -> str:
-    return {
-        "seq_len": "LENGTH", "model": "MODEL", "data": "SOURCE", "output_dir": "DIR", "resume": "[PATH]",
-        "checkpointing": "on|off", "tiled_mlp": "auto|off|N", "tiled_loss": "auto|off|N", "host_mem_budget": "BYTES",
-    }.get(name, "VALUE")
+    dry_run = inspect.Parameter(
+        "dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
+        default=typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+    )
+    ctx = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+    return inspect.Signature([ctx, config_parameter(), dry_run, *section_parameters()])
 
 
 def _train_command(**kwargs: Any) -> int:
@@ -61,32 +36,44 @@ def _train_command(**kwargs: Any) -> int:
     from lstune.config.load import build_config, read_recipe
     from lstune.train.preflight import preflight_problems
 
+    ctx = kwargs.pop("ctx")
     config_path = kwargs.pop("config")
     dry_run = kwargs.pop("dry_run")
+    flags = given_flags(kwargs)
     recipe = read_recipe(config_path) if config_path else {}
     name = str(config_path) if config_path else "the recipe"
-    config = build_config(recipe, kwargs, recipe_name=name, checks=preflight_problems)
+    config = build_config(recipe, flags, recipe_name=name, checks=preflight_problems)
     if dry_run:
         print_config(config)
         return 0
     if _needs_launch(config):
-        from lstune.cli.app import current_argv
         from lstune.parallel.launch import relaunch
         from lstune.train.preflight import check_parallel_layout
 
         check_parallel_layout(config)
-        return relaunch(current_argv(), config.gpus, config.hostfile)
+        argv = _relaunch_argv(ctx, flags, config_path)
+        return relaunch(argv, config.parallel.gpus, config.parallel.hostfile)
 
     from lstune.train.run import train
 
-    result = train(config, RichReporter(console(), log_every=config.log_every))
+    result = train(config, RichReporter(console(), log_every=config.run.log_every))
     if result.is_main:
         print_summary(result)
     return 130 if result.interrupted else 0
+
+
+def _relaunch_argv(ctx: typer.Context, flags: dict[str, Any], config_path) -> list[str]:
+    """This command again, as each launched process runs it (with this one's --debug and --log-level)."""
+    root = ctx.find_root().params
+    front = ["--debug"] if root.get("debug", False) else []
+    if root.get("log_level"):
+        front += ["--log-level", root["log_level"]]
+    return front + ["train", *to_argv(flags, config_path)]
 
 
 def _needs_launch(config) -> bool:
     """--gpus N / --hostfile outside a launcher: start the processes (they run this same command)."""
     from lstune.parallel.launch import detect_launch_env
 
-    return (config.gpus > 1 or config.hostfile is not None) and detect_launch_env() is None
+    parallel = config.parallel
+    return (parallel.gpus > 1 or parallel.hostfile is not None) and detect_launch_env() is None

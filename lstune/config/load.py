@@ -7,16 +7,11 @@ data is touched, so a typo costs a second, not a model load.
 from __future__ import annotations
 
 import difflib
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
 
-from lstune.config.schema import TrainConfig
+from lstune.config.schema import FLAT_FIELDS, TrainConfig, flag_name
 from lstune.errors import ConfigError
-
-
-def flag_name(key: str) -> str:
-    return "--" + key.replace("_", "-")
 
 
 # A recipe is a few dozen keys. These bounds keep a hostile one (a "billion laughs" of nested aliases, a
@@ -102,16 +97,16 @@ def build_config(
     recipe_name: str = "the recipe",
     checks: Callable[[TrainConfig], list[str]] | None = None,
 ) -> TrainConfig:
-    """Merge recipe values and flags (None = not given) into a TrainConfig; raise ConfigError listing
-    every invalid or unknown key, together with what `checks` finds (e.g. a missing data path)."""
-    by_name = {f.name: f for f in fields(TrainConfig)}
+    """Merge recipe values and flags (flat keys; None = not given) into a TrainConfig; raise ConfigError
+    listing every invalid or unknown key, every section's problems, and what `checks` finds (e.g. a
+    missing data path)."""
     problems: list[str] = []
     values: dict[str, Any] = {}
 
     for key, raw in (recipe or {}).items():
         name = str(key).replace("-", "_")
-        if name not in by_name:
-            problems.append(_unknown_key(show_value(key).strip("'"), recipe_name, by_name))
+        if name not in FLAT_FIELDS:
+            problems.append(_unknown_key(show_value(key).strip("'"), recipe_name))
             continue
         values[name] = (raw, f"{key} in {recipe_name}")
     for name, raw in (flags or {}).items():
@@ -123,18 +118,18 @@ def build_config(
         if raw is None:
             parsed[name] = None
             continue
-        if isinstance(raw, (dict, list, tuple, set)) and not by_name[name].metadata.get("accepts_list"):
+        f = FLAT_FIELDS[name][1]
+        if isinstance(raw, (dict, list, tuple, set)) and not f.metadata.get("accepts_list"):
             kind = "mapping" if isinstance(raw, dict) else "list"
-            problems.append(f"{where} is a {kind}, but {name} takes a single value, e.g. {name}: "
-                            f"{_example(by_name[name])}.")
+            problems.append(f"{where} is a {kind}, but {name} takes a single value, e.g. {name}: {_example(f)}.")
             continue
         try:
-            parsed[name] = by_name[name].metadata["parser"](raw)
+            parsed[name] = f.metadata["parser"](raw)
         except ValueError as exc:
             problems.append(f"{where} {show_value(raw)} {exc}.")
 
-    config = TrainConfig(**{k: v for k, v in parsed.items()})
-    problems.extend(_cross_check(config, set(values)))
+    config = TrainConfig.from_flat(parsed)
+    problems.extend(config.problems())
     if checks is not None:
         problems.extend(checks(config))
     if problems:
@@ -164,41 +159,10 @@ _ALIASES = {
 }
 
 
-def _unknown_key(key: str, recipe_name: str, by_name: dict) -> str:
+def _unknown_key(key: str, recipe_name: str) -> str:
     name = key.replace("-", "_")
-    candidates = list(by_name) + list(_ALIASES)
+    candidates = list(FLAT_FIELDS) + list(_ALIASES)
     close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.7)
     close = [_ALIASES.get(c, c) for c in close]
     hint = f" Did you mean '{close[0]}'?" if close else " See `lstune train --help` for the keys."
     return f"unknown key '{key}' in {recipe_name}.{hint}"
-
-
-def _cross_check(c: TrainConfig, given: set[str]) -> list[str]:
-    problems = []
-    if c.resume and c.overwrite:
-        problems.append("--resume and --overwrite contradict each other; resume keeps the run, overwrite erases it. Pick one.")
-    if c.lora_r == 0:
-        for key in ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout"):
-            if key in given:
-                problems.append(f"{flag_name(key)} needs LoRA; add --lora-r 16 (or another rank), or drop it.")
-    if c.offload_checkpoints and not c.checkpointing:
-        problems.append("--offload-checkpoints moves activation checkpoints to host memory: it needs --checkpointing on.")
-    if c.mini_sequence and c.tiled_mlp == "off":
-        problems.append("--mini-sequence tiles the MLP: drop --tiled-mlp off, or drop --mini-sequence.")
-    if c.host_mem_budget is not None and not c.offload_checkpoints:
-        problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
-    if c.offload_params and c.zero_stage not in ("auto", "3"):
-        problems.append("--offload-params needs --zero-stage 3 (only stage 3 shards the weights).")
-    if c.hostfile is not None and not Path(c.hostfile).is_file():
-        problems.append(f"--hostfile {c.hostfile!r} does not exist; write one line per node: `node-1 slots=8`.")
-    if c.max_steps is not None and c.epochs is not None:
-        problems.append("--max-steps and --epochs both given; keep one.")
-    if c.save_every is not None and c.max_steps is not None and c.save_every > c.max_steps:
-        problems.append(
-            f"--save-every {c.save_every} is more than --max-steps {c.max_steps}: no checkpoint would be saved before the end; lower it."
-        )
-    if c.resume and c.resume != "latest" and c.output_dir is None and not Path(c.resume).exists():
-        problems.append(f"--resume {c.resume!r} does not exist; give a checkpoint folder or 'latest' with --output-dir.")
-    if c.resume == "latest" and c.output_dir is None:
-        problems.append("--resume needs --output-dir (the run to continue), or a checkpoint path: --resume runs/x/checkpoint-100.")
-    return problems

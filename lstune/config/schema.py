@@ -1,253 +1,447 @@
-"""The typed config of a training run: one dataclass, one field per flag / recipe key.
+"""The typed config of a run: `TrainConfig` composes one typed section per concern.
 
-A recipe (YAML) and command-line flags use the same names (`seq_len` in YAML is `--seq-len` on the
-command line). Each field's metadata holds its help text, its parser and its section; the CLI builds its
-options from these, so the help, the recipe keys and the validation never drift apart.
+Sections: `model` (ModelSection), `data` (DataSection), `memory` (MemorySection), `parallel`
+(ParallelSection), `optim` (OptimSection), `run` (RunSection) — torchtitan's `config/configs.py` layout.
+Library entry points take the section they need (`apply_memory_techniques(model, config.memory, ...)`),
+and each section owns `problems()`, the rules about its own values, used by the CLI and by those entry
+points alike; `TrainConfig.problems()` adds the few rules that span two sections.
+
+Users keep flat names: a recipe key (`seq_len: 32k`) and a flag (`--seq-len 32k`) name one field of
+one section; `flat_key(field)` is that name (the field's own name, or its `key` metadata where the
+section calls it something else: `model.name` is `model`, `data.source` is `data`). Each field's
+metadata holds its help text, parser and metavar; the CLI builds its options from them
+(lstune.cli.options), so the help, the recipe keys and the validation never drift apart.
 """
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from functools import partial
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, ClassVar
 
 from lstune.config import parse as p
+from lstune.config.record import holds_a_run
 
 
-def _opt(default: Any, help: str, parser: Callable[[Any], Any], section: str, **meta: Any) -> Any:
-    return field(default=default, metadata={"help": help, "parser": parser, "section": section, **meta})
+def _opt(default: Any, help: str, parser: Callable[[Any], Any], **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, "parser": parser, **meta})
 
 
-MODEL, DATA, OPTIM, MEMORY, PARALLEL, RUN = "Model", "Data", "Optimisation", "Memory", "Parallelism", "Run"
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
 
 _nonneg_int = partial(p.parse_int, minimum=0)
 _pos_int = partial(p.parse_int, minimum=1)
+TILE_SETTING_HINT = "'auto', 'off' or a tile count >= 1"
+_LORA_ONLY = ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout")
 
 
 @dataclass
-class TrainConfig:
-    """Everything `lstune train` needs. Defaults train the embedded demo (tiny-llama on passkey data)."""
+class ModelSection:
+    """Which model, its weights, precision and attention kernel, and LoRA."""
 
-    # --- model
-    model: str = _opt(
+    title: ClassVar[str] = "Model"
+
+    name: str = _opt(
         "tiny-llama",
         "Hub id (org/name), local HF model folder, or preset name (see `lstune presets`).",
         str,
-        MODEL,
+        key="model",
+        metavar="MODEL",
     )
     init: str = _opt(
         "auto",
         "Weights: 'pretrained' loads them, 'random' initialises from the config; 'auto' = random for "
         "presets, pretrained otherwise.",
         partial(p.parse_choice, choices=("auto", "pretrained", "random")),
-        MODEL,
     )
     dtype: str = _opt(
         "auto",
         "Compute dtype: 'auto' = bf16 autocast with fp32 master weights on CUDA, fp32 on CPU; or fp32.",
         partial(p.parse_choice, choices=("auto", "bf16", "fp32")),
-        MODEL,
     )
     attn: str = _opt(
         "auto",
         "Attention kernel: auto, sdpa, flex or flash_attention_2 (needs flash-attn and CUDA).",
         partial(p.parse_choice, choices=("auto", "sdpa", "flex", "flash_attention_2")),
-        MODEL,
     )
     trust_remote_code: bool = _opt(
-        False, "Allow model code from the hub repository (only for models you trust).", p.parse_bool, MODEL
+        False, "Allow model code from the hub repository (only for models you trust).", p.parse_bool
     )
-    lora_r: int = _opt(0, "LoRA rank; 0 = full fine-tune.", _nonneg_int, MODEL)
-    lora_alpha: int | None = _opt(None, "LoRA alpha (default: 2 × rank).", _pos_int, MODEL)
-    lora_dropout: float = _opt(
-        0.0, "LoRA dropout.", partial(p.parse_float, minimum=0.0, maximum=0.99), MODEL
-    )
+    lora_r: int = _opt(0, "LoRA rank; 0 = full fine-tune.", _nonneg_int)
+    lora_alpha: int | None = _opt(None, "LoRA alpha (default: 2 × rank).", _pos_int)
+    lora_dropout: float = _opt(0.0, "LoRA dropout.", partial(p.parse_float, minimum=0.0, maximum=0.99))
     lora_targets: Any = _opt(
         "auto",
         "Modules LoRA adapts: comma-separated names, or 'auto' = every linear layer but the output head.",
         p.parse_str_list,
-        MODEL,
         accepts_list=True,
     )
     merge_lora: bool = _opt(
-        False, "With LoRA: also write the merged full model to OUTPUT_DIR/final-merged.", p.parse_bool, MODEL
+        False, "With LoRA: also write the merged full model to OUTPUT_DIR/final-merged.", p.parse_bool
     )
 
-    # --- data
-    data: str = _opt(
+    def problems(self) -> list[str]:
+        if self.lora_r:
+            return []
+        # Compared with the defaults (not "was it given"), so a resolved config written by lstune, which
+        # lists every key, is itself a valid recipe.
+        return [
+            f"{flag_name(f.name)} needs LoRA; add --lora-r 16 (or another rank), or drop it."
+            for f in fields(self)
+            if f.name in _LORA_ONLY and getattr(self, f.name) != f.default
+        ]
+
+
+@dataclass
+class DataSection:
+    """Where the training data comes from and how it becomes samples."""
+
+    title: ClassVar[str] = "Data"
+
+    source: str = _opt(
         "builtin:passkey",
         "Training data: a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub dataset "
         "name, or builtin:passkey (bundled synthetic task).",
         str,
-        DATA,
+        key="data",
+        metavar="SOURCE",
     )
-    seq_len: int = _opt(4096, f"Tokens per sample; {p.LENGTH_HINT} (k = 1024).", p.parse_length, DATA)
+    seq_len: int = _opt(
+        4096, f"Tokens per sample; {p.LENGTH_HINT} (k = 1024).", p.parse_length, metavar="LENGTH",
+        show=p.format_length,
+    )
     pack: bool = _opt(
         False,
         "Pack documents into full-length samples (positions restart per document; attention never "
         "crosses documents) instead of one padded/truncated sample per record.",
         p.parse_bool,
-        DATA,
     )
-    max_records: int | None = _opt(None, "Use only the first N records of the data.", _pos_int, DATA)
+    max_records: int | None = _opt(None, "Use only the first N records of the data.", _pos_int)
 
-    # --- memory (lstune.memory; docs/memory.md)
+    def problems(self) -> list[str]:
+        return []
+
+
+def valid_tile_setting(value: Any) -> bool:
+    if isinstance(value, bool):
+        return False
+    return value in ("auto", "off") or (isinstance(value, int) and value >= 1)
+
+
+@dataclass
+class MemorySection:
+    """The single-device memory techniques (lstune.memory; docs/memory.md)."""
+
+    title: ClassVar[str] = "Memory"
+
     tiled_mlp: Any = _opt(
         "auto",
         "Run each MLP over sequence tiles, recomputed in backward: 'auto' = ceil(seq / hidden) tiles (ALST), "
         "'off', or a tile count.",
         p.parse_auto_off_int,
-        MEMORY,
+        metavar="auto|off|N",
     )
     tiled_loss: Any = _opt(
         "auto",
         "Compute logits + loss tile by tile, never the full [seq, vocab] logits: 'auto' = tiles of <= ~1 GiB of "
         "fp32 logits, 'off' (one tile), or a tile count.",
         p.parse_auto_off_int,
-        MEMORY,
+        metavar="auto|off|N",
     )
     mini_sequence: bool = _opt(
         False,
         "Mini-sequence policy (MST): MLP tiles of hidden-size tokens with the layer norm fused in, loss in "
         "vocab/hidden tiles.",
         p.parse_bool,
-        MEMORY,
     )
     checkpointing: bool = _opt(
-        True, "Activation checkpointing of every decoder layer: on or off.", p.parse_bool, MEMORY, style="value"
+        True, "Activation checkpointing of every decoder layer: on or off.", p.parse_bool, style="value",
+        metavar="on|off",
     )
     offload_checkpoints: bool = _opt(
         False,
         "Keep each layer's checkpointed hidden state in host memory (async copies, prefetched in backward); "
         "falls back to plain checkpointing when the sequence is too short for it to pay.",
         p.parse_bool,
-        MEMORY,
     )
     host_mem_budget: int | None = _opt(
         None,
         "Host memory offloaded checkpoints may use, e.g. 64G; layers beyond it stay on the device.",
         p.parse_bytes,
-        MEMORY,
+        metavar="BYTES",
     )
 
-    # --- parallelism (lstune.parallel; docs/parallel.md)
+    def problems(self) -> list[str]:
+        problems = [
+            f"{flag_name(name)} must be {TILE_SETTING_HINT}, not {value!r}."
+            for name, value in (("tiled_mlp", self.tiled_mlp), ("tiled_loss", self.tiled_loss))
+            if not valid_tile_setting(value)
+        ]
+        budget = self.host_mem_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            problems.append(f"--host-mem-budget must be a number of bytes >= 0, not {budget!r}.")
+        if self.mini_sequence and self.tiled_mlp == "off":
+            problems.append("--mini-sequence tiles the MLP: drop --tiled-mlp off, or drop --mini-sequence.")
+        if self.offload_checkpoints and not self.checkpointing:
+            problems.append(
+                "--offload-checkpoints moves activation checkpoints to host memory: it needs --checkpointing on."
+            )
+        if budget is not None and not self.offload_checkpoints:
+            problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
+        return problems
+
+
+def zero_problems(stage: str | int, *, processes: int, offload_optimizer: bool, offload_params: bool) -> list[str]:
+    """The ZeRO stage rules, for a config ("auto" or "0"-"3") and for the stage an engine is built with."""
+    stage = str(stage)
+    problems = []
+    if stage == "0" and (processes > 1 or offload_optimizer or offload_params):
+        problems.append(
+            "--zero-stage 0 is plain single-device AdamW: with several processes or host offload use 1, 2 or 3."
+        )
+    if offload_params and stage not in ("auto", "3"):
+        problems.append("--offload-params needs --zero-stage 3 (only stage 3 shards the weights).")
+    return problems
+
+
+@dataclass
+class ParallelSection:
+    """Processes, sequence parallelism and ZeRO (lstune.parallel; docs/parallel.md)."""
+
+    title: ClassVar[str] = "Parallelism"
+
     gpus: int = _opt(
         1,
         "Processes per node: lstune launches them itself (one per GPU; on a machine without CUDA, CPU "
         "processes with gloo). Under torchrun / deepspeed / accelerate launch the launcher's world is used.",
         _pos_int,
-        PARALLEL,
     )
     sp: Any = _opt(
         "auto",
         "Sequence-parallel degree (Ulysses): 'auto' picks it from the processes and attention heads, or a "
         "number dividing the process count.",
         p.parse_auto_int,
-        PARALLEL,
     )
     zero_stage: Any = _opt(
         "auto",
         "DeepSpeed ZeRO stage 0-3; 'auto' chooses from model size and device memory (0 = plain single-device "
         "AdamW).",
         partial(p.parse_choice, choices=("auto", "0", "1", "2", "3")),
-        PARALLEL,
     )
     offload_optimizer: bool | None = _opt(
-        None, "Keep Adam state in host memory (DeepSpeed); default: decided with --zero-stage auto.",
-        p.parse_bool, PARALLEL,
+        None, "Keep Adam state in host memory (DeepSpeed); default: decided with --zero-stage auto.", p.parse_bool
     )
     offload_params: bool | None = _opt(
-        None, "Keep weights in host memory (ZeRO-3); default: decided with --zero-stage auto.",
-        p.parse_bool, PARALLEL,
+        None, "Keep weights in host memory (ZeRO-3); default: decided with --zero-stage auto.", p.parse_bool
     )
     hostfile: str | None = _opt(
         None, "DeepSpeed hostfile for multi-node runs (one line per node: `node-1 slots=8`).",
-        p.parse_optional_str, PARALLEL,
+        p.parse_optional_str,
     )
 
-    # --- optimisation
-    max_steps: int | None = _opt(
-        None, "Optimizer steps to train (default: one epoch over the data).", _pos_int, OPTIM
-    )
+    def problems(self) -> list[str]:
+        problems = []
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+            problems.append(f"--gpus {self.gpus}: give at least 1 process per node.")
+            processes = 1
+        else:
+            processes = self.gpus
+        problems += zero_problems(
+            self.zero_stage, processes=processes, offload_optimizer=bool(self.offload_optimizer),
+            offload_params=bool(self.offload_params),
+        )
+        if self.hostfile is not None and not Path(self.hostfile).is_file():
+            problems.append(f"--hostfile {self.hostfile!r} does not exist; write one line per node: `node-1 slots=8`.")
+        return problems
+
+
+@dataclass
+class OptimSection:
+    """How long to train, the optimizer and its schedule, batch and seed."""
+
+    title: ClassVar[str] = "Optimisation"
+
+    max_steps: int | None = _opt(None, "Optimizer steps to train (default: one epoch over the data).", _pos_int)
     epochs: float | None = _opt(
-        None, "Epochs to train when --max-steps is not given (default 1).",
-        partial(p.parse_float, above=0.0), OPTIM,
+        None, "Epochs to train when --max-steps is not given (default 1).", partial(p.parse_float, above=0.0)
     )
-    lr: float = _opt(2e-5, "Peak learning rate.", partial(p.parse_float, minimum=0.0), OPTIM)
+    lr: float = _opt(2e-5, "Peak learning rate.", partial(p.parse_float, minimum=0.0))
     min_lr_ratio: float = _opt(
         0.1, "Final learning rate of the cosine schedule, as a fraction of --lr.",
-        partial(p.parse_float, minimum=0.0, maximum=1.0), OPTIM,
+        partial(p.parse_float, minimum=0.0, maximum=1.0),
     )
     schedule: str = _opt(
         "cosine", "Learning-rate schedule after warmup: cosine, linear or constant.",
-        partial(p.parse_choice, choices=("cosine", "linear", "constant")), OPTIM,
+        partial(p.parse_choice, choices=("cosine", "linear", "constant")),
     )
-    warmup_steps: int | None = _opt(
-        None, "Linear warmup steps (default: 3% of the steps).", _nonneg_int, OPTIM
-    )
-    weight_decay: float = _opt(0.0, "AdamW weight decay.", partial(p.parse_float, minimum=0.0), OPTIM)
+    warmup_steps: int | None = _opt(None, "Linear warmup steps (default: 3% of the steps).", _nonneg_int)
+    weight_decay: float = _opt(0.0, "AdamW weight decay.", partial(p.parse_float, minimum=0.0))
     # Adam divides by (1 - beta^t) and by sqrt(v) + eps: beta = 1 or eps = 0 divide by zero.
-    adam_beta1: float = _opt(0.9, "AdamW beta1, in [0, 1).", partial(p.parse_float, minimum=0.0, below=1.0), OPTIM)
-    adam_beta2: float = _opt(0.95, "AdamW beta2, in [0, 1).", partial(p.parse_float, minimum=0.0, below=1.0), OPTIM)
-    adam_eps: float = _opt(1e-8, "AdamW epsilon (> 0).", partial(p.parse_float, above=0.0), OPTIM)
+    adam_beta1: float = _opt(0.9, "AdamW beta1, in [0, 1).", partial(p.parse_float, minimum=0.0, below=1.0))
+    adam_beta2: float = _opt(0.95, "AdamW beta2, in [0, 1).", partial(p.parse_float, minimum=0.0, below=1.0))
+    adam_eps: float = _opt(1e-8, "AdamW epsilon (> 0).", partial(p.parse_float, above=0.0))
     max_grad_norm: float = _opt(
-        1.0, "Clip the gradient norm to this (0 = no clipping).", partial(p.parse_float, minimum=0.0), OPTIM
+        1.0, "Clip the gradient norm to this (0 = no clipping).", partial(p.parse_float, minimum=0.0)
     )
-    micro_batch_size: int = _opt(1, "Samples per forward/backward.", _pos_int, OPTIM)
+    micro_batch_size: int = _opt(1, "Samples per forward/backward.", _pos_int)
     grad_accum: int = _opt(
-        1, "Micro-batches per optimizer step; the loss is normalised over the whole window's tokens.",
-        _pos_int, OPTIM,
+        1, "Micro-batches per optimizer step; the loss is normalised over the whole window's tokens.", _pos_int
     )
-    seed: int = _opt(42, "Random seed (weights init, data order).", _nonneg_int, OPTIM)
+    seed: int = _opt(42, "Random seed (weights init, data order).", _nonneg_int)
 
-    # --- run
+    def problems(self) -> list[str]:
+        if self.max_steps is not None and self.epochs is not None:
+            return ["--max-steps and --epochs both given; keep one."]
+        return []
+
+
+@dataclass
+class RunSection:
+    """Where the run writes, when it saves, resuming, and how it reports."""
+
+    title: ClassVar[str] = "Run"
+
     output_dir: str | None = _opt(
         None, "Where checkpoints, metrics and the final model go (default: runs/MODEL-TIMESTAMP).",
-        p.parse_optional_str, RUN,
+        p.parse_optional_str, metavar="DIR",
     )
-    save_every: int | None = _opt(
-        None, "Save a checkpoint every N steps (always at the end).", _pos_int, RUN
-    )
-    keep_last: int | None = _opt(2, "Keep the newest N checkpoints (0 = keep all).", _nonneg_int, RUN)
+    save_every: int | None = _opt(None, "Save a checkpoint every N steps (always at the end).", _pos_int)
+    keep_last: int | None = _opt(2, "Keep the newest N checkpoints (0 = keep all).", _nonneg_int)
     resume: str | None = _opt(
         None, "Resume: 'latest' (newest checkpoint in --output-dir) or a checkpoint path.",
-        p.parse_optional_str, RUN, flag_value="latest",
+        p.parse_optional_str, flag_value="latest", metavar="[PATH]",
     )
     overwrite: bool = _opt(
-        False, "Allow an existing --output-dir; its old checkpoints and metrics are removed.",
-        p.parse_bool, RUN,
+        False, "Allow an existing --output-dir; its old checkpoints and metrics are removed.", p.parse_bool
     )
     stop_at_step: int | None = _opt(
         None,
         "Stop after this step with a checkpoint, keeping the schedule planned for --max-steps; continue later "
         "with --resume (for jobs with a time limit).",
         _pos_int,
-        RUN,
     )
-    log_every: int = _opt(1, "Print a progress line every N steps.", _pos_int, RUN)
+    log_every: int = _opt(1, "Print a progress line every N steps.", _pos_int)
+    skip_self_check: bool = _opt(
+        False,
+        "Skip the startup self-check (the prepared model's loss and input-embedding gradient against the unmodified "
+        "model on a short probe; see docs/models.md).",
+        p.parse_bool,
+    )
     skip_nonfinite_steps: bool = _opt(
         False,
         "Skip a step whose loss or gradient norm is NaN/inf (its update is not applied) instead of stopping "
         "the run; it still stops after 10 such steps in a row.",
         p.parse_bool,
-        RUN,
     )
     trust_checkpoint: bool = _opt(
         False,
         "Resume from a DeepSpeed checkpoint even when its files hold Python objects beyond tensors and plain "
         "data, which loading would execute: only for checkpoints you wrote or trust.",
         p.parse_bool,
-        RUN,
     )
 
+    def problems(self) -> list[str]:
+        problems = []
+        if self.resume and self.overwrite:
+            problems.append(
+                "--resume and --overwrite contradict each other; resume keeps the run, overwrite erases it. Pick one."
+            )
+        if self.resume and self.resume != "latest" and self.output_dir is None and not Path(self.resume).exists():
+            problems.append(
+                f"--resume {self.resume!r} does not exist; give a checkpoint folder or 'latest' with --output-dir."
+            )
+        if self.resume == "latest" and self.output_dir is None:
+            problems.append(
+                "--resume needs --output-dir (the run to continue), or a checkpoint path: --resume runs/x/checkpoint-100."
+            )
+        if self.output_dir is not None:
+            problems += self.output_dir_problems(Path(self.output_dir))
+        return problems
+
+    def output_dir_problems(self, output_dir: Path) -> list[str]:
+        """Nothing is overwritten unasked: an existing folder holding a run needs --resume or --overwrite (one
+        holding only a failed attempt's record and log does not: see lstune.config.record)."""
+        if self.resume or self.overwrite or not output_dir.exists():
+            return []
+        if output_dir.is_dir() and not holds_a_run(output_dir):
+            return []
+        return [
+            f"--output-dir {str(output_dir)!r} already exists and is not empty; nothing is overwritten unasked. "
+            "Use --resume to continue that run, --overwrite to replace it, or another --output-dir."
+        ]
+
+
+Section = Any  # one of the section dataclasses above
+
+# (attribute of TrainConfig, section class), in the order flags, recipes and resolved configs list them.
+SECTIONS: tuple[tuple[str, type], ...] = (
+    ("model", ModelSection),
+    ("data", DataSection),
+    ("memory", MemorySection),
+    ("parallel", ParallelSection),
+    ("optim", OptimSection),
+    ("run", RunSection),
+)
+
+
+@dataclass
+class TrainConfig:
+    """Everything `lstune train` needs. Defaults train the embedded demo (tiny-llama on passkey data)."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    memory: MemorySection = field(default_factory=MemorySection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> "TrainConfig":
+        """A config from typed values under flat keys (`seq_len`, `model`, ...); the rest keep their defaults."""
+        by_section: dict[str, dict[str, Any]] = {name: {} for name, _ in SECTIONS}
+        for key, value in values.items():
+            section, f = FLAT_FIELDS[key]
+            by_section[section][f.name] = value
+        return cls(**{name: section_type(**by_section[name]) for name, section_type in SECTIONS})
+
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """The flat view: every key a recipe or a flag names, in option order."""
+        return {key: getattr(getattr(self, section), f.name) for key, (section, f) in FLAT_FIELDS.items()}
+
+    def problems(self) -> list[str]:
+        """Every section's problems, then the rules that span two sections."""
+        problems = [problem for name, _ in SECTIONS for problem in getattr(self, name).problems()]
+        save_every, max_steps = self.run.save_every, self.optim.max_steps
+        if save_every is not None and max_steps is not None and save_every > max_steps:
+            problems.append(
+                f"--save-every {save_every} is more than --max-steps {max_steps}: no checkpoint would be saved "
+                "before the end; lower it."
+            )
+        return problems
 
 
-def config_fields() -> list:
-    """The fields of TrainConfig in declaration order (the CLI's option order)."""
-    return list(fields(TrainConfig))
+def flat_key(f: Field) -> str:
+    """The recipe key of a section field (its flag is `flag_name(flat_key(f))`)."""
+    return f.metadata.get("key", f.name)
 
 
-def field_default(f) -> Any:
+def _flat_fields() -> dict[str, tuple[str, Field]]:
+    found: dict[str, tuple[str, Field]] = {}
+    for name, section_type in SECTIONS:
+        for f in fields(section_type):
+            key = flat_key(f)
+            if key in found:
+                raise TypeError(f"config key {key!r} is declared by two sections")
+            found[key] = (name, f)
+    return found
+
+
+# flat key -> (section attribute, field), for every field of every section, in option order.
+FLAT_FIELDS: dict[str, tuple[str, Field]] = _flat_fields()
+
+
+def field_default(f: Field) -> Any:
     return f.default if f.default is not MISSING else None

@@ -37,15 +37,26 @@ class Records:
     origin: str
 
 
+def check_source(source: str) -> None:
+    """DataError when `source` names a bundled dataset that does not exist, or is meant as a local path
+    (see `looks_like_path`) that does not exist. Cheap: the CLI runs it before anything is loaded."""
+    if source.startswith("builtin:"):
+        name = source.removeprefix("builtin:")
+        if name not in BUILTINS:
+            raise DataError(f"data source builtin:{name}: no such built-in dataset; available: "
+                            + ", ".join(f"builtin:{n}" for n in BUILTINS) + ".")
+    elif looks_like_path(source) and not Path(source).expanduser().exists():
+        raise DataError(f"data source {source}: no such file or folder (it does not exist). Check the path; "
+                        f"accepted: {ACCEPTED}.")
+
+
 def load_records(source: str, *, max_records: int | None = None) -> Records:
     """The raw records of `source` (only the first `max_records` when given); DataError if none."""
+    check_source(source)
     if source.startswith("builtin:"):
         records = _load_builtin(source.removeprefix("builtin:"))
     elif Path(source).expanduser().exists():
         records = _load_local(Path(source).expanduser())
-    elif _looks_like_path(source):
-        raise DataError(f"data source {source}: no such file or folder. Check the path; "
-                        f"accepted: {ACCEPTED}.")
     else:
         records = _load_hub(source)
     if len(records.dataset) == 0:
@@ -57,9 +68,6 @@ def load_records(source: str, *, max_records: int | None = None) -> Records:
 
 
 def _load_builtin(name: str) -> Records:
-    if name not in BUILTINS:
-        raise DataError(f"data source builtin:{name}: no such built-in dataset; available: "
-                        + ", ".join(f"builtin:{n}" for n in BUILTINS) + ".")
     return Records(_read_files("json", [BUILTINS[name]]), f"builtin:{name}")
 
 
@@ -229,6 +237,11 @@ def _load_hub(name: str) -> Records:
     return Records(dataset, f"hub dataset {name} (split train)")
 
 
-def _looks_like_path(source: str) -> bool:
-    """Meant as a local path (so a missing one is a typo, not a hub name to look up)."""
-    return source.startswith(("/", "./", "../", "~")) or Path(source).suffix.lower() in BUILDERS
+def looks_like_path(source: str) -> bool:
+    """Meant as a local path, so a missing one is a typo, not a hub name to look up: it starts like a path,
+    ends in a data file suffix, or has more folders than a hub id (`org/name`) can."""
+    return (
+        source.startswith(("/", "./", "../", "~"))
+        or Path(source).suffix.lower() in BUILDERS
+        or source.count("/") > 1
+    )

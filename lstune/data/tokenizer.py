@@ -12,12 +12,15 @@ vocabulary, and encoding a few GB of text is one numpy add instead of a per-char
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from lstune.errors import ModelError
+from lstune.errors import ModelError, UserError
+
+logger = logging.getLogger("lstune")
 
 
 class ByteTokenizer:
@@ -145,3 +148,47 @@ class ByteTokenizer:
         if add_special_tokens:
             ids = np.concatenate([np.array([self.bos_token_id], dtype=np.int64), ids])
         return ids
+
+
+def load_model_tokenizer(
+    kind: str, location: str, *, name: str, vocab_size: int, trust_remote_code: bool = False
+) -> tuple[object, list[str]]:
+    """The tokenizer of a model (`kind` "preset" | "local" | "hub" at `location`, as the user called it
+    `name`), or the byte-level fallback with a note saying so. Takes plain values, not the model layer's
+    types, so the data layer imports nothing beside it."""
+    notes: list[str] = []
+    if kind == "local" and ByteTokenizer.saved_in(location):
+        return ByteTokenizer.from_pretrained(location), notes  # a model lstune trained and saved
+    if kind != "preset":
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError, TypeError) as exc:
+            if kind != "local":
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise ModelError(f"--model {name!r}: its tokenizer could not be loaded ({first}).") from None
+            logger.debug("no HF tokenizer in %s: %s", location, exc)
+        else:
+            if not is_empty_tokenizer(tokenizer):
+                return tokenizer, notes
+            notes.append("transformers built an empty tokenizer for this model (no tokenizer files: it encodes "
+                         "text to no tokens)")
+    tokenizer = ByteTokenizer()
+    if vocab_size < tokenizer.vocab_size:
+        raise UserError(
+            f"--model {name!r} has no tokenizer and its vocabulary ({vocab_size}) is smaller "
+            f"than the byte-level fallback's ({tokenizer.vocab_size}); give pre-tokenized data "
+            "(records with input_ids) or a model folder with a tokenizer."
+        )
+    notes.append("no tokenizer shipped with this model: using lstune's byte-level tokenizer (1 token per byte)")
+    return tokenizer, notes
+
+
+def is_empty_tokenizer(tokenizer) -> bool:
+    """transformers 5 builds a tokenizer with no vocabulary for a folder without tokenizer files (GPT-2 and Qwen2
+    classes among others): it encodes any text to no ids."""
+    try:
+        return len(tokenizer) <= 1 or not tokenizer("lstune probe text", add_special_tokens=False)["input_ids"]
+    except (TypeError, ValueError, KeyError):
+        return False

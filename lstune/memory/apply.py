@@ -5,8 +5,9 @@ loss head → checkpointing + offload** → engine. Tiling goes first so the che
 recomputes the tiled block; checkpointing wraps last so its hooks see the layer input only.
 
 Each step patches module *instances* (never classes, never at import), logs on the "lstune" logger
-and registers an undo; `MemoryPlan.undo()` restores the model exactly. The plan is attached to the
-model so `causal_lm_loss_sum(model, batch)` uses the planned loss tiles.
+and registers an undo; `MemoryPlan.undo()` restores the model exactly. The model's parts are found
+once (`introspect.find_parts`) and kept in the plan; `plan.loss_sum(model, batch)` runs the loss head
+with the planned tiles (nothing is attached to the model).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from lstune.config.schema import MemorySection
 from lstune.errors import ConfigError, UserError
 from lstune.memory import checkpoint as ckpt
 from lstune.memory import mlp as tiled_mlp_mod
 from lstune.memory.lora_inputs import share_lora_inputs
 from lstune.memory.loss import (
-    PLAN_ATTRIBUTE,
     LossTiles,
+    causal_lm_loss_sum,
     check_loss_head,
     liger_applies,
     loss_tile_count,
@@ -34,7 +36,7 @@ from lstune.memory.loss import (
 from lstune.memory.patching import Undo, run_undos
 from lstune.memory.probe import probe_hidden_states, probe_inputs
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy
-from lstune.models.introspect import decoder_layers, layer_mlp, output_embedding, text_config, unwrap_model
+from lstune.models.introspect import ModelParts, find_parts, layer_mlp
 
 if TYPE_CHECKING:
     from torch import nn
@@ -46,19 +48,20 @@ logger = logging.getLogger("lstune")
 class MemoryPlan:
     """What `apply_memory_techniques` applied, with tile counts at `seq_len`; `summary()` is what the CLI prints.
 
-    `mlp_tiles` / `loss_tiles_at_seq_len`: tile counts for one sample of `seq_len` tokens (the installed
-    code sizes tiles from each actual batch). `loss_tiles`: the setting `causal_lm_loss_sum(model, batch)`
-    uses ("auto", "off", a count or MST's TilePolicy). `fused_norms`: per layer, the norms mini-sequence
+    `parts`: the model's parts, found once. `mlp_tiles` / `loss_tiles_at_seq_len`: tile counts for one
+    sample of `seq_len` tokens (the installed code sizes tiles from each actual batch). `loss_tiles`: the
+    setting `loss_sum` runs the loss head with ("auto", "off", a count or MST's TilePolicy). `fused_norms`: per layer, the norms mini-sequence
     pulled into the tiled MLP. `offloader`: the checkpoint offloader (its `stats`), None without offload.
     `notes`: warnings worth showing the user (int32 limits, skipped fusion).
     """
 
     seq_len: int
+    parts: ModelParts | None = field(default=None, repr=False)
     tiled_mlp: str | int = "off"
     mini_sequence: bool = False
     mlp_tiles: int = 1
     fused_norms: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
-    loss_tiles: LossTiles = "auto"  # what causal_lm_loss_sum(tiles="auto") uses for this model
+    loss_tiles: LossTiles = "auto"
     loss_tiles_at_seq_len: int = 1
     loss_backend: str = "tiled"  # "liger" | "tiled" | "plain"
     checkpointing: bool = False
@@ -80,74 +83,61 @@ class MemoryPlan:
             "notes": list(self.notes),
         }
 
+    def loss_sum(self, model: "nn.Module", batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`causal_lm_loss_sum` with this plan's loss tiles and parts (`model` may be an engine's view of it)."""
+        return causal_lm_loss_sum(model, batch, tiles=self.loss_tiles, parts=self.parts)
+
     def undo(self) -> None:
-        """Restore every patched module and detach the plan from the model."""
+        """Restore every patched module."""
         run_undos(self._undos)
         logger.info("memory techniques undone")
 
 
 def apply_memory_techniques(
-    model: "nn.Module",
-    *,
-    seq_len: int,
-    tiled_mlp: str | int = "auto",
-    tiled_loss: str | int = "auto",
-    mini_sequence: bool = False,
-    checkpointing: bool = True,
-    offload_checkpoints: bool = False,
-    host_mem_budget: int | None = None,
+    model: "nn.Module", memory: MemorySection | None = None, *, seq_len: int, parts: ModelParts | None = None
 ) -> MemoryPlan:
     """Apply tiled MLP / mini-sequence, the loss-head tiling, checkpointing and offload to `model`.
 
-    `seq_len` is the local (per-rank) sequence length a micro-batch will have; tile counts in the
-    plan are for it, while the installed code sizes tiles from each actual batch. `tiled_mlp` and
-    `tiled_loss`: "auto" (ALST policies), "off", or a tile count. `mini_sequence`: MST policies
-    (loss in vocab/hidden tiles) and norms fused into the tiled MLP. `host_mem_budget`: bytes of host
-    memory offloaded checkpoints may use. Works on peft-wrapped models (LoRA applied first).
+    `memory` is the config's memory section (defaults when None): `tiled_mlp` and `tiled_loss` "auto"
+    (ALST policies), "off" or a tile count; `mini_sequence` (MST policies: loss in vocab/hidden tiles,
+    norms fused into the tiled MLP); `checkpointing`, `offload_checkpoints` and `host_mem_budget` (bytes
+    of host memory offloaded checkpoints may use). `seq_len` is the local (per-rank) sequence length a
+    micro-batch will have; tile counts in the plan are for it, while the installed code sizes tiles from
+    each actual batch. `parts`: the model's parts when the caller found them already. Works on
+    peft-wrapped models (LoRA applied first).
     """
-    _validate(seq_len, tiled_mlp, tiled_loss, mini_sequence, checkpointing, offload_checkpoints, host_mem_budget)
-    lm = unwrap_model(model)
-    if getattr(lm, PLAN_ATTRIBUTE, None) is not None:
+    memory = memory if memory is not None else MemorySection()
+    _validate(memory, seq_len)
+    parts = parts or find_parts(model)
+    if any("forward" in vars(module) for module in parts.layers.modules()):
         raise UserError("memory techniques are already applied to this model; call plan.undo() first.")
-    plan = MemoryPlan(seq_len=seq_len, tiled_mlp=tiled_mlp, mini_sequence=mini_sequence)
-    probing = _can_probe(lm)
+    plan = MemoryPlan(seq_len=seq_len, parts=parts, tiled_mlp=memory.tiled_mlp, mini_sequence=memory.mini_sequence)
+    probing = _can_probe(parts.lm)
     if probing:
         check_loss_head(model)
     try:
         plan._undos.extend(share_lora_inputs(model))
         _apply_mlp(model, plan, probing)
-        _apply_loss(model, plan, tiled_loss)
-        _apply_checkpointing(model, plan, checkpointing, offload_checkpoints, host_mem_budget)
+        _apply_loss(model, plan, memory.tiled_loss)
+        _apply_checkpointing(
+            model, plan, memory.checkpointing, memory.offload_checkpoints, memory.host_mem_budget
+        )
     except BaseException:
         run_undos(plan._undos)
         raise
-    _attach(lm, plan)
-    _warn_untiled_overflow(model, plan)
+    _warn_untiled_overflow(plan)
     logger.info("memory plan: %s", plan.summary())
     return plan
 
 
-def _validate(seq_len, tiled_mlp, tiled_loss, mini_sequence, checkpointing, offload, budget) -> None:
+def _validate(memory: MemorySection, seq_len) -> None:
+    """The section's own rules (the same the CLI reports), and a usable sequence length."""
     problems = []
-    if not isinstance(seq_len, int) or seq_len < 1:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         problems.append(f"seq_len must be a positive number of tokens, not {seq_len!r}")
-    for name, value in (("tiled_mlp", tiled_mlp), ("tiled_loss", tiled_loss)):
-        if not _valid_tiles(value):
-            problems.append(f"{name} must be 'auto', 'off' or a tile count >= 1, not {value!r}")
-    if mini_sequence and tiled_mlp == "off":
-        problems.append("mini_sequence tiles the MLP: drop tiled_mlp: off, or set mini_sequence: false")
-    if offload and not checkpointing:
-        problems.append("offload_checkpoints moves activation checkpoints to host: it needs checkpointing: true")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-        problems.append(f"host_mem_budget must be a number of bytes >= 0, not {budget!r}")
+    problems += memory.problems()
     if problems:
         raise ConfigError(problems)
-
-
-def _valid_tiles(value) -> bool:
-    if isinstance(value, bool):
-        return False
-    return value in ("auto", "off") or (isinstance(value, int) and value >= 1)
 
 
 def _can_probe(lm: "nn.Module") -> bool:
@@ -161,9 +151,9 @@ def _can_probe(lm: "nn.Module") -> bool:
 def _apply_mlp(model, plan: MemoryPlan, probing: bool) -> None:
     if plan.tiled_mlp == "off":
         return
-    layers = decoder_layers(model)
-    hidden = text_config(model).hidden_size
+    layers, hidden = plan.parts.layers, plan.parts.hidden_size
     policy = TilePolicy(tile_len=hidden) if plan.tiled_mlp == "auto" else TilePolicy(count=plan.tiled_mlp)
+    tiled_mlp_mod.check_call_signature(layers)
     if probing:
         tiled_mlp_mod.check_per_token(layers, hidden)
     fused = _discover_fusion(model, layers) if plan.mini_sequence and probing else {}
@@ -215,8 +205,8 @@ def _names(tiled, layers) -> tuple[str | None, str | None]:
 
 
 def _apply_loss(model, plan: MemoryPlan, tiled_loss) -> None:
-    head = output_embedding(model)
-    vocab, hidden = vocab_rows(head), text_config(model).hidden_size
+    head = plan.parts.output_embedding
+    vocab, hidden = vocab_rows(head), plan.parts.hidden_size
     if tiled_loss == "auto" and plan.mini_sequence:
         plan.loss_tiles = mst_loss_policy(vocab, hidden)
     else:
@@ -235,20 +225,20 @@ def _apply_loss(model, plan: MemoryPlan, tiled_loss) -> None:
 def _apply_checkpointing(model, plan: MemoryPlan, checkpointing: bool, offload: bool, budget: int | None) -> None:
     if not checkpointing:
         return
-    layers = decoder_layers(model)
+    layers = plan.parts.layers
     plan.checkpointing = True
     if offload:
-        plan.offload, plan.offload_note = _offload_decision(model, layers, plan.seq_len, budget)
+        plan.offload, plan.offload_note = _offload_decision(plan.parts, plan.seq_len, budget)
     if plan.offload:
         plan.offloader = ckpt.CheckpointOffloader(len(layers), host_mem_budget=budget)
     plan._undos.extend(ckpt.install_checkpointing(layers, plan.offloader))
     logger.info("checkpointing: %d layers%s", len(layers), f"; {plan.offload_note}" if offload else "")
 
 
-def _offload_decision(model, layers, seq_len: int, budget: int | None) -> tuple[bool, str]:
+def _offload_decision(parts: ModelParts, seq_len: int, budget: int | None) -> tuple[bool, str]:
     """Offload only when the copy hides under a layer's forward (MEMO Eq. 1) — on CUDA; always on CPU (tests)."""
+    layers, config = parts.layers, parts.text_config
     param = next(layers[0].parameters())
-    config = text_config(model)
     per_layer = seq_len * config.hidden_size * param.element_size()
     host = per_layer * (len(layers) - 1)
     fits = min(len(layers) - 1, budget // per_layer) if budget is not None else None
@@ -278,14 +268,9 @@ def _attention_width(config) -> int:
     return heads * head_dim
 
 
-def _attach(lm: "nn.Module", plan: MemoryPlan) -> None:
-    setattr(lm, PLAN_ATTRIBUTE, plan)
-    plan._undos.insert(0, lambda: setattr(lm, PLAN_ATTRIBUTE, None))
-
-
-def _warn_untiled_overflow(model, plan: MemoryPlan) -> None:
+def _warn_untiled_overflow(plan: MemoryPlan) -> None:
     """Tiles are int32-safe; the untiled hidden state itself is not, past 2^31 / hidden tokens."""
-    hidden = text_config(model).hidden_size
+    hidden = plan.parts.hidden_size
     if plan.seq_len * hidden >= INT32_LIMIT:
         _note(plan, f"{plan.seq_len} x {hidden} hidden states reach 2^31 elements: kernels outside the tiles "
                     f"(norms, attention projections) may overflow int32; keep the local sequence below "

@@ -40,14 +40,13 @@ import torch
 import torch.nn.functional as F
 
 from lstune.memory.tiling import TilePolicy, int32_safe_tiles, is_zero3_partitioned, sequence_tiled
-from lstune.models.introspect import decoder_body, output_embedding, text_config, unwrap_model
+from lstune.models.introspect import ModelParts, decoder_body, find_parts, output_embedding, text_config, unwrap_model
 
 if TYPE_CHECKING:
     from torch import nn
 
 IGNORE_INDEX = -100
 LOSS_TILE_BYTES = 2**30  # fp32 logits per tile (ALST's ~1 GiB shards)
-PLAN_ATTRIBUTE = "_lstune_memory_plan"
 
 # "auto" | "off" | a tile count | a TilePolicy (what apply_memory_techniques stores in its plan)
 LossTiles = Union[str, int, TilePolicy]
@@ -109,52 +108,50 @@ def mst_loss_policy(vocab: int, hidden: int) -> TilePolicy:
 
 
 def causal_lm_loss_sum(
-    model: "nn.Module", batch: dict[str, torch.Tensor], *, tiles: LossTiles = "auto"
+    model: "nn.Module", batch: dict[str, torch.Tensor], *, tiles: LossTiles = "auto", parts: ModelParts | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed token CE loss: fp32 0-d, differentiable; count of labels != -100: int64 0-d).
 
     Runs the decoder body to its final hidden states (HF never computes logits), then the loss head.
-    `tiles`: "auto" (the plan attached by `apply_memory_techniques`, else ~1 GiB fp32 logits per tile
-    or Liger on CUDA), "off" (one tile: plain logits, same numbers), an int tile count, or a TilePolicy.
+    `tiles`: "auto" (~1 GiB fp32 logits per tile, or Liger on CUDA), "off" (one tile: plain logits, same
+    numbers), an int tile count, or a TilePolicy; a model prepared by `apply_memory_techniques` uses its
+    plan's setting through `MemoryPlan.loss_sum`. `parts`: the model's parts when already found.
     """
-    hidden_BSD = final_hidden_states(model, batch)
-    return loss_sum_from_hidden(model, hidden_BSD, batch["shift_labels"], tiles=tiles)
+    parts = parts or find_parts(model)
+    hidden_BSD = final_hidden_states(model, batch, parts=parts)
+    return loss_sum_from_hidden(model, hidden_BSD, batch["shift_labels"], tiles=tiles, parts=parts)
 
 
-def final_hidden_states(model: "nn.Module", batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def final_hidden_states(
+    model: "nn.Module", batch: dict[str, torch.Tensor], *, parts: ModelParts | None = None
+) -> torch.Tensor:
     """The decoder body's `last_hidden_state` for the batch (no attention mask: position_ids carry packing)."""
-    body = decoder_body(model)
+    body = parts.body if parts is not None else decoder_body(model)
     out = body(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
 
 
 def loss_sum_from_hidden(
-    model: "nn.Module", hidden_BSD: torch.Tensor, shift_labels_BS: torch.Tensor, *, tiles: LossTiles = "auto"
+    model: "nn.Module", hidden_BSD: torch.Tensor, shift_labels_BS: torch.Tensor, *, tiles: LossTiles = "auto",
+    parts: ModelParts | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss head alone: (summed CE, label count) from final hidden states and pre-shifted labels."""
-    setting = _resolve(model, tiles)
-    head = output_embedding(model)
-    transform = logit_transform(text_config(model))
+    _check_tiles(tiles)
+    parts = parts or find_parts(model)
+    head = parts.output_embedding
+    transform = logit_transform(parts.text_config)
     hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
     labels_T = shift_labels_BS.reshape(-1).to(hidden_TD.device)
     count = (labels_T != IGNORE_INDEX).sum()
-    if setting == "auto" and liger_applies(head, hidden_TD):
+    if tiles == "auto" and liger_applies(head, hidden_TD):
         return _liger_loss_sum(head, transform, hidden_TD, labels_T), count
-    n_tiles = loss_tile_count(setting, hidden_TD.shape[0], vocab_rows(head), hidden_TD.shape[-1])
+    n_tiles = loss_tile_count(tiles, hidden_TD.shape[0], vocab_rows(head), hidden_TD.shape[-1])
     fn = partial(_tile_loss_sum, head, transform, labels_T)
     params = list(head.parameters())
     loss = sequence_tiled(
-        fn, hidden_TD, tiles=n_tiles, dim=0, params=params, reduce="sum", shared_params=tied_to_input(model, params)
+        fn, hidden_TD, tiles=n_tiles, dim=0, params=params, reduce="sum", shared_params=parts.tied_to_input(params)
     )
     return loss, count
-
-
-def tied_to_input(model: "nn.Module", params: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Those of `params` that the input embedding also uses (tied embeddings): they get its gradient too."""
-    lm = unwrap_model(model)
-    embedding = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
-    used = {id(p) for p in embedding.parameters()} if embedding is not None else set()
-    return [p for p in params if id(p) in used]
 
 
 def loss_tile_count(setting: LossTiles, n_tokens: int, vocab: int, hidden: int) -> int:
@@ -179,13 +176,11 @@ def _tile_loss_sum(head, transform: LogitTransform, labels_T, hidden_tile, start
     return F.cross_entropy(logits, labels_T[start:end], ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def _resolve(model: "nn.Module", tiles: LossTiles) -> LossTiles:
+def _check_tiles(tiles: LossTiles) -> None:
     if isinstance(tiles, bool) or not (tiles in ("auto", "off") or isinstance(tiles, (int, TilePolicy))):
         raise ValueError(f"tiles must be 'auto', 'off', an int or a TilePolicy, not {tiles!r}")
     if isinstance(tiles, int) and tiles < 1:
         raise ValueError(f"tiles must be >= 1, not {tiles}")
-    plan = getattr(unwrap_model(model), PLAN_ATTRIBUTE, None)
-    return plan.loss_tiles if tiles == "auto" and plan is not None else tiles
 
 
 def liger_applies(head: "nn.Module", hidden: torch.Tensor) -> bool:

@@ -71,6 +71,7 @@ class TiledForward:
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         dim = 1 if hidden_states.dim() >= 3 else 0
+        self._refuse_sequence_arguments(hidden_states.shape[: dim + 1], args, kwargs)
         rows = hidden_states.shape[0] if dim == 1 else 1
         tiles = self.policy.tiles(hidden_states.shape[dim], width=self.width, rows=rows)
         params = [p for m in self.modules for p in m.parameters()]
@@ -78,6 +79,13 @@ class TiledForward:
         return sequence_tiled(
             run, hidden_states, tiles=tiles, dim=dim, params=params, preserve_rng=self.block.training
         )
+
+    def _refuse_sequence_arguments(self, leading: torch.Size, args, kwargs) -> None:
+        """A tensor argument shaped like the hidden states' tokens would reach every tile whole: refuse."""
+        for value in (*args, *kwargs.values()):
+            if torch.is_tensor(value) and value.dim() >= len(leading) and value.shape[: len(leading)] == leading:
+                names = "a per-token tensor argument"
+                raise ModelError(_EXTRA_ARGUMENT_MESSAGE.format(block=type(self.block).__name__, names=names))
 
     def _run_tile(self, x: torch.Tensor, start: int, end: int, *, args, kwargs) -> torch.Tensor:
         # MoE blocks `.view` their input flat, which a sequence slice of a batch > 1 does not allow.
@@ -125,6 +133,28 @@ def undo_tiled_blocks(installed: list[TiledBlock]) -> None:
     for tiled in installed:
         while tiled.undos:
             tiled.undos.pop()()
+
+
+def check_call_signature(layers: "nn.ModuleList") -> None:
+    """Refuse blocks called with more than the hidden states (BLOOM's MLP takes the residual too): the tiled forward
+    slices only its first argument, so another per-token argument would reach each tile whole."""
+    import inspect
+
+    for layer in layers:
+        parent, name = layer_mlp(layer)
+        block = getattr(parent, name)
+        params = list(inspect.signature(block.forward).parameters.values())[1:]
+        required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                                                   p.POSITIONAL_OR_KEYWORD)]
+        if required:
+            raise ModelError(_EXTRA_ARGUMENT_MESSAGE.format(block=type(block).__name__, names=", ".join(required)))
+
+
+_EXTRA_ARGUMENT_MESSAGE = (
+    "{block} is called with more than the hidden states ({names}), and lstune's sequence tiling splits only the hidden "
+    "states; set tiled_mlp: off and mini_sequence: false for this model (lstune's limitation: tiling every "
+    "per-token argument alongside would lift it)."
+)
 
 
 def check_per_token(layers: "nn.ModuleList", hidden_size: int) -> None:

@@ -54,6 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from lstune.errors import ConfigError, ModelError, UserError
+from lstune.models import hf_internals
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -272,7 +273,11 @@ def _log_backend_choice(requested: str, chosen: str, device_type: str, dtype: to
 
 
 def _check_qkv(query_BHSD: Tensor, key_BHSD: Tensor, value_BHSD: Tensor) -> None:
-    if query_BHSD.dim() != 4 or key_BHSD.shape != value_BHSD.shape or key_BHSD.dim() != 4:
+    """q and k share a head dim; v may have its own (multi-head latent attention: DeepSeek-V2/V3 read values of
+    v_head_dim from queries/keys of qk_nope + qk_rope dims). k and v share batch, heads and sequence."""
+    if query_BHSD.dim() != 4 or key_BHSD.dim() != 4 or value_BHSD.dim() != 4 or (
+        key_BHSD.shape[:3] != value_BHSD.shape[:3]
+    ):
         raise ValueError(
             f"expected q/k/v shaped [B, H, S, D], got {tuple(query_BHSD.shape)}, {tuple(key_BHSD.shape)}, "
             f"{tuple(value_BHSD.shape)}"
@@ -418,9 +423,15 @@ def _flash_varlen_attention(
     from flash_attn import flash_attn_varlen_func
 
     batch, heads, seq, dim = query_BHSD.shape
+    value_dim = value_BHSD.shape[-1]
+    scaling = scaling if scaling is not None else dim**-0.5  # padded q/k below must not change the default scale
+    if value_dim != dim:  # flash-attn takes one head dim: zero-padded value columns give zero output columns
+        value_BHSD = F.pad(value_BHSD, (0, dim - value_dim)) if value_dim < dim else value_BHSD
+        if value_dim > dim:
+            query_BHSD, key_BHSD = (F.pad(t, (0, value_dim - dim)) for t in (query_BHSD, key_BHSD))
     cu_N, longest = cu_seqlens(position_ids_BS)
     q_THD, k_THD, v_THD = (
-        t.transpose(1, 2).reshape(batch * seq, t.shape[1], dim) for t in (query_BHSD, key_BHSD, value_BHSD)
+        t.transpose(1, 2).reshape(batch * seq, t.shape[1], t.shape[-1]) for t in (query_BHSD, key_BHSD, value_BHSD)
     )
     # flash-attn's window is (left, right) tokens besides the query itself; transformers' window counts the query.
     window_size = (window - 1, 0) if window is not None and window < longest else (-1, -1)
@@ -428,7 +439,7 @@ def _flash_varlen_attention(
         q_THD, k_THD, v_THD, cu_N, cu_N, longest, longest,
         dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window_size, softcap=softcap or 0.0,
     )
-    return out_THD.view(batch, seq, heads, dim)
+    return out_THD.view(batch, seq, heads, out_THD.shape[-1])[..., :value_dim]
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -456,11 +467,7 @@ def lstune_attention_forward(
     """An attention function with transformers' signature (`AttentionInterface`): refuses what it cannot honour, then
     runs `local_attention`. Other HF kwargs (output_attentions, cu_seq_lens_*, ...) are ignored: documents always
     come from `position_ids`, and no attention weights are ever materialised."""
-    if attention_mask is not None:
-        raise UserError(
-            "lstune attention got an explicit attention mask; it builds none itself. Mark documents with position_ids "
-            "resets and ignored tokens with -100 labels instead of passing attention_mask."
-        )
+    sliding_window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
     if s_aux is not None:
         raise ModelError(_SINKS_MESSAGE.format(name=type(module).__name__))
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
@@ -482,8 +489,14 @@ _BIDIRECTIONAL_MESSAGE = (
 )
 
 
-def _build_no_mask(*, attention_mask: Tensor | None = None, use_vmap: bool = False, **_unused: Any) -> None:
-    """Mask function for `AttentionMaskInterface`: HF calls it instead of building a mask; it builds nothing.
+def _build_no_mask(
+    *, attention_mask: Tensor | None = None, use_vmap: bool = False, mask_function: Callable | None = None,
+    q_length: int | None = None, kv_length: int | None = None, q_offset: int = 0, kv_offset: int = 0,
+    local_size: int | None = None, **_unused: Any,
+) -> ModelMask | None:
+    """Mask function for `AttentionMaskInterface`: HF calls it instead of building a mask; it builds nothing and
+    returns a `ModelMask` (the model's own index-based mask function and the window it named) that reaches the
+    attention function in place of the mask, so a window a model applies only through its mask is kept.
 
     `use_vmap` is True exactly when the model overlays its own mask function (bidirectional or image-token blocks),
     which per-document causal attention would silently drop, so that is refused."""
@@ -497,7 +510,120 @@ def _build_no_mask(*, attention_mask: Tensor | None = None, use_vmap: bool = Fal
             "the batch has an attention_mask with padding; lstune attention takes no padding mask. Pad at the end with "
             "-100 labels (padding then only sees itself and earlier tokens, and is never a target), or pack documents."
         )
-    return None
+    if mask_function is None or q_length != kv_length or q_offset or kv_offset:
+        return None  # no mask asked for, or generation with a cache (refused by the attention function)
+    return ModelMask(mask_function, local_size)
+
+
+@dataclass(eq=False)
+class ModelMask:
+    """Stands in for the mask a model asked transformers for: its mask function and the window (`local_size`) it
+    named. One object per mask type per forward, shared by the layers of that type (and by their recomputes).
+
+    `window_for(position_ids)` checks, once, that the model's mask is exactly per-document causal attention with that
+    window — evaluated on sample query rows (every row up to 512 tokens) against lstune's rule — and returns the
+    window. A mask of another shape (chunked attention, a window the mask function applies without naming it) is
+    refused: lstune's kernels could not reproduce it.
+    """
+
+    mask_function: Callable
+    local_size: int | None
+    _checked: Any = field(default=None, repr=False)
+
+    def window_for(self, position_ids_BS: Tensor | None, seq: int, device: Any = None) -> int | None:
+        if self._checked is not None and self._checked[0] is position_ids_BS and self._checked[1] == seq:
+            return self.local_size
+        from torch._subclasses.fake_tensor import is_fake
+
+        if position_ids_BS is None:
+            # The model does not hand position_ids to its attention: lstune sees one document per row, which is
+            # right only if the model's own mask agrees (it separates packed documents when it detects them).
+            positions_BS = torch.arange(seq, device=device)[None]
+            try:
+                _check_model_mask(self.mask_function, positions_BS, self.local_size)
+            except ModelError:
+                raise ModelError(_NO_POSITIONS_MESSAGE) from None
+        elif not is_fake(position_ids_BS) and position_ids_BS.shape[-1] == seq:
+            _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
+        self._checked = (position_ids_BS, seq)
+        return self.local_size
+
+
+def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: int | None) -> None:
+    """ModelError unless `mask_function`, within each document, allows exactly causal (windowed) attention on sample
+    rows."""
+    seq = position_ids_BS.shape[-1]
+    doc_BS = document_ids(position_ids_BS)
+    rows_R = _sample_rows(doc_BS, window)
+    kv_S = torch.arange(seq, device=position_ids_BS.device)
+    batch_B = torch.arange(doc_BS.shape[0], device=kv_S.device)
+    head_1 = torch.zeros(1, dtype=torch.long, device=kv_S.device)
+    for rows_r in rows_R.split(16):
+        q_r1 = rows_r[:, None]
+        model_BrS = mask_function(batch_B[:, None, None, None], head_1[None, :, None, None], q_r1[None, None],
+                                  kv_S[None, None, None, :])
+        model_BrS = torch.as_tensor(model_BrS, device=kv_S.device).expand(len(batch_B), 1, len(rows_r), seq)[:, 0]
+        same_doc_BrS = doc_BS[:, rows_r, None] == doc_BS[:, None, :]
+        ours_BrS = same_doc_BrS & (kv_S[None, None, :] <= q_r1[None])
+        if window is not None:
+            ours_BrS &= q_r1[None] - kv_S[None, None, :] < window
+        # Documents always come from position_ids (HF skips its packed-sequence mask when a cache is passed).
+        if not bool(torch.equal(model_BrS.bool() & same_doc_BrS, ours_BrS)):
+            note = f" with a {window}-token sliding window" if window is not None else ""
+            raise ModelError(_UNKNOWN_MASK_MESSAGE.format(window_note=note))
+
+
+_UNKNOWN_MASK_MESSAGE = (
+    "this model's attention mask is not causal per document{window_note}: it masks differently (e.g. chunked "
+    "attention, or a pattern set in its own mask code). lstune's attention kernels implement causal masks with "
+    "sliding windows only, so it cannot train this model exactly; supporting that mask pattern in lstune's kernels "
+    "would lift this."
+)
+
+
+_NO_POSITIONS_MESSAGE = (
+    "this model does not pass position_ids to its attention layers, and its mask differs from one causal "
+    "(windowed) document per row — packed documents, or a mask pattern lstune's kernels do not implement (e.g. "
+    "chunked attention). lstune's attention takes documents from position_ids, so it cannot train this exactly: "
+    "train without --pack, or, for another mask pattern, this model is not supported (lstune's limitation)."
+)
+
+
+def _sample_rows(doc_BS: Tensor, window: int | None) -> Tensor:
+    """Every query row up to 512 tokens; beyond, rows at the ends, evenly spaced, and around the first document
+    starts and their window edges."""
+    seq = doc_BS.shape[-1]
+    if seq <= 512:
+        return torch.arange(seq, device=doc_BS.device)
+    picks = [*range(32), *range(seq - 32, seq), *range(0, seq, max(1, seq // 64))]
+    starts = (doc_BS[0, 1:] != doc_BS[0, :-1]).nonzero().flatten()[:16].add(1).tolist()
+    for start in [0, *starts]:
+        picks += [start, start + 1]
+        if window is not None:
+            picks += [start + window - 1, start + window, start + window + 1]
+    return torch.tensor(sorted({p for p in picks if 0 <= p < seq}), device=doc_BS.device)
+
+
+def window_from_mask(
+    mask: Any, position_ids_BS: Tensor | None, sliding_window: int | None, seq: int, device: Any = None
+) -> int | None:
+    """The sliding window an attention call must apply: the one in the model's mask (`ModelMask`, checked), which
+    must agree with the `sliding_window` the model passed to the attention call, if any (within the sequence)."""
+    if mask is None:
+        return sliding_window
+    if not isinstance(mask, ModelMask):
+        raise UserError(
+            "lstune attention got an explicit attention mask; it builds none itself. Mark documents with position_ids "
+            "resets and ignored tokens with -100 labels instead of passing attention_mask."
+        )
+    window = mask.window_for(position_ids_BS, seq, device)
+    effective = [w if w is not None and w < seq else None for w in (window, sliding_window)]
+    if sliding_window is not None and effective[0] != effective[1]:
+        raise ModelError(
+            f"this model masks attention with a {window}-token window but passes sliding_window={sliding_window} to "
+            "its attention function; lstune cannot tell which the model means, so it does not train it."
+        )
+    return window
 
 
 @dataclass
@@ -513,13 +639,9 @@ class AttentionHandle:
     def undo(self) -> None:
         if not self.active:
             return
-        from transformers.masking_utils import AttentionMaskInterface
-        from transformers.modeling_utils import AttentionInterface
-
         for config, implementation in self._previous:
-            config._attn_implementation_internal = implementation
-        AttentionInterface._global_mapping.pop(self.key, None)
-        AttentionMaskInterface._global_mapping.pop(self.key, None)
+            hf_internals.restore_attention_implementation(config, implementation)
+        hf_internals.unregister_attention(self.key)
         self.active = False
         logger.info("lstune attention: removed %r (%s); attention implementation restored", self.key, self.description)
 
@@ -539,17 +661,13 @@ def register_attention_function(
     sub-configs) at it. Other models keep their implementation: a new key changes nothing for configs that do not
     name it. The Ulysses wrapper registers its all-to-all function through here too.
     """
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
     _refuse_unsupported_model(model)
     key = f"lstune_{next(_registration_ids)}"
-    AttentionInterface.register(key, attention_fn)
-    AttentionMaskInterface.register(key, _build_no_mask)
+    hf_internals.register_attention(key, attention_fn, _build_no_mask)
     handle = AttentionHandle(key, model, description, _previous=_attention_configs(model))
     try:
         model.set_attn_implementation(key)
-        if model.config._attn_implementation != key:
+        if hf_internals.attention_implementation(model.config) != key:
             raise ModelError(
                 f"{type(model).__name__} does not route attention through transformers' AttentionInterface, so lstune "
                 "cannot install its attention; use a transformers-native architecture."
@@ -588,7 +706,7 @@ def _attention_configs(model: PreTrainedModel) -> list[tuple[Any, str | None]]:
             continue
         configs[id(config)] = config
         pending.extend(sub for name in config.sub_configs if (sub := getattr(config, name, None)) is not None)
-    return [(config, config._attn_implementation_internal) for config in configs.values()]
+    return [(config, hf_internals.raw_attention_implementation(config)) for config in configs.values()]
 
 
 def _refuse_unsupported_model(model: PreTrainedModel) -> None:

@@ -12,7 +12,8 @@ than one per-token block (e.g. Gemma-3n's extra side blocks); the usual case nev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from lstune.errors import ModelError
 
@@ -21,6 +22,41 @@ if TYPE_CHECKING:
 
 # Tie-breakers when a layer holds several per-token blocks; the first name found wins.
 _MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "ffn")
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """The parts every technique needs, found once per model (`find_parts`) and passed around, so applying
+    the techniques and each training step do not walk the module tree again."""
+
+    lm: Any  # the transformers *ForCausalLM inside any wrapper
+    body: Any  # the decoder body returning last_hidden_state
+    layers: Any  # nn.ModuleList of decoder layers
+    input_embedding: Any  # None when the model has none to report
+    output_embedding: Any  # the LM head
+    text_config: Any
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+    def tied_to_input(self, params: list) -> list:
+        """Those of `params` that the input embedding also uses (tied embeddings)."""
+        used = {id(p) for p in self.input_embedding.parameters()} if self.input_embedding is not None else set()
+        return [p for p in params if id(p) in used]
+
+
+def find_parts(model: "nn.Module") -> ModelParts:
+    """Walk `model` once for the parts of `ModelParts` (ModelError naming what is missing)."""
+    lm = unwrap_model(model)
+    return ModelParts(
+        lm=lm,
+        body=decoder_body(lm),
+        layers=decoder_layers(lm),
+        input_embedding=lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None,
+        output_embedding=output_embedding(lm),
+        text_config=_text_config(lm),
+    )
 
 
 def unwrap_model(model: "nn.Module") -> "nn.Module":
@@ -42,11 +78,24 @@ def decoder_body(model: "nn.Module") -> "nn.Module":
     lm = unwrap_model(model)
     body = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, "base_model", lm)
     if body is lm:
+        # get_decoder() answers the model itself when base_model_prefix names no child (Llama-4 text: the prefix is
+        # "language_model", the child "model"): take the child model that owns the input embeddings.
+        body = _child_owning_embeddings(lm) or lm
+    if body is lm:
         raise ModelError(
-            f"{type(lm).__name__} has no separate decoder body (the module returning hidden states); "
-            "lstune needs a *ForCausalLM model with a base model inside it. Load it with AutoModelForCausalLM."
+            f"lstune cannot find the decoder body of {type(lm).__name__} (the submodule that returns the final hidden "
+            "states: neither get_decoder() nor a child model holding the input embeddings), so it cannot run the "
+            "loss head on hidden states; this is lstune's limitation for this class layout."
         )
     return body
+
+
+def _child_owning_embeddings(lm: "nn.Module") -> "nn.Module | None":
+    embeddings = lm.get_input_embeddings() if hasattr(lm, "get_input_embeddings") else None
+    for child in lm.children():
+        if hasattr(child, "config") and embeddings is not None and any(m is embeddings for m in child.modules()):
+            return child
+    return None
 
 
 def decoder_layers(model: "nn.Module") -> "nn.ModuleList":

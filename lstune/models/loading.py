@@ -6,7 +6,6 @@ with a config.json, then the hub (which may answer from the local cache when off
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ from typing import Any
 from lstune.errors import ModelError, UserError
 from lstune.models.presets import get_preset, list_presets
 
-log = logging.getLogger("lstune")
 
 
 @dataclass
@@ -30,7 +28,23 @@ class LoadedModel:
     tokenizer: Any
     source: ModelSource
     notes: list[str] = field(default_factory=list)  # things the user should know (fallback tokenizer, ...)
-    memory_plan: Any = None  # lstune.memory.apply.MemoryPlan once the techniques are applied
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model resolved once per run: where it comes from and its transformers config (a causal LM)."""
+
+    source: ModelSource
+    config: Any
+
+
+def resolve_model(name: str, *, trust_remote_code: bool = False) -> ModelSpec:
+    """Resolve `name` and read its config once; everything a run derives from the model's config (attention
+    checks, SP layout, tokenizer, loading) takes this. ModelError with the fix when it cannot."""
+    source = resolve_source(name)
+    config = load_config(source, trust_remote_code=trust_remote_code)
+    _check_causal_lm(config, name)
+    return ModelSpec(source, config)
 
 
 def resolve_source(name: str) -> ModelSource:
@@ -84,7 +98,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def load_model(
-    name: str,
+    spec: ModelSpec | str,
     *,
     init: str = "auto",
     param_dtype: Any = None,
@@ -94,25 +108,22 @@ def load_model(
     tokenizer: Any = None,
     notes: list[str] | None = None,
 ) -> LoadedModel:
-    """Load the model (and its tokenizer unless given). `init` auto = random for presets, pretrained
-    otherwise. Callers that build data first pass the tokenizer from `load_tokenizer_for`, so a data
-    problem is reported before minutes of weight loading."""
+    """Load the model of `spec` (from `resolve_model`; a name is resolved here). `init` auto = random for
+    presets, pretrained otherwise. The tokenizer (lstune.data.tokenizer.load_model_tokenizer) is the
+    caller's, loaded first so a data problem is reported before minutes of weight loading; it is kept
+    with the model for export."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    source = resolve_source(name)
+    spec = spec if isinstance(spec, ModelSpec) else resolve_model(spec, trust_remote_code=trust_remote_code)
+    source, config = spec.source, spec.config
     if source.kind == "preset" and init == "pretrained":
         raise ModelError(
-            f"--model {name!r} is a preset: it ships a config but no weights. Use --init random "
+            f"--model {source.name!r} is a preset: it ships a config but no weights. Use --init random "
             f"(the default for presets){_hub_hint(source)}."
         )
     random_init = init == "random" or (init == "auto" and source.kind == "preset")
-    config = load_config(source, trust_remote_code=trust_remote_code)
-    _check_causal_lm(config, name)
     notes = list(notes or [])
-    if tokenizer is None:
-        tokenizer, tokenizer_notes = load_tokenizer(source, config, trust_remote_code=trust_remote_code)
-        notes += tokenizer_notes
     kwargs = {
         "dtype": param_dtype or torch.float32,
         "attn_implementation": attn_implementation,
@@ -127,19 +138,11 @@ def load_model(
             model = AutoModelForCausalLM.from_pretrained(source.location, config=config, **kwargs)
         except OSError as exc:
             raise ModelError(
-                f"--model {name!r}: no weights could be loaded ({_first_line(exc)}). Use --init random to "
+                f"--model {source.name!r}: no weights could be loaded ({_first_line(exc)}). Use --init random to "
                 "train from a random initialisation, or point to a folder/hub id with weights."
             ) from None
     model.config.use_cache = False
     return LoadedModel(model, tokenizer, source, notes)
-
-
-def load_tokenizer_for(name: str, *, trust_remote_code: bool = False) -> tuple[Any, list[str]]:
-    """The tokenizer of model `name` (or the byte-level fallback) without loading any weights."""
-    source = resolve_source(name)
-    config = load_config(source, trust_remote_code=trust_remote_code)
-    _check_causal_lm(config, name)
-    return load_tokenizer(source, config, trust_remote_code=trust_remote_code)
 
 
 def _hub_hint(source: ModelSource) -> str:
@@ -148,42 +151,13 @@ def _hub_hint(source: ModelSource) -> str:
 
 
 def _check_causal_lm(config, name: str) -> None:
-    from transformers import AutoModelForCausalLM
+    from lstune.models.hf_internals import is_causal_lm_config
 
-    if type(config) not in AutoModelForCausalLM._model_mapping and not getattr(config, "auto_map", None):
+    if not is_causal_lm_config(config):
         raise ModelError(
             f"--model {name!r} ({config.model_type}) is not a causal language model transformers can "
             "load with AutoModelForCausalLM; lstune trains decoder-only causal LMs."
         )
-
-
-def load_tokenizer(source: ModelSource, config, *, trust_remote_code: bool = False) -> tuple[Any, list[str]]:
-    """The model's tokenizer, or the byte-level fallback (with a note saying so)."""
-    from lstune.data.tokenizer import ByteTokenizer
-
-    notes: list[str] = []
-    if source.kind == "local" and ByteTokenizer.saved_in(source.location):
-        return ByteTokenizer.from_pretrained(source.location), notes  # a model lstune trained and saved
-    if source.kind != "preset":
-        from transformers import AutoTokenizer
-
-        try:
-            return AutoTokenizer.from_pretrained(source.location, trust_remote_code=trust_remote_code), notes
-        except (OSError, ValueError, TypeError) as exc:
-            if source.kind != "local":
-                raise ModelError(
-                    f"--model {source.name!r}: its tokenizer could not be loaded ({_first_line(exc)})."
-                ) from None
-            log.debug("no HF tokenizer in %s: %s", source.location, exc)
-    tokenizer = ByteTokenizer()
-    if config.vocab_size < tokenizer.vocab_size:
-        raise UserError(
-            f"--model {source.name!r} has no tokenizer and its vocabulary ({config.vocab_size}) is smaller "
-            f"than the byte-level fallback's ({tokenizer.vocab_size}); give pre-tokenized data "
-            "(records with input_ids) or a model folder with a tokenizer."
-        )
-    notes.append("no tokenizer shipped with this model: using lstune's byte-level tokenizer (1 token per byte)")
-    return tokenizer, notes
 
 
 def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any):

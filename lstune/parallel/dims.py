@@ -120,6 +120,27 @@ class ParallelDims:
     def dp_rank(self) -> int:
         return self.rank // self.sp
 
+    @property
+    def world_comm(self):
+        """Collectives over every process (lstune.parallel.comm.Communicator)."""
+        from lstune.parallel.comm import Communicator
+
+        return Communicator.of()
+
+    @property
+    def sp_comm(self):
+        """Collectives over this rank's SP group (after `build_groups`; this process alone before)."""
+        from lstune.parallel.comm import Communicator
+
+        return Communicator.of(self.sp_group)
+
+    @property
+    def dp_comm(self):
+        """Collectives over this rank's DP group (after `build_groups`; this process alone before)."""
+        from lstune.parallel.comm import Communicator
+
+        return Communicator.of(self.dp_group)
+
     def sp_group_ranks(self, block: int) -> list[int]:
         return list(range(block * self.sp, (block + 1) * self.sp))
 

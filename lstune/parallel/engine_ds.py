@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lstune.config.schema import zero_problems
 from lstune.errors import CheckpointError, ConfigError
-from lstune.optim import apply_optim_settings, make_scheduler
+from lstune.optim import OptimConfig, apply_optim_settings, make_adamw, make_scheduler
 
 if TYPE_CHECKING:
     import torch
@@ -46,16 +47,6 @@ DS_TAG = "deepspeed"
 BYTES_PER_PARAM = {"weights": 2, "grads": 4, "optimizer": 12}  # bf16 weights, fp32 grads, fp32 master + m + v
 STATIC_SHARE = 0.5  # of device memory that weights, grads and optimizer may take; the rest is for activations
 EXPORT_SHARD_BYTES = 2 * 1024**3
-
-
-@dataclass(frozen=True)
-class OptimSettings:
-    """This run's optimiser settings, applied again after a checkpoint's are loaded (lstune.optim)."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
 
 
 @dataclass(frozen=True)
@@ -115,14 +106,12 @@ def deepspeed_config(
     pin_memory: bool,
 ) -> dict[str, Any]:
     """The DeepSpeed config dict lstune runs with (the loop owns the batch and the accumulation window)."""
-    problems = []
+    problems = zero_problems(zero_stage, processes=1, offload_optimizer=offload_optimizer, offload_params=offload_params)
     if zero_stage not in (1, 2, 3):
         problems.append(
             f"--zero-stage {zero_stage} is not supported with DeepSpeed; use 1, 2 or 3 (ZeRO-1 communicates "
             "like plain data parallelism and only shards the optimizer state)."
         )
-    if offload_params and zero_stage != 3:
-        problems.append("--offload-params needs --zero-stage 3 (only stage 3 shards the weights).")
     if problems:
         raise ConfigError(problems)
     zero: dict[str, Any] = {"stage": zero_stage}
@@ -200,43 +189,29 @@ class DeepSpeedEngine:
     """Engine over DeepSpeed ZeRO 1–3 with optional host offload and bf16, SP-aware through `dims`."""
 
     def __init__(
-        self,
-        model,
-        *,
-        dims: "ParallelDims",
-        lr: float,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        warmup_steps: int = 0,
-        max_steps: int = 1,
-        schedule: str = "cosine",
-        min_lr_ratio: float = 0.0,
-        max_grad_norm: float = 1.0,
-        zero_stage: int = 3,
-        offload_optimizer: bool = False,
-        offload_params: bool = False,
-        bf16: bool = False,
+        self, model, *, dims: "ParallelDims", optim: OptimConfig, zero: ZeroPlan, bf16: bool,
         trust_checkpoint: bool = False,
     ):
         import deepspeed
         import torch
 
+        from lstune.parallel.comm import init_process_group
+        from lstune.parallel.launch import detect_launch_env
+
         on_cuda = torch.cuda.is_available()
-        _ensure_process_group(on_cuda)
-        # Wraps the process group already initialised (launch.init_distributed, or the one-process group).
+        init_process_group(detect_launch_env())
+        # Wraps the process group already initialised (by the launch, or the one-process group).
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+        zero_stage = zero.stage
         config = deepspeed_config(
-            zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params, bf16=bf16,
-            max_grad_norm=max_grad_norm, pin_memory=on_cuda,
+            zero_stage=zero_stage, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
+            bf16=bf16, max_grad_norm=optim.max_grad_norm, pin_memory=on_cuda,
         )
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise RuntimeError("the model has no trainable parameters")
-        optimizer = _adamw(params, lr, betas, eps, weight_decay, on_host=offload_optimizer)
-        scheduler = make_scheduler(
-            optimizer, schedule=schedule, warmup_steps=warmup_steps, max_steps=max_steps, min_lr_ratio=min_lr_ratio
-        )
+        optimizer = _adamw(params, optim, on_host=zero.offload_optimizer)
+        scheduler = make_scheduler(optimizer, optim)
         self.dims = dims
         self.zero_stage = zero_stage
         self._ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -249,7 +224,7 @@ class DeepSpeedEngine:
         )
         self.model = self._ds.module
         self._divisor = gradient_divisor(zero_stage, dims)
-        self._optim = OptimSettings(lr, betas, eps, weight_decay)
+        self._optim = optim  # applied again after a checkpoint's settings are loaded (lstune.optim)
         if not trust_checkpoint:
             from lstune.parallel.safe_load import use_restricted_loader
 
@@ -306,29 +281,13 @@ class DeepSpeedEngine:
                   shard_bytes=EXPORT_SHARD_BYTES)
 
 
-def _ensure_process_group(on_cuda: bool) -> None:
-    """A one-process group when no launcher started one: DeepSpeed needs a group even on a single device
-    (ZeRO-3 with host offload is how one GPU trains a model whose Adam state does not fit)."""
-    import socket
-
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl" if on_cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
-
-
-def _adamw(params, lr, betas, eps, weight_decay, *, on_host: bool):
+def _adamw(params, cfg: OptimConfig, *, on_host: bool):
     """torch AdamW (the same update as TorchEngine), or DeepSpeed's host Adam for an offloaded optimizer."""
-    import torch
-
     if on_host:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        return DeepSpeedCPUAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adamw_mode=True)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        return DeepSpeedCPUAdam(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, adamw_mode=True
+        )
+    return make_adamw(params, cfg)
 

@@ -88,7 +88,7 @@ class ShardWriter:
 
 def export_hf(model: Any, out_dir: Path, *, rank: int, merge_lora: bool = False, shard_bytes: int = 2 * 1024**3) -> None:
     """Write `model` in HF format to `out_dir` from rank 0; every rank must call it (gathers are collective)."""
-    import torch.distributed as dist
+    from lstune.parallel.comm import Communicator
 
     writer = ShardWriter(out_dir, shard_bytes) if rank == 0 else None
     peft = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
@@ -105,8 +105,7 @@ def export_hf(model: Any, out_dir: Path, *, rank: int, merge_lora: bool = False,
             base.config.save_pretrained(out_dir)
             if getattr(base, "generation_config", None) is not None:
                 base.generation_config.save_pretrained(out_dir)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    Communicator.of().barrier()
 
 
 def _model_tensors(model: Any) -> Iterator[tuple[str, "torch.Tensor"]]:

@@ -14,8 +14,9 @@ Three ways a run is distributed:
   WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT (or OpenMPI's OMPI_COMM_WORLD_* variables) and the command
   runs as that rank; nothing is relaunched.
 
-`init_distributed(env)` then joins the process group: NCCL on CUDA (one GPU per local rank), gloo
-otherwise. Torch's launcher is used as is — this module only decides which one and passes the argv on.
+`init_distributed(env)` then joins the process group (lstune.parallel.comm.init_process_group): NCCL on
+CUDA (one GPU per local rank), gloo otherwise. Torch's launcher is used as is — this module only decides
+which one and passes the argv on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping
 
+from lstune.config.schema import ParallelSection
 from lstune.errors import ConfigError
 
 LAUNCHER_MARKERS = (
@@ -87,11 +89,10 @@ def _cuda_available() -> bool:
 
 def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> list[str]:
     """The command that runs `python -m <module> <argv>` once per process (see the module docstring)."""
-    if gpus < 1:
-        raise ConfigError([f"--gpus {gpus}: give at least 1 process per node."])
+    problems = ParallelSection(gpus=gpus, hostfile=hostfile).problems()
+    if problems:
+        raise ConfigError(problems)
     if hostfile is not None:
-        if not os.path.isfile(hostfile):
-            raise ConfigError([f"--hostfile {hostfile} does not exist; write one line per node: `node-1 slots=8`."])
         return [
             sys.executable, "-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--num_gpus", str(gpus),
             "--module", module, *argv,
@@ -119,22 +120,7 @@ def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module:
 
 def init_distributed(env: LaunchEnv | None) -> None:
     """Join the launched run's process group (NCCL on CUDA, gloo otherwise); nothing for a single process."""
-    if env is None:
-        return
-    import torch
-    import torch.distributed as dist
+    if env is not None:
+        from lstune.parallel.comm import init_process_group
 
-    if dist.is_initialized():
-        return
-    if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank)
-        backend = "nccl"
-    else:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        backend = "gloo"
-    # env:// with the launcher's variables: under torchrun it joins the agent's store instead of opening
-    # a second one on MASTER_PORT. MPI launchers name them differently, so fill in the torch names.
-    for name, value in (("RANK", env.rank), ("WORLD_SIZE", env.world_size), ("LOCAL_RANK", env.local_rank),
-                        ("MASTER_ADDR", env.master_addr), ("MASTER_PORT", env.master_port)):
-        os.environ.setdefault(name, str(value))
-    dist.init_process_group(backend, init_method="env://")
+        init_process_group(env)

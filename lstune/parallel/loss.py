@@ -31,22 +31,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterable
 
+from lstune.parallel.comm import Communicator
 from lstune.parallel.sp_data import count_tokens
 
 if TYPE_CHECKING:
     import torch
-
-
-def _all_reduce_sum(values: list[float], group: Any = None) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        if dist.get_backend(group) == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, group=group)
-    return t.tolist()
 
 
 def global_token_count(micro_batches: Iterable[dict[str, "torch.Tensor"]], group: Any = None) -> int:
@@ -57,7 +46,7 @@ def global_token_count(micro_batches: Iterable[dict[str, "torch.Tensor"]], group
     A single process needs no torch.distributed. Call it on every rank (it is a collective).
     """
     local = sum(count_tokens(mb) for mb in micro_batches)
-    return int(round(_all_reduce_sum([float(local)], group)[0]))
+    return int(round(Communicator.of(group).sum([float(local)])[0]))
 
 
 def local_objective(loss_sum: "torch.Tensor", n_tokens_global: int) -> "torch.Tensor":
@@ -75,7 +64,7 @@ def global_mean(loss_sums: Iterable[float], n_tokens: Iterable[int], group: Any 
     For reporting training loss (pass the window's detached loss sums and counts) and for evaluation
     (pass every eval batch's). Call it on every rank.
     """
-    total, count = _all_reduce_sum([float(sum(float(x) for x in loss_sums)), float(sum(n_tokens))], group)
+    total, count = Communicator.of(group).sum([float(sum(float(x) for x in loss_sums)), float(sum(n_tokens))])
     return total / count if count else float("nan")
 
 

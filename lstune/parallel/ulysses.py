@@ -158,12 +158,19 @@ class UlyssesAttention:
         return _plan(q_heads, kv_heads, self.sp)
 
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None)."""
+        """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None). v may have its own head
+        dim (multi-head latent attention); each tensor is exchanged with its own."""
         if kwargs.get("s_aux") is not None:
             raise ModelError("attention sinks (s_aux) are not supported with sequence parallelism; use --sp 1")
+        from lstune.models.attention import window_from_mask
+
         plan = self.plan(query.shape[1], key.shape[1])
+        # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
+        window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
+                                  query.shape[2], query.device)
+        kwargs["sliding_window"] = window
         positions = self.full_positions(kwargs.get("position_ids"))
-        self._check_kernel_fits(positions, kwargs.get("sliding_window"))
+        self._check_kernel_fits(positions, window)
         q_BhSD = self.seq_to_heads(query, plan.q_counts, plan.q_counts[self.sp_rank])
         kv_index = plan.kv_send_index
         k_BhSD = self.seq_to_heads(key, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
@@ -209,8 +216,10 @@ class UlyssesAttention:
 
         if position_ids_Bs is None:
             raise DataError(
-                "sequence parallelism needs position_ids in every batch (they carry causality and document "
-                "boundaries across shards); batches from lstune's data pipeline and SP adapter have them."
+                "sequence parallelism needs position_ids at every attention call (they carry causality and "
+                "document boundaries across shards), and this one got none: either the batch has none (batches "
+                "from lstune's data pipeline and SP adapter have them) or the model does not pass them to its "
+                "attention layers, which lstune cannot shard (use --sp 1)."
             )
         if self.sp == 1:
             return position_ids_Bs
@@ -291,14 +300,14 @@ class UlyssesHandle:
 
 
 def _default_core(model: Any) -> tuple[Callable, str]:
-    from transformers import AttentionInterface
-
+    from lstune.models import hf_internals
     from lstune.models.attention import lstune_attention_forward
 
-    current = model.config._attn_implementation
-    if current in _REPLACED_BY_DEFAULT or current not in AttentionInterface._global_mapping:
+    current = hf_internals.attention_implementation(model.config)
+    current_fn = hf_internals.attention_function(current)
+    if current in _REPLACED_BY_DEFAULT or current_fn is None:
         return lstune_attention_forward, "lstune"
-    return AttentionInterface._global_mapping[current], current
+    return current_fn, current
 
 
 def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None = None) -> UlyssesHandle:
@@ -311,8 +320,7 @@ def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None 
     with `position_ids` (see `sp_data.SPDataAdapter`). Order (DESIGN): after LoRA and the attention
     backend, before tiled MLP / loss head / checkpointing.
     """
-    from transformers import AttentionInterface
-
+    from lstune.models import hf_internals
     from lstune.models.attention import register_attention_function
 
     if core is None:
@@ -323,7 +331,9 @@ def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None 
                 f"attention '{core}' needs a [seq, seq] mask, which sequence parallelism never builds; use "
                 "--attn auto (lstune's attention), flex or flash_attention_2."
             )
-        core_fn, core_name = AttentionInterface._global_mapping[core], core
+        core_fn, core_name = hf_internals.attention_function(core), core
+        if core_fn is None:
+            raise ModelError(f"no attention function is registered as {core!r} in transformers' AttentionInterface.")
     else:
         core_fn, core_name = core, getattr(core, "__name__", "custom")
     if dims.sp > 1 and dims.sp_group is None:

@@ -70,11 +70,11 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lstune.errors import CheckpointError
+from lstune.parallel.comm import Communicator
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def save_checkpoint(
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
     state_json = _train_state_json(step, train_state)  # fails before any file is written
-    comm = _comm(group)
+    comm = Communicator.of(group)
     output_dir = Path(output_dir)
     token = comm.broadcast(secrets.token_hex(4) if comm.rank == 0 else None)
     save = _Save(output_dir, step, token, comm)
@@ -156,7 +156,7 @@ def validate_checkpoint(path: Path, *, verify_hashes: bool = True) -> dict:
     Raises `CheckpointError` naming each problem (no manifest = a partial save; a missing, truncated or
     corrupt file) and the fix: the earlier complete checkpoints to resume from instead.
     """
-    return _validate(Path(path), verify_hashes, _SINGLE)
+    return _validate(Path(path), verify_hashes, Communicator())
 
 
 def load_checkpoint(
@@ -175,7 +175,7 @@ def load_checkpoint(
     each restores its own RNG state.
     """
     path = Path(path)
-    comm = _comm(group)
+    comm = Communicator.of(group)
     started = time.perf_counter()
     manifest = _validate(path, verify_hashes, comm)
     if verify_hashes:
@@ -230,7 +230,7 @@ def resolve_resume(output_dir: Path, resume: str | Path | bool | None) -> Path |
 class _Save:
     """The folders and steps of one save; each step runs on every rank through `on_all_ranks`."""
 
-    def __init__(self, output_dir: Path, step: int, token: str, comm: _Comm):
+    def __init__(self, output_dir: Path, step: int, token: str, comm: Communicator):
         self.output_dir, self.step, self.comm = output_dir, step, comm
         self.tmp = output_dir / f".tmp-checkpoint-{step}-{token}"
         self.aside = output_dir / f".old-checkpoint-{step}-{token}"
@@ -255,7 +255,7 @@ class _Save:
             raise
         else:
             local_error = None
-        outcomes = self.comm.all_gather(outcome)
+        outcomes = self.comm.gather(outcome)
         failures = {rank: error for rank, (error, _) in enumerate(outcomes) if error is not None}
         if failures:
             self._remove_tmp()
@@ -412,7 +412,7 @@ def _hash_file(path: Path, fsync: bool) -> dict:
     return {"size": size, "sha256": digest.hexdigest()}
 
 
-def _hash_share(root: Path, files: list[str], comm: _Comm, *, fsync: bool) -> dict[str, dict]:
+def _hash_share(root: Path, files: list[str], comm: Communicator, *, fsync: bool) -> dict[str, dict]:
     """Hash this rank's share of `files` (every size-th one) on a few threads (hashlib releases the GIL)."""
     share = files[comm.rank :: comm.size]
     if not share:
@@ -446,14 +446,14 @@ class _Invalid(Exception):
         super().__init__("; ".join(problems))
 
 
-def _validate(path: Path, verify_hashes: bool, comm: _Comm) -> dict:
+def _validate(path: Path, verify_hashes: bool, comm: Communicator) -> dict:
     try:
         return _check(path, verify_hashes, comm)
     except _Invalid as invalid:
         raise _checkpoint_error(path, invalid.problems) from None
 
 
-def _check(path: Path, verify_hashes: bool, comm: _Comm) -> dict:
+def _check(path: Path, verify_hashes: bool, comm: Communicator) -> dict:
     """The manifest of a usable checkpoint; raises `_Invalid` listing every problem found."""
     manifest = _read_manifest(path)
     problems = _size_problems(path, manifest)
@@ -467,7 +467,7 @@ def _check(path: Path, verify_hashes: bool, comm: _Comm) -> dict:
 def _problems(path: Path, *, verify_hashes: bool) -> list[str]:
     """[] for a usable checkpoint, else why not (single process; used to list and pick checkpoints)."""
     try:
-        _check(path, verify_hashes, _SINGLE)
+        _check(path, verify_hashes, Communicator())
     except _Invalid as invalid:
         return invalid.problems
     return []
@@ -526,9 +526,9 @@ def _size_problems(path: Path, manifest: dict) -> list[str]:
     return problems
 
 
-def _hash_problems(path: Path, manifest: dict, comm: _Comm) -> list[str]:
+def _hash_problems(path: Path, manifest: dict, comm: Communicator) -> list[str]:
     files = [entry["path"] for entry in manifest["files"]]
-    actual = _merge(comm.all_gather(_hash_share(path, files, comm, fsync=False)))
+    actual = _merge(comm.gather(_hash_share(path, files, comm, fsync=False)))
     return [
         f"{entry['path']} does not match the sha256 in its manifest (the file is corrupt)"
         for entry in manifest["files"]
@@ -593,7 +593,7 @@ def _is_ours(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and (path / MANIFEST_NAME).is_file()
 
 
-def _read_rng_state(path: Path, manifest: dict, comm: _Comm) -> dict | None:
+def _read_rng_state(path: Path, manifest: dict, comm: Communicator) -> dict | None:
     import torch
 
     saved_world = manifest.get("world_size", 1)
@@ -612,49 +612,6 @@ def _read_rng_state(path: Path, manifest: dict, comm: _Comm) -> dict | None:
 
 # ----------------------------------------------------------------------------------------------------
 # Ranks
-
-
-@dataclass(frozen=True)
-class _Comm:
-    """The processes that save or load one checkpoint together; a single process needs no messages."""
-
-    rank: int = 0
-    size: int = 1
-    group: Any = None
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj`, on every rank."""
-        if self.size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        dist.broadcast_object_list(box, src=source, group=self.group)
-        return box[0]
-
-    def all_gather(self, obj: Any) -> list:
-        """Every rank's `obj`, in rank order, on every rank."""
-        if self.size == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        gathered: list = [None] * self.size
-        dist.all_gather_object(gathered, obj, group=self.group)
-        return gathered
-
-
-_SINGLE = _Comm()
-
-
-def _comm(group: Any) -> _Comm:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return _Comm(dist.get_rank(group), dist.get_world_size(group), group)
-    if group is not None:
-        raise ValueError("a process group was given but torch.distributed is not initialised")
-    return _SINGLE
 
 
 def _describe_failures(failures: dict[int, str]) -> str:

@@ -8,29 +8,15 @@ same surface, so the loop does not know which one it drives.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from lstune.errors import CheckpointError
-from lstune.optim import apply_optim_settings, make_scheduler
+from lstune.optim import OptimConfig, apply_optim_settings, make_adamw, make_scheduler
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 MODEL_DIR = "model"
-
-
-@dataclass
-class OptimConfig:
-    lr: float
-    weight_decay: float
-    betas: tuple[float, float]
-    eps: float
-    warmup_steps: int
-    max_steps: int
-    schedule: str  # cosine | linear | constant
-    min_lr_ratio: float
-    max_grad_norm: float
 
 
 class Engine(Protocol):
@@ -55,22 +41,14 @@ class TorchEngine:
     """AdamW on one device; fp32 master weights (bf16 autocast is the loop's business)."""
 
     def __init__(self, model, cfg: OptimConfig):
-        import torch
-
         self.model = model
         self.cfg = cfg
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise RuntimeError("the model has no trainable parameters")
         self._params = params
-        on_cuda = params[0].is_cuda
-        self.optimizer = torch.optim.AdamW(
-            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=on_cuda or None
-        )
-        self.scheduler = make_scheduler(
-            self.optimizer, schedule=cfg.schedule, warmup_steps=cfg.warmup_steps, max_steps=cfg.max_steps,
-            min_lr_ratio=cfg.min_lr_ratio,
-        )
+        self.optimizer = make_adamw(params, cfg, fused=params[0].is_cuda or None)
+        self.scheduler = make_scheduler(self.optimizer, cfg)
 
     def backward(self, loss) -> None:
         loss.backward()

@@ -14,40 +14,37 @@ from __future__ import annotations
 
 import os
 
-from lstune.config.schema import TrainConfig
+from lstune.config.schema import ParallelSection, zero_problems
 from lstune.errors import ConfigError
 
 STATIC_SHARE = 0.5  # of device memory the training state may take; the rest is for activations
 
 
-def choose_zero(config: TrainConfig, model, runtime):
+def choose_zero(parallel: ParallelSection, model, runtime):
     """A ZeroPlan for DeepSpeed, or None for the single-device TorchEngine."""
     from lstune.parallel.engine_ds import ZeroPlan, auto_zero_config
 
-    offloads_asked = bool(config.offload_optimizer or config.offload_params)
-    if config.zero_stage == "0":
-        if runtime.world_size > 1 or offloads_asked:
-            raise ConfigError(
-                ["--zero-stage 0 is plain single-device AdamW: with several processes or host offload use 1, 2 or 3."]
-            )
+    offload_optimizer, offload_params = bool(parallel.offload_optimizer), bool(parallel.offload_params)
+    problems = zero_problems(
+        parallel.zero_stage, processes=runtime.world_size, offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+    )
+    if problems:
+        raise ConfigError(problems)
+    if parallel.zero_stage == "0":
         return None
-    if config.zero_stage != "auto":
-        return ZeroPlan(
-            int(config.zero_stage), bool(config.offload_optimizer), bool(config.offload_params), 0,
-            "chosen with --zero-stage",
-        )
+    if parallel.zero_stage != "auto":
+        return ZeroPlan(int(parallel.zero_stage), offload_optimizer, offload_params, 0, "chosen with --zero-stage")
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     device_mem = _device_memory(runtime)
+    offloads_asked = offload_optimizer or offload_params
     if runtime.world_size == 1 and not offloads_asked:
         if runtime.device.type != "cuda" or 2 * total + 16 * trainable <= STATIC_SHARE * device_mem:
             return None
     plan = auto_zero_config(trainable, device_mem, runtime.world_size)
     if offloads_asked:
-        plan = ZeroPlan(
-            3, bool(config.offload_optimizer) or plan.offload_optimizer, bool(config.offload_params), 0,
-            "host offload asked for",
-        )
+        plan = ZeroPlan(3, offload_optimizer or plan.offload_optimizer, offload_params, 0, "host offload asked for")
     return plan
 
 

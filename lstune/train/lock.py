@@ -22,9 +22,9 @@ import sys
 import time
 from pathlib import Path
 
+from lstune.config.record import LOCK_NAME
 from lstune.errors import UserError
 
-LOCK_NAME = ".lstune.lock"
 
 log = logging.getLogger(__name__)
 

@@ -24,37 +24,33 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from lstune.config.schema import TrainConfig
+from lstune.config.record import LOCK_NAME, LOG_FILE, RECORD_FORMAT, RECORD_NAME, holds_a_run, read_record
+from lstune.config.schema import RunSection
 from lstune.errors import UserError
-from lstune.train.lock import LOCK_NAME, OutputLock
+from lstune.train.lock import OutputLock
 
 FINAL_DIR = "final"
 MERGED_DIR = "final-merged"
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
-LOG_FILE = "lstune.log"
-RECORD_NAME = "lstune-run.json"
-RECORD_FORMAT = "lstune-output-record"
 FIXED_NAMES = (CONFIG_FILE, METRICS_FILE, FINAL_DIR, MERGED_DIR, LOG_FILE, RECORD_NAME, LOCK_NAME)
 _CHECKPOINT_RE = re.compile(r"^checkpoint-\d+$")
 
 log = logging.getLogger(__name__)
 
 
-def resolve_output_dir(config: TrainConfig) -> tuple[Path, Path | None]:
+def resolve_output_dir(run: RunSection, model_name: str) -> tuple[Path, Path | None]:
     """The output folder and the checkpoint to resume from; read-only, so every rank may call it."""
     from lstune.train.checkpoint import resolve_resume
 
-    output_dir = Path(config.output_dir) if config.output_dir else default_output_dir(config)
-    if config.resume:
-        checkpoint = resolve_resume(output_dir, config.resume)
-        _refuse_foreign_resume(output_dir, checkpoint, config.resume)
+    output_dir = Path(run.output_dir) if run.output_dir else default_output_dir(model_name)
+    if run.resume:
+        checkpoint = resolve_resume(output_dir, run.resume)
+        _refuse_foreign_resume(output_dir, checkpoint, run.resume)
         return output_dir, checkpoint
-    if output_dir.exists() and holds_a_run(output_dir) and not config.overwrite:
-        raise UserError(
-            f"--output-dir {str(output_dir)!r} already exists and is not empty; nothing is overwritten "
-            "unasked. Use --resume to continue that run, --overwrite to replace it, or another --output-dir."
-        )
+    problems = run.output_dir_problems(output_dir)
+    if problems:
+        raise UserError(problems[0])
     return output_dir, None
 
 
@@ -71,17 +67,8 @@ def _refuse_foreign_resume(output_dir: Path, checkpoint: Path | None, resume: st
         )
 
 
-def holds_a_run(output_dir: Path) -> bool:
-    """Anything in the folder beyond what a run that stopped before training leaves (its record, its log,
-    a stale lock): such a folder may be used again without --overwrite."""
-    names = {entry.name for entry in output_dir.iterdir()}
-    if not names:
-        return False
-    return not (names <= {RECORD_NAME, LOG_FILE, LOCK_NAME} and names <= _read_record(output_dir) | {LOCK_NAME})
-
-
-def default_output_dir(config: TrainConfig) -> Path:
-    name = Path(config.model).name.lower().replace(":", "-")
+def default_output_dir(model_name: str) -> Path:
+    name = Path(model_name).name.lower().replace(":", "-")
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
@@ -101,7 +88,7 @@ class OutputFolder:
         self.lock.acquire()
         try:
             _refuse_links(self.path)
-            recorded = _read_record(self.path)
+            recorded = read_record(self.path)
             if overwrite:
                 self.previous = recorded | _manifest_checkpoints(self.path)
             else:
@@ -201,21 +188,6 @@ def _manifest_checkpoints(output_dir: Path) -> set[str]:
         entry.name for entry in output_dir.iterdir()
         if _CHECKPOINT_RE.match(entry.name) and not entry.is_symlink() and (entry / MANIFEST_NAME).is_file()
     }
-
-
-def _read_record(output_dir: Path) -> set[str]:
-    path = output_dir / RECORD_NAME
-    if not path.is_file() or path.is_symlink():
-        return set()
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        log.warning("%s is unreadable; treating nothing in %s as lstune's", path, output_dir)
-        return set()
-    names = data.get("entries") if isinstance(data, dict) and data.get("format") == RECORD_FORMAT else None
-    if not isinstance(names, list):
-        return set()
-    return {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
 
 
 def _write_record(output_dir: Path, names: set[str]) -> None:

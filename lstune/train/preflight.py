@@ -1,4 +1,8 @@
-"""Checks that need no model or data loaded: run before anything heavy, every problem reported at once."""
+"""Checks that need no model or data loaded: run before anything heavy, every problem reported at once.
+
+The rules about the config's own values live with its sections (`TrainConfig.problems()`); these look
+outside it: does the model name resolve, does the data source exist.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,9 @@ from lstune.errors import ConfigError, UserError
 
 
 def preflight_problems(config: TrainConfig) -> list[str]:
-    """Every problem found with the model source, the data source and the output folder."""
+    """Every problem found with the model source and the data source."""
     problems: list[str] = []
-    for check in (_check_model, _check_data, _check_output):
+    for check in (_check_model, _check_data):
         try:
             check(config)
         except UserError as exc:
@@ -28,53 +32,26 @@ def preflight(config: TrainConfig) -> None:
 def _check_model(config: TrainConfig) -> None:
     from lstune.models.loading import resolve_source
 
-    resolve_source(config.model)
+    resolve_source(config.model.name)
 
 
 def _check_data(config: TrainConfig) -> None:
-    from lstune.errors import DataError
+    from lstune.data.sources import check_source
 
-    source = config.data
-    if source.startswith("builtin:"):
-        from lstune.data.sources import BUILTINS
-
-        if source.removeprefix("builtin:") not in BUILTINS:
-            bundled = ", ".join(f"builtin:{name}" for name in BUILTINS)
-            raise DataError(f"--data {source!r} is not a bundled dataset; bundled: {bundled}.")
-        return
-    path = Path(source).expanduser()
-    looks_local = path.suffix or source.startswith((".", "/", "~")) or source.count("/") > 1
-    if looks_local and not path.exists():
-        raise DataError(
-            f"--data {source!r} does not exist; give a JSONL/JSON/Parquet/Arrow file or folder, a "
-            "save_to_disk folder, a hub dataset name, or builtin:passkey."
-        )
-
-
-def _check_output(config: TrainConfig) -> None:
-    if config.output_dir is None or config.resume or config.overwrite:
-        return
-    from lstune.train.outputs import holds_a_run
-
-    output_dir = Path(config.output_dir)
-    if output_dir.exists() and (not output_dir.is_dir() or holds_a_run(output_dir)):
-        raise UserError(
-            f"--output-dir {config.output_dir!r} already exists and is not empty; nothing is overwritten unasked. "
-            "Use --resume to continue that run, --overwrite to replace it, or another --output-dir."
-        )
+    check_source(config.data.source)
 
 
 def check_parallel_layout(config: TrainConfig) -> None:
     """Before launching N processes: the SP degree must fit them and the model's heads (ConfigError lists
     the valid degrees). Multi-node runs learn their world size from the hostfile, so only --gpus is checked
     for a single node."""
-    from lstune.models.loading import load_config, resolve_source
+    from lstune.models.loading import resolve_model
     from lstune.parallel.dims import ParallelDims
 
-    if config.hostfile is not None:
+    if config.parallel.hostfile is not None:
         return
-    model_config = load_config(resolve_source(config.model), trust_remote_code=config.trust_remote_code)
-    ParallelDims.for_model(config.gpus, config.sp, model_config)
+    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    ParallelDims.for_model(config.parallel.gpus, config.parallel.sp, spec.config)
 
 
 def check_sizes(config: TrainConfig, model_config, runtime) -> None:
@@ -90,12 +67,12 @@ def check_sizes(config: TrainConfig, model_config, runtime) -> None:
         return
     sp = runtime.sp
     bytes_per_value = 2 if runtime.autocast_dtype is not None else 4
-    tokens = config.micro_batch_size * -(-config.seq_len // sp)
+    tokens = config.optim.micro_batch_size * -(-config.data.seq_len // sp)
     needed = tokens * hidden * bytes_per_value
     available, where = _device_memory(runtime)
     if needed > available:
         raise ConfigError([
-            f"--micro-batch-size {config.micro_batch_size} × --seq-len {config.seq_len:,} cannot fit: one hidden "
+            f"--micro-batch-size {config.optim.micro_batch_size} × --seq-len {config.data.seq_len:,} cannot fit: one hidden "
             f"state of {tokens:,} tokens × {hidden} × {bytes_per_value} bytes is {needed / 2**30:,.1f} GiB, more than "
             f"the {available / 2**30:,.1f} GiB of {where} (a lower bound: training needs several times that). "
             "Lower --seq-len or --micro-batch-size, or add processes for sequence parallelism."

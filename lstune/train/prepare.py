@@ -1,56 +1,98 @@
-"""Apply lstune's techniques to a loaded model, in one fixed order.
+"""Prepare a loaded model for training: adapt it, then apply lstune's techniques in one fixed order.
 
 Order (each step sees the result of the previous one):
 1. move to the device (on CUDA with LoRA, frozen base weights in bf16; adapters stay fp32);
 2. LoRA adapters (peft) — before anything wraps modules, so peft finds the plain linear layers;
+   token mixers that are not attention (convolutions) refuse --pack and SP here (lstune.models.mixers);
 3. attention backend: lstune's attention function (no 4D mask, packed documents from position_ids);
 4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1;
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
    sized for the per-rank sequence length.
 The engine (optimizer, ZeRO) is built last, over the parameters that remain trainable.
+
+Steps 1-2 (`adapt_model`) change the model for good; steps 3-5 (`apply_techniques`) are reversible:
+the returned `PreparedModel` holds what they installed and `undo()` removes it, so a benchmark can
+apply, measure, undo and apply other settings to the same adapted model.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
+from typing import Any
 
-from lstune.config.schema import TrainConfig
+from lstune.config.schema import ModelSection, TrainConfig
 from lstune.models.loading import apply_lora
 
 log = logging.getLogger("lstune")
 
 
-def prepare_model(model, config: TrainConfig, runtime):
-    """Returns the prepared model and the memory plan (what was applied, for the run's plan display)."""
+@dataclass
+class PreparedModel:
+    """A model with lstune's techniques applied: its parts (found once), the attention and Ulysses handles,
+    and the memory plan. The loss head reads its plan from here."""
+
+    model: Any
+    parts: Any  # lstune.models.introspect.ModelParts
+    attention: Any  # lstune.models.attention.AttentionHandle
+    ulysses: Any  # lstune.parallel.ulysses.UlyssesHandle, None without sequence parallelism
+    memory: Any  # lstune.memory.apply.MemoryPlan
+
+    def loss_sum(self, batch: dict, model: Any = None):
+        """(summed token loss, label count) of `batch` with the planned loss head; `model` may be the engine's
+        view of the same model (DeepSpeed keeps the module itself)."""
+        return self.memory.loss_sum(model if model is not None else self.model, batch)
+
+    def undo(self) -> None:
+        """Remove the techniques in reverse order of application; the adapted model (device, LoRA) remains."""
+        self.memory.undo()
+        if self.ulysses is not None:
+            self.ulysses.undo()
+        self.attention.undo()
+
+
+def prepare_model(model, config: TrainConfig, runtime) -> PreparedModel:
+    """`adapt_model`, then `apply_techniques`."""
+    return apply_techniques(adapt_model(model, config.model, runtime), config, runtime)
+
+
+def adapt_model(model, spec: ModelSection, runtime):
+    """Steps 1-2: device and dtype, then LoRA; returns the model to train (peft-wrapped with LoRA)."""
     import torch
 
+    if runtime.device.type == "cuda" and spec.lora_r and spec.dtype != "fp32":
+        model = model.to(dtype=torch.bfloat16)
+    model = model.to(runtime.device)
+    if spec.lora_r:
+        model = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout, targets=spec.lora_targets)
+        log.info("LoRA r=%d applied", spec.lora_r)
+    return model
+
+
+def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
+    """Steps 3-5 on an adapted model, reversibly (`PreparedModel.undo`)."""
     from lstune.memory.apply import apply_memory_techniques
     from lstune.models.attention import use_lstune_attention
+    from lstune.models.introspect import find_parts
 
-    device = runtime.device
-    if device.type == "cuda" and config.lora_r and config.dtype != "fp32":
-        model = model.to(dtype=torch.bfloat16)
-    model = model.to(device)
-    if config.lora_r:
-        model = apply_lora(
-            model, r=config.lora_r, alpha=config.lora_alpha, dropout=config.lora_dropout, targets=config.lora_targets
-        )
-        log.info("LoRA r=%d applied", config.lora_r)
-    use_lstune_attention(model, backend=config.attn)
-    if runtime.sp > 1:
-        from lstune.parallel.ulysses import apply_ulysses
+    from lstune.models.mixers import check_token_mixers
 
-        apply_ulysses(model, runtime.dims)
-    plan = apply_memory_techniques(
-        model,
-        seq_len=math.ceil(config.seq_len / runtime.sp),
-        tiled_mlp=config.tiled_mlp,
-        tiled_loss=config.tiled_loss,
-        mini_sequence=config.mini_sequence,
-        checkpointing=config.checkpointing,
-        offload_checkpoints=config.offload_checkpoints,
-        host_mem_budget=config.host_mem_budget,
-    )
+    parts = find_parts(model)
+    check_token_mixers(model, pack=config.data.pack, sp=runtime.sp)
+    attention = use_lstune_attention(model, backend=config.model.attn)
+    ulysses = None
+    try:
+        if runtime.sp > 1:
+            from lstune.parallel.ulysses import apply_ulysses
+
+            ulysses = apply_ulysses(model, runtime.dims)
+        seq_len = math.ceil(config.data.seq_len / runtime.sp)
+        memory = apply_memory_techniques(model, config.memory, seq_len=seq_len, parts=parts)
+    except BaseException:
+        if ulysses is not None:
+            ulysses.undo()
+        attention.undo()
+        raise
     model.train()
-    return model, plan
+    return PreparedModel(model, parts, attention, ulysses, memory)

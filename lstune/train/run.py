@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lstune import __version__
 from lstune.config.schema import TrainConfig
+from lstune.errors import UserError
 from lstune.train.outputs import (
     FINAL_DIR,
     MERGED_DIR,
@@ -25,7 +26,6 @@ from lstune.train.outputs import (
 )
 from lstune.train.reporter import LogReporter, Reporter
 from lstune.train.runtime import Runtime, start_runtime
-from lstune.errors import UserError
 from lstune.train.signals import StopOnSignal
 from lstune.train.step import RunState, Stepper
 
@@ -67,7 +67,7 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # lstune draws its own progress; HF's per-save bars are noise here
-    runtime = start_runtime(config.dtype)
+    runtime = start_runtime(config.model.dtype)
     reporter = (reporter or LogReporter()) if runtime.is_main else _Silent()
     output_dir, resume_from, folder = _setup_output(config, runtime)
     try:
@@ -82,17 +82,17 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
 
     if resume_from is not None:
         check_resume_compatible(config, resume_from, runtime.world_size)
-    model_config = _check_model_support(config, runtime)
-    runtime.set_dims(config.sp, model_config)
-    check_sizes(config, model_config, runtime)
-    tokenizer, notes = _setup_tokenizer(config)
+    spec = _check_model_support(config, runtime)
+    runtime.set_dims(config.parallel.sp, spec.config)
+    check_sizes(config, spec.config, runtime)
+    tokenizer, notes = _setup_tokenizer(config, spec)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
-        dataset = _setup_data(config, tokenizer, model_config)
-    loaded = _setup_model(config, runtime, tokenizer, notes)
+        dataset = _setup_data(config, tokenizer, spec.config)
+    loaded, prepared = _setup_model(config, runtime, spec, tokenizer, notes)
     for note in loaded.notes:
         reporter.note(note)
     max_steps = total_steps(config, len(dataset), runtime.world_size)
-    engine, engine_note = _make_engine(config, loaded.model, max_steps, runtime)
+    engine, engine_note = _make_engine(config, prepared.model, max_steps, runtime)
     reporter.note(engine_note)
 
     state = RunState()
@@ -107,10 +107,10 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         folder.clear_previous()  # --overwrite: only now, with every check of the new run passed
         write_config_snapshot(folder, _recipe_view(config))
 
-    reporter.start(_plan(config, loaded, dataset, max_steps, output_dir, runtime, state))
+    reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state))
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
     result.last_checkpoint = resume_from if resume_from is not None and resume_from.parent == output_dir else None
-    _loop(config, engine, loaded, dataset, runtime, state, result, reporter, folder)
+    _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder)
     reporter.end(result)
     return result
 
@@ -118,40 +118,45 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
 def _setup_output(config: TrainConfig, runtime: Runtime) -> tuple[Path, Path | None, OutputFolder | None]:
     """Every rank checks (read-only); then the main process creates and locks the folder (an error there,
     such as another run holding it, reaches every rank) before anything heavy is loaded."""
-    output_dir, resume_from = resolve_output_dir(config)
+    output_dir, resume_from = resolve_output_dir(config.run, config.model.name)
     runtime.barrier()  # every rank has checked the folder before the main process writes into it
     folder, error = None, None
     if runtime.is_main:
         try:
-            folder = OutputFolder(output_dir).open(overwrite=config.overwrite and not config.resume)
+            folder = OutputFolder(output_dir).open(overwrite=config.run.overwrite and not config.run.resume)
         except UserError as exc:
             error = exc
     if runtime.any(error is not None):
         if error is not None:
             raise error
         raise UserError(f"the main process could not open --output-dir {str(output_dir)!r} (its message says why)")
-    config.output_dir = str(output_dir)
+    config.run.output_dir = str(output_dir)
     return output_dir, resume_from, folder
 
 
 def _check_model_support(config: TrainConfig, runtime: Runtime):
-    """Refuse, from the model's config alone, what lstune's attention would get wrong here; returns that
-    config."""
+    """Resolve the model once (its source and config, a ModelSpec every later step takes) and refuse, from
+    the config alone, what lstune's attention would get wrong here."""
     from lstune.models.attention import check_attention_support
-    from lstune.models.loading import load_config, resolve_source
+    from lstune.models.loading import resolve_model
 
-    model_config = load_config(resolve_source(config.model), trust_remote_code=config.trust_remote_code)
+    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
     check_attention_support(
-        model_config, pack=config.pack, seq_len=config.seq_len, backend=config.attn, device=runtime.device.type
+        spec.config, pack=config.data.pack, seq_len=config.data.seq_len, backend=config.model.attn,
+        device=runtime.device.type,
     )
-    return model_config
+    return spec
 
 
-def _setup_tokenizer(config: TrainConfig):
+def _setup_tokenizer(config: TrainConfig, spec):
     """Tokenizer first: the data is built (and its problems reported) before any weights load."""
-    from lstune.models.loading import load_tokenizer_for
+    from lstune.data.tokenizer import load_model_tokenizer
 
-    return load_tokenizer_for(config.model, trust_remote_code=config.trust_remote_code)
+    source = spec.source
+    return load_model_tokenizer(
+        source.kind, source.location, name=source.name, vocab_size=spec.config.vocab_size,
+        trust_remote_code=config.model.trust_remote_code,
+    )
 
 
 def _setup_data(config: TrainConfig, tokenizer, model_config):
@@ -161,74 +166,68 @@ def _setup_data(config: TrainConfig, tokenizer, model_config):
     from lstune.errors import DataError
 
     datasets.disable_progress_bars()
+    data = config.data
     dataset = build_dataset(
-        config.data, tokenizer, config.seq_len, pack=config.pack, seed=config.seed, max_records=config.max_records
+        data.source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=data.max_records
     )
     max_id, vocab = dataset.summary()["max_token_id"], model_config.vocab_size
     if max_id is not None and max_id >= vocab:
         raise DataError(
-            f"--data {config.data!r} has token id {max_id} (as an input id or a label), but --model {config.model!r} has a vocabulary of "
+            f"--data {data.source!r} has token id {max_id} (as an input id or a label), but --model {config.model.name!r} has a vocabulary of "
             f"{vocab}; pre-tokenized data must come from the model's own tokenizer."
         )
     return dataset
 
 
-def _setup_model(config: TrainConfig, runtime: Runtime, tokenizer, notes):
-    """Load, then apply the techniques in their fixed order (lstune.train.prepare)."""
+def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
+    """Load, self-check on a probe (lstune.train.self_check), then adapt and apply the techniques in their fixed
+    order (lstune.train.prepare)."""
     from lstune.models.loading import load_model
     from lstune.train.prepare import prepare_model
 
     loaded = load_model(
-        config.model,
-        init=config.init,
-        trust_remote_code=config.trust_remote_code,
-        seed=config.seed,
+        spec,
+        init=config.model.init,
+        trust_remote_code=config.model.trust_remote_code,
+        seed=config.optim.seed,
         tokenizer=tokenizer,
         notes=notes,
     )
-    loaded.model, loaded.memory_plan = prepare_model(loaded.model, config, runtime)
-    return loaded
+    if config.run.skip_self_check:
+        loaded.notes.append("self-check skipped (--skip-self-check)")
+    else:
+        from lstune.train.self_check import run_self_check
+
+        loaded.notes.append(run_self_check(loaded.model, config, runtime).note())
+    prepared = prepare_model(loaded.model, config, runtime)
+    loaded.model = prepared.model
+    return loaded, prepared
 
 
 def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> int:
-    if config.max_steps is not None:
-        return config.max_steps
-    per_step = config.micro_batch_size * config.grad_accum * world_size
-    return max(1, math.ceil((config.epochs or 1.0) * num_samples / per_step))
+    optim = config.optim
+    if optim.max_steps is not None:
+        return optim.max_steps
+    per_step = optim.micro_batch_size * optim.grad_accum * world_size
+    return max(1, math.ceil((optim.epochs or 1.0) * num_samples / per_step))
 
 
 def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime):
     """Plain AdamW on one device unless ZeRO is asked for or needed (lstune.train.engine_choice)."""
-    from lstune.train.engine import OptimConfig, TorchEngine
+    from lstune.optim import OptimConfig
+    from lstune.train.engine import TorchEngine
     from lstune.train.engine_choice import choose_zero
 
-    warmup = config.warmup_steps if config.warmup_steps is not None else math.ceil(0.03 * max_steps)
-    optim = OptimConfig(
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps,
-        warmup_steps=min(warmup, max_steps),
-        max_steps=max_steps,
-        schedule=config.schedule,
-        min_lr_ratio=config.min_lr_ratio,
-        max_grad_norm=config.max_grad_norm,
-    )
-    plan = choose_zero(config, model, runtime)
+    optim = OptimConfig.from_section(config.optim, max_steps)
+    plan = choose_zero(config.parallel, model, runtime)
     if plan is None:
         return TorchEngine(model, optim), f"engine: AdamW on {runtime.device}"
     from lstune.parallel.engine_ds import DeepSpeedEngine
 
     runtime.ensure_process_group()
     engine = DeepSpeedEngine(
-        model,
-        dims=runtime.dims,
-        **asdict(optim),
-        zero_stage=plan.stage,
-        offload_optimizer=plan.offload_optimizer,
-        offload_params=plan.offload_params,
-        bf16=runtime.autocast_dtype is not None,
-        trust_checkpoint=config.trust_checkpoint,
+        model, dims=runtime.dims, optim=optim, zero=plan, bf16=runtime.autocast_dtype is not None,
+        trust_checkpoint=config.run.trust_checkpoint,
     )
     return engine, f"engine: DeepSpeed ZeRO-{plan.stage} ({plan.reason}) on {runtime.world_size} process(es)"
 
@@ -264,20 +263,20 @@ def _recipe_view(config: TrainConfig) -> dict[str, Any]:
     return view
 
 
-def _plan(config, loaded, dataset, max_steps, output_dir, runtime: Runtime, state) -> dict[str, Any]:
-    model = loaded.model
+def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Runtime, state) -> dict[str, Any]:
+    model = prepared.model
     plan = {
-        "model": f"{config.model} ({loaded.source.kind})",
+        "model": f"{config.model.name} ({loaded.source.kind})",
         "parameters": sum(p.numel() for p in model.parameters()),
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "device": str(runtime.device),
-        "seq_len": config.seq_len,
+        "seq_len": config.data.seq_len,
         "data": dataset.summary()["note"],
         "steps": max_steps,
         "start_step": state.step,
-        "samples_per_step": config.micro_batch_size * config.grad_accum * runtime.world_size,
+        "samples_per_step": config.optim.micro_batch_size * config.optim.grad_accum * runtime.world_size,
         "output_dir": str(output_dir),
-        "memory": _describe_memory(loaded.memory_plan),
+        "memory": _describe_memory(prepared.memory),
     }
     if runtime.distributed:
         plan["parallelism"] = f"{runtime.world_size} processes: SP {runtime.sp} × DP {runtime.dims.dp}"
@@ -298,7 +297,7 @@ def _describe_memory(memory_plan) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, reporter, folder) -> None:
+def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, result, reporter, folder) -> None:
     from lstune.data.loader import make_dataloader
     from lstune.parallel.sp_data import SPDataAdapter
     from lstune.train.guard import NonFiniteGuard
@@ -307,15 +306,15 @@ def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, repo
     # Every rank reads its own share of one global stream; an SP group then works through its ranks'
     # samples one at a time, each sharded along the sequence (ALST 4.2).
     loader = make_dataloader(
-        dataset, config.micro_batch_size, seed=config.seed, start_sample=state.consumed_samples,
+        dataset, config.optim.micro_batch_size, seed=config.optim.seed, start_sample=state.consumed_samples,
         dp_rank=runtime.rank, dp_size=runtime.world_size,
     )
     batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device))
     if folder is not None:
         folder.claim(METRICS_FILE)
     metrics = MetricsWriter(result.output_dir, resume_step=state.step) if runtime.is_main else None
-    stepper = Stepper(config, engine, runtime)
-    guard = NonFiniteGuard(skip=config.skip_nonfinite_steps)
+    stepper = Stepper(config, engine, runtime, prepared.loss_sum)
+    guard = NonFiniteGuard(skip=config.run.skip_nonfinite_steps)
     try:
         with StopOnSignal() as stop:
             while state.step < result.max_steps:
@@ -333,11 +332,11 @@ def _loop(config, engine, loaded, dataset, runtime: Runtime, state, result, repo
                     reporter.note(note)
                 if _stop_requested(runtime, stop, result, reporter):
                     break
-                if config.stop_at_step is not None and state.step >= config.stop_at_step:
+                if config.run.stop_at_step is not None and state.step >= config.run.stop_at_step:
                     result.stopped_early = True
                     reporter.note(f"stopping at step {state.step} (--stop-at-step); continue with --resume")
                     break
-                if config.save_every and state.step % config.save_every == 0 and state.step < result.max_steps:
+                if config.run.save_every and state.step % config.run.save_every == 0 and state.step < result.max_steps:
                     result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
             result.steps_done = state.step
             if state.step > 0 and (result.last_checkpoint is None or result.last_checkpoint != result.output_dir / f"checkpoint-{state.step}"):
@@ -368,6 +367,7 @@ def _save(config, engine, state: RunState, result: TrainResult, reporter, folder
             f"step {state.step}: the weights are no longer finite (NaN or inf) though the loss and gradient norm "
             f"were; nothing was saved, and the newest checkpoint is {result.last_checkpoint or 'none'}. Lower --lr."
         )
+
     train_state = {
         "step": state.step,
         "consumed_samples": state.consumed_samples,
@@ -381,7 +381,7 @@ def _save(config, engine, state: RunState, result: TrainResult, reporter, folder
     with write_errors(result.output_dir / name, kept=result.last_checkpoint):
         path = save_checkpoint(
             result.output_dir, state.step, write_state=engine.save, train_state=train_state,
-            keep_last=config.keep_last or None,
+            keep_last=config.run.keep_last or None,
         )
     reporter.note(f"checkpoint saved: {path}")
     return path
@@ -391,7 +391,7 @@ def _export(config, engine, loaded, runtime: Runtime, result: TrainResult, repor
     """OUTPUT_DIR/final (and final-merged with --merge-lora), each written to a temp folder and renamed.
     Every rank takes part in gathering sharded weights; only the main process writes."""
     result.final_dir = _export_one(result, FINAL_DIR, engine, loaded, runtime, folder, merge_lora=False)
-    if config.merge_lora:
+    if config.model.merge_lora:
         result.merged_dir = _export_one(result, MERGED_DIR, engine, loaded, runtime, folder, merge_lora=True)
     reporter.note(f"final model saved: {result.final_dir}")
 

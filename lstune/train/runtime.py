@@ -2,13 +2,13 @@
 
 A single process and a launched rank look the same to the loop: `Runtime` answers rank, world size and
 "am I the main process", runs the few collectives the loop needs (barrier, sums, "did any rank get a
-stop signal"), and owns the `ParallelDims` once the model's heads are known.
+stop signal") through the world's `Communicator`, and owns the `ParallelDims` once the model's heads
+are known.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,54 +46,38 @@ class Runtime:
         """Split the world into DP × SP for this model's heads (ConfigError lists valid degrees)."""
         from lstune.parallel.dims import ParallelDims
 
+        from lstune.parallel.comm import process_group_ready
+
         self.dims = ParallelDims.for_model(self.world_size, sp, model_config)
-        if self.process_group_ready():
+        if process_group_ready():
             self.dims.build_groups()
 
-    def process_group_ready(self) -> bool:
-        import torch.distributed as dist
+    @property
+    def comm(self):
+        """The world's communicator (lstune.parallel.comm): size 1 until a process group exists."""
+        from lstune.parallel.comm import Communicator
 
-        return dist.is_available() and dist.is_initialized()
+        return Communicator.of()
 
     def ensure_process_group(self) -> None:
         """DeepSpeed needs a process group even for one process (ZeRO offload on a single GPU)."""
-        if self.process_group_ready():
-            return
-        import torch.distributed as dist
+        from lstune.parallel.comm import init_process_group, process_group_ready
 
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", init_method="env://")
+        if process_group_ready():
+            return
+        init_process_group(self.launch)
         if self.dims is not None:
             self.dims.build_groups()
 
     def barrier(self) -> None:
-        if self.process_group_ready():
-            import torch.distributed as dist
-
-            dist.barrier()
+        self.comm.barrier()
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sum over all ranks (float64); the values themselves on a single process."""
-        if not self.process_group_ready():
-            return list(values)
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
-        dist.all_reduce(t)
-        return t.cpu().tolist()
+        return self.comm.sum(values)
 
     def any(self, flag: bool) -> bool:
-        return self.sum([1.0 if flag else 0.0])[0] > 0
-
-    def _collective_device(self):
-        import torch.distributed as dist
-
-        return self.device if dist.get_backend() == "nccl" else "cpu"
+        return self.comm.any(flag)
 
     @contextmanager
     def main_first(self) -> Iterator[None]:
@@ -130,7 +114,3 @@ def start_runtime(dtype: str) -> Runtime:
     return Runtime(torch.device("cpu"), torch.bfloat16 if dtype == "bf16" else None, launch)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 @dataclass
@@ -22,16 +22,16 @@ class RunState:
 
 
 class Stepper:
-    def __init__(self, config, engine, runtime):
-        from lstune.memory.loss import causal_lm_loss_sum
+    """Runs optimizer steps of `engine` with `loss_sum(batch, model)` (a PreparedModel's loss head)."""
 
+    def __init__(self, config, engine, runtime, loss_sum: Callable[..., tuple[Any, Any]]):
         self.config = config
         self.engine = engine
         self.runtime = runtime
-        self.loss_sum = causal_lm_loss_sum
+        self.loss_sum = loss_sum
         # Each SP round holds one micro-batch from every rank of the group: sp micro-batches per round.
-        self.micro_batches = config.grad_accum * runtime.sp
-        self.samples_per_step = config.micro_batch_size * config.grad_accum * runtime.world_size
+        self.micro_batches = config.optim.grad_accum * runtime.sp
+        self.samples_per_step = config.optim.micro_batch_size * config.optim.grad_accum * runtime.world_size
 
     def step(self, batches: Iterator[dict], state: RunState) -> dict[str, Any]:
         import torch
@@ -48,7 +48,7 @@ class Stepper:
         for batch in window:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             with self._autocast():
-                loss_sum, _ = self.loss_sum(self.engine.model, batch)
+                loss_sum, _ = self.loss_sum(batch, self.engine.model)
             self.engine.backward(local_objective(loss_sum, n_global))
             local_loss += float(loss_sum.detach())
         local_tokens = sum(int(b["input_ids"].numel()) for b in window)

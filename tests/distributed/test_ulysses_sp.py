@@ -30,8 +30,8 @@ TOL = 2e-5
 def _equivalence_worker(rank: int, world: int, case_names: list[str], memory: bool = False) -> dict:
     import copy
 
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
-    from lstune.memory.loss import causal_lm_loss_sum
     from lstune.parallel.dims import ParallelDims
     from lstune.parallel.loss import global_mean, global_token_count, local_objective, sum_gradients
     from lstune.parallel.sp_data import count_tokens, shard_batch
@@ -55,9 +55,8 @@ def _equivalence_worker(rank: int, world: int, case_names: list[str], memory: bo
         handle = apply_ulysses(model, dims)
         plan = None
         if memory:  # every technique, small tiles so each one really cuts the shard
-            plan = apply_memory_techniques(
-                model, seq_len=64 // world, tiled_mlp=2, tiled_loss=3, checkpointing=True, offload_checkpoints=True
-            )
+            memory_section = MemorySection(tiled_mlp=2, tiled_loss=3, checkpointing=True, offload_checkpoints=True)
+            plan = apply_memory_techniques(model, memory_section, seq_len=64 // world)
         for seq, docs in DATA:
             ref.zero_grad(set_to_none=True)
             model.zero_grad(set_to_none=True)
@@ -67,7 +66,7 @@ def _equivalence_worker(rank: int, world: int, case_names: list[str], memory: bo
 
             shard = shard_batch(batch, dims.sp, dims.sp_rank)
             n_global = global_token_count([shard])
-            local_sum = causal_lm_loss_sum(model, shard)[0] if memory else loss_sum(model, shard)[0]
+            local_sum = plan.loss_sum(model, shard)[0] if memory else loss_sum(model, shard)[0]
             local_objective(local_sum, n_global).backward()
             sum_gradients(model.parameters())
 

@@ -27,7 +27,7 @@ def _checkpoint_worker(rank: int, world: int, tmp: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from lstune.parallel.dims import ParallelDims
-    from lstune.parallel.engine_ds import DeepSpeedEngine
+    from lstune.parallel.engine_ds import DeepSpeedEngine, ZeroPlan
     from lstune.parallel.loss import global_mean
     from lstune.parallel.sp_data import SPDataAdapter, count_tokens, shard_batch
     from lstune.parallel.ulysses import apply_ulysses
@@ -38,7 +38,8 @@ def _checkpoint_worker(rank: int, world: int, tmp: str) -> dict:
 
     def engine_for(seed: int):
         model = tiny_model(ARCH, seed=seed)
-        return DeepSpeedEngine(model, dims=dims, zero_stage=3, **OPTIM), apply_ulysses(model, dims)
+        zero = ZeroPlan(3, False, False, 0, "test")
+        return DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=zero, bf16=False), apply_ulysses(model, dims)
 
     straight, handle = engine_for(0)
     uninterrupted = _steps(straight, iter(SPDataAdapter(mine, dims)), 4)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import pytest
 
+from lstune.optim import OptimConfig
+
 STEPS, ACCUM, SEQ = 5, 2, 48
-OPTIM = dict(lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8, warmup_steps=1, max_steps=STEPS,
-             schedule="cosine", min_lr_ratio=0.1, max_grad_norm=1.0)
+OPTIM = OptimConfig(lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95), eps=1e-8, warmup_steps=1, max_steps=STEPS,
+                    schedule="cosine", min_lr_ratio=0.1, max_grad_norm=1.0)
 
 
 def _samples(world: int) -> list[dict]:
@@ -29,10 +31,9 @@ def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, f
     from lstune.optim import make_scheduler
     from tests.distributed._helpers import loss_sum
 
-    opt = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"],
-                            weight_decay=OPTIM["weight_decay"])
-    sched = make_scheduler(opt, schedule=OPTIM["schedule"], warmup_steps=OPTIM["warmup_steps"],
-                           max_steps=STEPS, min_lr_ratio=OPTIM["min_lr_ratio"])
+    opt = torch.optim.AdamW(model.parameters(), lr=OPTIM.lr, betas=OPTIM.betas, eps=OPTIM.eps,
+                            weight_decay=OPTIM.weight_decay)
+    sched = make_scheduler(opt, OPTIM)
     out = []
     for step in range(STEPS):
         window = samples[step * per_step : (step + 1) * per_step]
@@ -42,7 +43,7 @@ def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, f
             s, _ = loss_sum(model, batch)
             (s / n).backward()
             total += s.item()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["max_grad_norm"])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -56,7 +57,7 @@ def _train_worker(
     import copy
 
     from lstune.parallel.dims import ParallelDims
-    from lstune.parallel.engine_ds import DeepSpeedEngine
+    from lstune.parallel.engine_ds import DeepSpeedEngine, ZeroPlan
     from lstune.parallel.sp_data import SPDataAdapter
     from lstune.parallel.ulysses import apply_ulysses
     from tests.distributed._helpers import loss_sum, tiny_model, train_steps
@@ -69,14 +70,12 @@ def _train_worker(
     handle = apply_ulysses(model, dims)
     compute_loss_sum = loss_sum
     if memory is not None:  # lstune's loss head and memory techniques, applied before the engine
+        from lstune.config.schema import MemorySection
         from lstune.memory.apply import apply_memory_techniques
-        from lstune.memory.loss import causal_lm_loss_sum
 
-        apply_memory_techniques(model, seq_len=SEQ // sp, **memory)
-        compute_loss_sum = causal_lm_loss_sum
-    engine = DeepSpeedEngine(
-        model, dims=dims, zero_stage=stage, offload_optimizer=offload[0], offload_params=offload[1], **OPTIM
-    )
+        plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // sp)
+        compute_loss_sum = plan.loss_sum
+    engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, *offload, 0, "test"), bf16=False)
     batches = iter(SPDataAdapter(samples[rank::world], dims))
     losses = train_steps(engine, batches, STEPS, ACCUM, compute_loss_sum)
     handle.undo()
@@ -135,14 +134,15 @@ def _single_process_worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     from lstune.parallel.dims import ParallelDims
-    from lstune.parallel.engine_ds import DeepSpeedEngine
+    from lstune.parallel.engine_ds import DeepSpeedEngine, ZeroPlan
     from tests.distributed._helpers import loss_sum, tiny_model
 
     dist.destroy_process_group()
     samples = _samples(1)
     model = tiny_model("tiny-llama")
     reference = _reference(copy.deepcopy(model), samples, ACCUM)
-    engine = DeepSpeedEngine(model, dims=ParallelDims(1, 1), zero_stage=3, offload_optimizer=True, **OPTIM)
+    zero = ZeroPlan(3, True, False, 0, "test")
+    engine = DeepSpeedEngine(model, dims=ParallelDims(1, 1), optim=OPTIM, zero=zero, bf16=False)
     losses = []
     for step in range(STEPS):
         window = samples[step * ACCUM : (step + 1) * ACCUM]

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import resource
 import statistics
@@ -110,15 +109,15 @@ def rung_applied(model, rung: str, seq: int) -> Iterator[tuple[Callable, Any]]:
         finally:
             model.gradient_checkpointing_disable()
         return
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
-    from lstune.memory.loss import causal_lm_loss_sum
     from lstune.models.attention import use_lstune_attention
 
     attention = use_lstune_attention(model)
     plan = None
     try:
-        plan = apply_memory_techniques(model, seq_len=seq, **options)
-        yield (lambda m, b: _mean(*causal_lm_loss_sum(m, b))), plan
+        plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq)
+        yield (lambda m, b: _mean(*plan.loss_sum(m, b))), plan
     finally:
         if plan is not None:
             plan.undo()
@@ -359,7 +358,6 @@ def cmd_rates(args) -> None:
         seconds = _timed(lambda: a @ b, dev)
         emit(args.out, {"kind": "rate", "op": "gemm", "shape": [m, k, n], "seconds": seconds,
                         "tflops": 2 * m * k * n / seconds / 1e12})
-        del a, b
     heads, kv_heads, head_dim = 32, 8, 128
     for seq in (parse_length(s) for s in args.attn_lengths.split(",")):
         q = torch.randn(1, heads, seq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -374,8 +372,6 @@ def cmd_rates(args) -> None:
         emit(args.out, {"kind": "rate", "op": "attention_causal", "seq": seq, "heads": heads, "kv_heads": kv_heads,
                         "head_dim": head_dim, "fwd_s": fwd, "bwd_s": fwd_bwd - fwd,
                         "fwd_tflops": flops / fwd / 1e12, "bwd_tflops": 2.5 * flops / (fwd_bwd - fwd) / 1e12})
-        del q, kv, out, grad
-        torch.cuda.empty_cache() if dev.startswith("cuda") else None
 
 
 def _timed(fn: Callable[[], Any], device: str, reps: int = 5) -> float:

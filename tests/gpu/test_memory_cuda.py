@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lstune.config.schema import MemorySection
 from lstune.memory.apply import apply_memory_techniques
 from lstune.memory.loss import causal_lm_loss_sum, liger_applies
 from lstune.models.presets import build_model
-from tests.support.memory import peak_bytes
+from lstune.memory.measure import peak_bytes
 from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads
 
 pytestmark = pytest.mark.gpu
@@ -39,9 +40,9 @@ def _on_cuda(batch):
 
 def _compare(model, batch, options, *, loss_rel, grad_rel):
     ref_loss, ref_grads = run_grads(model, hf_loss_sum, [batch])
-    plan = apply_memory_techniques(model, seq_len=batch["input_ids"].shape[1], **options)
+    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=batch["input_ids"].shape[1])
     try:
-        loss, grads = run_grads(model, lambda m, b: causal_lm_loss_sum(m, b), [batch])
+        loss, grads = run_grads(model, plan.loss_sum, [batch])
     finally:
         plan.undo()
     assert loss == pytest.approx(ref_loss, rel=loss_rel)
@@ -79,16 +80,16 @@ def test_liger_fused_loss_matches_the_tiled_loss():
 
 def test_offload_falls_back_below_the_pcie_threshold():
     model = build_model("tiny-llama").cuda()  # thin layers: offload only pays past ~14.5K tokens
-    plan = apply_memory_techniques(model, seq_len=1024, offload_checkpoints=True)
+    plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=True), seq_len=1024)
     assert not plan.offload and "offload off" in plan.offload_note
     plan.undo()
 
 
 def _step_peak(model, batch, options) -> int:
-    plan = apply_memory_techniques(model, seq_len=batch["input_ids"].shape[1], **options) if options else None
+    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=batch["input_ids"].shape[1]) if options else None
 
     def step():
-        loss, _ = (causal_lm_loss_sum(model, batch) if plan else hf_loss_sum(model, batch))
+        loss, _ = (plan.loss_sum(model, batch) if plan else hf_loss_sum(model, batch))
         loss.backward()
 
     try:

@@ -106,7 +106,8 @@ def test_nan_loss_stops_the_run_keeping_the_last_good_checkpoint(cli, tmp_path, 
 def test_a_nonfinite_update_is_never_applied_and_can_be_skipped():
     import torch
 
-    from lstune.train.engine import OptimConfig, TorchEngine
+    from lstune.optim import OptimConfig
+    from lstune.train.engine import TorchEngine
     from lstune.train.guard import DivergedError, NonFiniteGuard
 
     model = torch.nn.Linear(4, 4)

@@ -1,12 +1,6 @@
-"""Measure memory in tests: bytes saved for backward, and peak live tensor bytes.
+"""The tables of docs/memory.md, measured with lstune's own meters (lstune.memory.measure).
 
-- `SavedBytes`: an outermost `saved_tensors_hooks` that adds up the unique storages autograd keeps
-  for backward (hooks set deeper, e.g. inside a checkpoint, take precedence and hide what they save).
-- `LiveBytes`: a `TorchDispatchMode` that follows every storage an op allocates until it is freed
-  (weakref finalizer on the storage), giving current and peak live bytes on CPU. On CUDA use
-  `torch.cuda.max_memory_allocated` (`peak_bytes` picks the right one).
-
-Run as a script it prints the tables of docs/memory.md:
+Run as a script it prints them:
     python -m tests.support.memory --preset qwen3-0.6b --layers 2 --seq 1024 2048
     python -m tests.support.memory --preset qwen3-0.6b --dtype bfloat16 --loss-policies --seq 4096 65536 262144 1048576
     python -m tests.support.memory --preset qwen3-0.6b --layers 2 --seq 1100 --step-times --threads 2
@@ -15,103 +9,10 @@ Run as a script it prints the tables of docs/memory.md:
 from __future__ import annotations
 
 import argparse
-import gc
-import weakref
-from contextlib import contextmanager
-from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-
-class SavedBytes:
-    """Context manager: `bytes` = size of the distinct storages autograd saved for backward inside it."""
-
-    def __init__(self):
-        self.bytes = 0
-        self._seen: set[int] = set()
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
-
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if _key(tensor) not in self._seen and storage.nbytes() > 0:
-            self._seen.add(_key(tensor))
-            self.bytes += storage.nbytes()
-        return tensor
-
-
-class LiveBytes(TorchDispatchMode):
-    """Live and peak bytes of the storages allocated by ops run inside (views and in-place ops add nothing).
-
-    Works on real and fake tensors (storages are told apart by identity, not address).
-    `exclude()`, if given, is subtracted when the peak is taken (e.g. the bytes of offloaded host copies,
-    which on a CPU run are CPU storages like everything else).
-    """
-
-    def __init__(self, exclude: Callable[[], int] | None = None):
-        super().__init__()
-        self.current = 0
-        self.peak = 0
-        self._exclude = exclude
-        self._live: dict[int, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {_key(t) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and _key(tensor) not in inputs:
-                self._track(tensor.untyped_storage())
-        return out
-
-    def _track(self, storage) -> None:
-        key = id(storage)
-        if key in self._live or storage.nbytes() == 0:
-            return
-        self._live[key] = storage.nbytes()
-        self.current += storage.nbytes()
-        self.peak = max(self.peak, self.current - (self._exclude() if self._exclude else 0))
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.current -= self._live.pop(key, 0)
-
-
-def _key(tensor: torch.Tensor) -> int:
-    # Storage Python objects are preserved for as long as the storage lives, so identity is stable.
-    return id(tensor.untyped_storage())
-
-
-def peak_bytes(fn: Callable[[], object], device: torch.device | str = "cpu", exclude=None) -> int:
-    """Peak bytes allocated while `fn()` runs, above what was allocated before it (`exclude`: see LiveBytes)."""
-    gc.collect()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with LiveBytes(exclude) as live:
-        fn()
-    return live.peak
-
-
-@contextmanager
-def no_leftover_grads(model: torch.nn.Module):
-    """Zero gradients before and drop them after, so one measurement does not carry into the next."""
-    model.zero_grad(set_to_none=True)
-    try:
-        yield
-    finally:
-        model.zero_grad(set_to_none=True)
+from lstune.memory.measure import no_leftover_grads, peak_bytes
 
 
 # ---- the tables of docs/memory.md (script) -----------------------------------------------------
@@ -135,11 +36,14 @@ def hf_step(model, batch) -> None:
     loss.backward()
 
 
-def lstune_step(model, batch) -> None:
-    from lstune.memory.loss import causal_lm_loss_sum
+def lstune_step(plan):
+    """One forward + backward through lstune's loss head with `plan`'s tiles."""
 
-    loss, _ = causal_lm_loss_sum(model, batch)
-    loss.backward()
+    def step(model, batch) -> None:
+        loss, _ = plan.loss_sum(model, batch)
+        loss.backward()
+
+    return step
 
 
 CONFIGS = {
@@ -169,10 +73,11 @@ def _build(preset: str, layers: int, dtype: torch.dtype, device: str, fake):
 
 
 def _run_config(model, name, options, seq, device) -> int:
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
 
-    plan = apply_memory_techniques(model, seq_len=seq, **options) if options is not None else None
-    step = lstune_step if options is not None and not name.startswith("HF") else hf_step
+    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq) if options is not None else None
+    step = lstune_step(plan) if options is not None and not name.startswith("HF") else hf_step
     batch = _batch(seq, model.config.vocab_size, device)
     exclude = (lambda: plan.offloader.stats.host_bytes) if plan is not None and plan.offloader else None
     try:
@@ -210,11 +115,10 @@ def _one_document_positions(fake: bool):
     """Under fake tensors transformers cannot read position_ids, assumes a packed batch and builds a seq x seq
     mask (an artifact: with real data it sees one document and builds none). Tell it what real data would."""
     import contextlib
-    from unittest import mock
 
-    if not fake:
-        return contextlib.nullcontext()
-    return mock.patch("transformers.masking_utils.find_packed_sequence_indices", lambda position_ids: None)
+    from lstune.models.hf_internals import no_packed_sequence_detection
+
+    return no_packed_sequence_detection() if fake else contextlib.nullcontext()
 
 
 def measure_loss_policies(preset: str, seqs: list[int], dtype: torch.dtype):
@@ -257,6 +161,7 @@ def measure_step_times(preset: str, layers: int, seq: int) -> list[tuple[str, in
     """Wall seconds of one forward + backward (real tensors, fp32) per configuration, after one warm-up step."""
     import time
 
+    from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.models.presets import build_model
 
@@ -267,10 +172,10 @@ def measure_step_times(preset: str, layers: int, seq: int) -> list[tuple[str, in
         hf_step(model, batch)
     rows = []
     for name, options in TIMED.items():
-        plan = apply_memory_techniques(model, seq_len=seq, **options) if options is not None else None
+        plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq) if options is not None else None
         start = time.perf_counter()
         with no_leftover_grads(model):
-            (lstune_step if plan else hf_step)(model, batch)
+            (lstune_step(plan) if plan else hf_step)(model, batch)
         rows.append((name, plan.loss_tiles_at_seq_len if plan else 1, time.perf_counter() - start))
         if plan is not None:
             plan.undo()

@@ -37,10 +37,10 @@ def test_bytes():
 
 def test_flags_override_recipe_and_defaults_fill_the_rest():
     config = build_config({"seq_len": "8k", "lr": 1e-4}, {"lr": "3e-4", "pack": True})
-    assert config.seq_len == 8192
-    assert config.lr == pytest.approx(3e-4)
-    assert config.pack is True
-    assert config.model == "tiny-llama"
+    assert config.data.seq_len == 8192
+    assert config.optim.lr == pytest.approx(3e-4)
+    assert config.data.pack is True
+    assert config.model.name == "tiny-llama"
 
 
 def test_every_problem_is_reported_at_once():
@@ -80,3 +80,28 @@ def test_recipe_file_errors(tmp_path):
     broken.write_text("seq_len: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         read_recipe(broken)
+
+
+def test_a_resolved_config_is_itself_a_valid_recipe():
+    """The config.yaml a run writes lists every key (None and defaults included); it must load as a recipe."""
+    written = build_config({}, {"seq_len": "8k"}).to_dict()
+    assert build_config(written).to_dict() == written
+
+
+def test_each_section_owns_its_rules():
+    from lstune.config.schema import MemorySection, ModelSection, ParallelSection
+
+    assert ModelSection(lora_alpha=8).problems() == ["--lora-alpha needs LoRA; add --lora-r 16 (or another rank), or drop it."]
+    assert ModelSection(lora_r=8, lora_alpha=8).problems() == []
+    assert MemorySection(tiled_mlp="off", mini_sequence=True).problems() == [
+        "--mini-sequence tiles the MLP: drop --tiled-mlp off, or drop --mini-sequence."
+    ]
+    assert any("--zero-stage 0" in p for p in ParallelSection(gpus=2, zero_stage="0").problems())
+    assert ParallelSection(gpus=2, zero_stage="1").problems() == []
+
+
+def test_a_non_empty_output_folder_is_refused_unless_resumed_or_overwritten(tmp_path):
+    (tmp_path / "somefile").write_text("x")
+    with pytest.raises(ConfigError, match="nothing is overwritten unasked"):
+        build_config({}, {"output_dir": str(tmp_path)})
+    assert build_config({}, {"output_dir": str(tmp_path), "overwrite": True}).run.overwrite is True

@@ -19,7 +19,7 @@ def test_there_are_recipes():
 @pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
 def test_recipe_is_valid_and_documented(path):
     config = build_config(read_recipe(path), recipe_name=str(path))
-    resolve_source(config.model)
+    resolve_source(config.model.name)
     header = [line for line in path.read_text().splitlines() if line.startswith("#")]
     text = "\n".join(header)
     assert f"lstune train --config recipes/{path.relative_to(path.parents[1])}" in text

@@ -72,8 +72,3 @@ def assert_grads_match(grads: dict, reference: dict, *, rtol: float = 1e-4) -> N
         scale = ref.abs().max().item()
         torch.testing.assert_close(grads[name], ref, rtol=rtol, atol=1e-5 * scale + 1e-12, msg=lambda m: f"{name}: {m}")
 
-
-def lstune_step(model, batch):
-    from lstune.memory.loss import causal_lm_loss_sum
-
-    return causal_lm_loss_sum(model, batch)

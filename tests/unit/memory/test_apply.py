@@ -9,6 +9,7 @@ import torch
 
 from lstune.errors import ConfigError, UserError
 from lstune.memory.allocator import ensure_expandable_segments
+from lstune.config.schema import MemorySection
 from lstune.memory.apply import apply_memory_techniques
 from lstune.memory.loss import causal_lm_loss_sum
 from lstune.memory.tiling import TilePolicy
@@ -19,15 +20,15 @@ from tests.unit.memory._helpers import long_batch
 
 def test_all_bad_settings_are_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        apply_memory_techniques(
-            build_model("tiny-mistral"), seq_len=0, tiled_mlp="off", tiled_loss=0, mini_sequence=True,
-            checkpointing=False, offload_checkpoints=True, host_mem_budget=-1,
-        )
+        memory = MemorySection(tiled_mlp="off", tiled_loss=0, mini_sequence=True, checkpointing=False,
+                               offload_checkpoints=True, host_mem_budget=-1)
+        apply_memory_techniques(build_model("tiny-mistral"), memory, seq_len=0)
     problems = err.value.problems
     assert len(problems) == 5
-    assert any("seq_len" in p for p in problems) and any("tiled_loss" in p for p in problems)
-    assert any("mini_sequence" in p and "tiled_mlp: off" in p for p in problems)
-    assert any("host_mem_budget" in p for p in problems)
+    assert any("seq_len" in p for p in problems) and any("--tiled-loss" in p for p in problems)
+    assert any("--mini-sequence" in p and "--tiled-mlp off" in p for p in problems)
+    assert any("--host-mem-budget must be" in p for p in problems)
+    assert any("--offload-checkpoints" in p and "--checkpointing on" in p for p in problems)
 
 
 def test_applying_twice_is_refused_until_undone():
@@ -44,7 +45,7 @@ def test_undo_restores_every_module_and_the_same_numbers():
     batch = long_batch(80)
     with torch.no_grad():
         before, _ = causal_lm_loss_sum(model, batch, tiles="off")
-    plan = apply_memory_techniques(model, seq_len=80, mini_sequence=True, offload_checkpoints=True)
+    plan = apply_memory_techniques(model, MemorySection(mini_sequence=True, offload_checkpoints=True), seq_len=80)
     patched = [m for m in model.modules() if "forward" in vars(m)]
     assert len(patched) == 2 * (1 + 1 + 2)  # per layer: the layer, its MLP, two fused norms
     plan.undo()
@@ -56,15 +57,18 @@ def test_undo_restores_every_module_and_the_same_numbers():
 
 def test_plan_summary_and_loss_tiles_used_by_the_loss_head():
     model = build_model("tiny-qwen3")  # hidden 64, vocab 320
-    plan = apply_memory_techniques(model, seq_len=200, mini_sequence=True)
+    plan = apply_memory_techniques(model, MemorySection(mini_sequence=True), seq_len=200)
     summary = plan.summary()
     assert summary["tiled_mlp"] == {"setting": "auto", "tiles": 4, "mini_sequence": True,
                                      "fused_norms": {0: ["post_attention_layernorm"], 1: ["post_attention_layernorm"]}}
     assert plan.loss_tiles == TilePolicy(count=5)  # MST: vocab / hidden
     assert summary["tiled_loss"] == {"setting": "5 tiles", "tiles": 5, "backend": "tiled"}
     assert summary["checkpointing"] and not summary["offload_checkpoints"]["enabled"]
+    batch = long_batch(200)
+    loss_sum, count = plan.loss_sum(model, batch)
+    assert loss_sum.item() == pytest.approx(causal_lm_loss_sum(model, batch, tiles=TilePolicy(count=5))[0].item())
     plan.undo()
-    assert getattr(model, "_lstune_memory_plan") is None
+    assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_every_patch_is_logged(caplog):
@@ -80,7 +84,7 @@ def test_every_patch_is_logged(caplog):
 
 def test_lengths_whose_hidden_state_reaches_int32_are_flagged():
     model = build_model("tiny-mistral")  # hidden 64: 2^31 / 64 = 33.5M tokens
-    plan = apply_memory_techniques(model, seq_len=2**31 // 64, checkpointing=False)
+    plan = apply_memory_techniques(model, MemorySection(checkpointing=False), seq_len=2**31 // 64)
     assert any("2^31" in note for note in plan.notes)
     tile_len = -(-plan.seq_len // plan.mlp_tiles)
     assert tile_len * 160 < 2**31  # the MLP tiles themselves (intermediate 160) stay int32-safe
@@ -91,7 +95,7 @@ def test_techniques_reach_layers_through_a_peft_wrapper():
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(build_model("tiny-phi3"), LoraConfig(r=2, target_modules="all-linear"))
-    plan = apply_memory_techniques(model, seq_len=128, offload_checkpoints=True)
+    plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=True), seq_len=128)
     layers = decoder_layers(model)
     assert all("forward" in vars(layer) and "forward" in vars(layer.mlp) for layer in layers)
     plan.undo()

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lstune.config.schema import MemorySection
 from lstune.memory.apply import apply_memory_techniques
 from lstune.memory.checkpoint import offload_min_tokens
-from lstune.memory.loss import causal_lm_loss_sum
 from lstune.models.introspect import decoder_layers
 from lstune.models.presets import build_model
-from tests.support.memory import LiveBytes
+from lstune.memory.measure import LiveBytes
 from tests.unit.memory._helpers import long_batch
 
 HIDDEN = 128  # tiny-llama
@@ -20,11 +20,11 @@ PLAIN = dict(tiled_mlp="off", tiled_loss="off")
 def _retained_per_token(layers: int, offload: bool) -> float:
     """Device bytes per token the autograd graph keeps after forward (host copies left out), 128 → 256 tokens."""
     model = build_model("tiny-llama", num_hidden_layers=layers)
-    plan = apply_memory_techniques(model, seq_len=256, offload_checkpoints=offload, **PLAIN)
+    plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=offload, **PLAIN), seq_len=256)
     retained = []
     for seq in (128, 256):
         with LiveBytes() as live:
-            loss, _ = causal_lm_loss_sum(model, long_batch(seq))
+            loss, _ = plan.loss_sum(model, long_batch(seq))
             host = plan.offloader.stats.host_bytes if offload else 0
             retained.append(live.current - host)
         del loss
@@ -43,9 +43,9 @@ def test_offload_keeps_a_constant_number_of_layer_checkpoints_on_the_device():
 
 def test_backward_prefetches_every_offloaded_layer_and_frees_host_memory():
     model = build_model("tiny-llama")  # 4 layers
-    plan = apply_memory_techniques(model, seq_len=64, offload_checkpoints=True, **PLAIN)
+    plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=True, **PLAIN), seq_len=64)
     stats = plan.offloader.stats
-    loss, _ = causal_lm_loss_sum(model, long_batch(64))
+    loss, _ = plan.loss_sum(model, long_batch(64))
     assert (stats.offloaded, stats.kept) == (3, 1)
     assert stats.host_bytes == 3 * 64 * HIDDEN * 4
     loss.backward()
@@ -58,8 +58,8 @@ def test_backward_prefetches_every_offloaded_layer_and_frees_host_memory():
 def test_host_memory_budget_keeps_what_does_not_fit_on_the_device():
     model = build_model("tiny-llama")
     one_layer = 64 * HIDDEN * 4
-    plan = apply_memory_techniques(model, seq_len=64, offload_checkpoints=True, host_mem_budget=one_layer + 1, **PLAIN)
-    loss, _ = causal_lm_loss_sum(model, long_batch(64))
+    plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=True, host_mem_budget=one_layer + 1, **PLAIN), seq_len=64)
+    loss, _ = plan.loss_sum(model, long_batch(64))
     stats = plan.offloader.stats
     assert (stats.offloaded, stats.kept) == (1, 3)  # the earliest layer (longest-lived checkpoint) went
     assert stats.host_bytes <= one_layer + 1
@@ -70,8 +70,8 @@ def test_host_memory_budget_keeps_what_does_not_fit_on_the_device():
 def test_offload_needs_checkpointing():
     from lstune.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="needs checkpointing"):
-        apply_memory_techniques(build_model("tiny-llama"), seq_len=64, checkpointing=False, offload_checkpoints=True)
+    with pytest.raises(ConfigError, match="needs --checkpointing on"):
+        apply_memory_techniques(build_model("tiny-llama"), MemorySection(checkpointing=False, offload_checkpoints=True), seq_len=64)
 
 
 def test_hf_gradient_checkpointing_is_replaced_not_doubled_and_restored():
@@ -79,9 +79,9 @@ def test_hf_gradient_checkpointing_is_replaced_not_doubled_and_restored():
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     layers = decoder_layers(model)
-    plan = apply_memory_techniques(model, seq_len=64, **PLAIN)
+    plan = apply_memory_techniques(model, MemorySection(**PLAIN), seq_len=64)
     assert not any(layer.gradient_checkpointing for layer in layers)
-    loss, _ = causal_lm_loss_sum(model, long_batch(64))
+    loss, _ = plan.loss_sum(model, long_batch(64))
     loss.backward()
     plan.undo()
     assert all(layer.gradient_checkpointing for layer in layers)
@@ -90,9 +90,9 @@ def test_hf_gradient_checkpointing_is_replaced_not_doubled_and_restored():
 
 def test_without_grad_layers_run_plainly():
     model = build_model("tiny-llama")
-    plan = apply_memory_techniques(model, seq_len=64, offload_checkpoints=True, **PLAIN)
+    plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=True, **PLAIN), seq_len=64)
     with torch.no_grad():
-        causal_lm_loss_sum(model, long_batch(64))
+        plan.loss_sum(model, long_batch(64))
     assert plan.offloader.stats.offloaded == 0
     plan.undo()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lstune.config.schema import MemorySection
 from lstune.memory.apply import apply_memory_techniques
 from lstune.models.presets import build_model
 from tests.conftest import TINY_ARCHS
@@ -16,7 +17,6 @@ from tests.unit.memory._helpers import (
     assert_grads_match,
     hf_loss_sum,
     long_batch,
-    lstune_step,
     packed_batch,
     run_grads,
     split_documents,
@@ -51,9 +51,9 @@ def models():
 
 def _compare(model, batches, options, reference=None, scale=None):
     ref_loss, ref_grads = reference or run_grads(model, hf_loss_sum, batches, scale)
-    plan = apply_memory_techniques(model, seq_len=SEQ, **options)
+    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=SEQ)
     try:
-        loss, grads = run_grads(model, lstune_step, batches, scale)
+        loss, grads = run_grads(model, plan.loss_sum, batches, scale)
     finally:
         plan.undo()
     assert loss == pytest.approx(ref_loss, rel=1e-5)

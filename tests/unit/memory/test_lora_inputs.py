@@ -8,7 +8,7 @@ from lstune.memory.lora_inputs import share_lora_inputs
 from lstune.memory.patching import run_undos
 from lstune.models.loading import apply_lora
 from lstune.models.presets import build_model
-from tests.support.memory import SavedBytes
+from lstune.memory.measure import SavedBytes
 from tests.unit.memory._helpers import hf_loss_sum, long_batch
 
 

@@ -19,7 +19,7 @@ from lstune.memory.loss import (
 )
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy, tile_bounds
 from lstune.models.presets import build_model
-from tests.support.memory import LiveBytes
+from lstune.memory.measure import LiveBytes
 from tests.unit.memory._helpers import hf_loss_sum, long_batch
 
 

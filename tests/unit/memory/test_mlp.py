@@ -20,7 +20,7 @@ from lstune.memory.probe import probe_hidden_states, probe_inputs
 from lstune.memory.tiling import TilePolicy
 from lstune.models.introspect import decoder_layers
 from lstune.models.presets import build_model
-from tests.support.memory import LiveBytes, SavedBytes
+from lstune.memory.measure import LiveBytes, SavedBytes
 
 HIDDEN, INTERMEDIATE = 128, 2048
 

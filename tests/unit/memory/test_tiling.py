@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy, int32_safe_tiles, sequence_tiled, tile_bounds
-from tests.support.memory import LiveBytes, SavedBytes
+from lstune.memory.measure import LiveBytes, SavedBytes
 
 
 def test_tile_bounds_cover_every_token_once():

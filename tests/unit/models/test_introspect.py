@@ -71,5 +71,5 @@ def test_a_layer_with_two_unnamed_per_token_blocks_is_refused():
 
 
 def test_a_model_without_a_body_is_refused():
-    with pytest.raises(ModelError, match="no separate decoder body"):
+    with pytest.raises(ModelError, match="cannot find the decoder body"):
         decoder_body(build_model("tiny-llama").model)

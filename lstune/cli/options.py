@@ -1,0 +1,77 @@
+"""Command-line options built from the config's section fields, shared by every command.
+
+A command names the sections it takes (`train` all of them; `estimate` and `bench` the ones they need);
+`section_parameters` turns each field into a Typer option — flag, help, default shown, metavar and help
+panel all from the field's metadata (lstune.config.schema). Adding a field to a section is therefore one
+edit: it appears on every command that uses the section, in recipes and in `--help`.
+
+`to_argv` writes the given options back as arguments, so a command that relaunches itself in N
+processes passes its own options on explicitly (no process-global argv).
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import typer
+
+from lstune.config import parse
+from lstune.config.schema import FLAT_FIELDS, SECTIONS, field_default, flag_name
+
+
+def _param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def _is_switch(f) -> bool:
+    """A `--x/--no-x` switch; fields with style "value" take on|off instead (e.g. --checkpointing off)."""
+    return f.metadata["parser"] is parse.parse_bool and f.metadata.get("style") != "value"
+
+
+def config_parameter() -> inspect.Parameter:
+    return _param("config", Optional[Path], typer.Option(None, "--config", "-c", help="A YAML recipe (see recipes/)."))
+
+
+def section_parameters(sections: Iterable[str] | None = None) -> list[inspect.Parameter]:
+    """One keyword parameter per field of the named sections (all when None), in option order."""
+    wanted = set(sections) if sections is not None else {name for name, _ in SECTIONS}
+    params = []
+    for key, (section, f) in FLAT_FIELDS.items():
+        if section not in wanted:
+            continue
+        default = field_default(f)
+        shown = f.metadata["show"](default) if "show" in f.metadata else default
+        common = dict(help=f"{f.metadata['help']} [default: {shown}]", rich_help_panel=SECTIONS_TITLES[section],
+                      show_default=False)
+        flag = flag_name(key)
+        if _is_switch(f):
+            params.append(_param(key, Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", **common)))
+        else:
+            option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
+            params.append(_param(key, Optional[str], option))
+    return params
+
+
+SECTIONS_TITLES = {name: section_type.title for name, section_type in SECTIONS}
+
+
+def given_flags(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The config options among a command's keyword arguments (None = not given)."""
+    return {key: value for key, value in kwargs.items() if key in FLAT_FIELDS}
+
+
+def to_argv(flags: dict[str, Any], config_path: Path | None = None) -> list[str]:
+    """The arguments that give these options again (None = not given), e.g. for the processes of a relaunch."""
+    argv = ["--config", str(config_path)] if config_path is not None else []
+    for key, value in flags.items():
+        if value is None:
+            continue
+        section, f = FLAT_FIELDS[key]
+        flag = flag_name(key)
+        if _is_switch(f):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            argv += [flag, str(value)]
+    return argv

@@ -1,0 +1,125 @@
+"""The few collectives lstune runs outside the model, and joining a process group — one home for both.
+
+`Communicator` answers rank and size in one process group (the world by default; `ParallelDims` hands
+out its SP and DP ones) and runs sum, any, barrier, gather and broadcast of small values there. A single
+process (torch.distributed not initialised) gets a communicator of size 1 whose calls need no messages,
+so the runtime, checkpoints, the loss and export run unchanged with or without a launcher.
+Tensor collectives inside the model (Ulysses all-to-alls, the SP data scatter) stay with their code.
+
+`init_process_group` is the one place a process group is created: joining a launched run, or a
+one-process group where DeepSpeed needs one on a single device.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """Collectives over one process group (`group` None = the world) seen from this rank."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    @classmethod
+    def of(cls, group: Any = None) -> "Communicator":
+        """`group` (None: the world) when torch.distributed is initialised, else this process alone."""
+        if process_group_ready():
+            import torch.distributed as dist
+
+            return cls(dist.get_rank(group), dist.get_world_size(group), group)
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised")
+        return cls()
+
+    def sum(self, values: list[float]) -> list[float]:
+        """Element-wise sum over the group's ranks (float64); the values themselves on a single process."""
+        if self.size == 1:
+            return [float(v) for v in values]
+        import torch
+        import torch.distributed as dist
+
+        device = torch.cuda.current_device() if dist.get_backend(self.group) == "nccl" else "cpu"
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(tensor, group=self.group)
+        return tensor.cpu().tolist()
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when `flag` is true on any of them."""
+        return self.sum([1.0 if flag else 0.0])[0] > 0
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def gather(self, obj: Any) -> list:
+        """Every rank's `obj` (picklable), in group rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def broadcast(self, obj: Any) -> Any:
+        """The group's rank 0's `obj` (picklable), on every rank."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        dist.broadcast_object_list(box, src=source, group=self.group)
+        return box[0]
+
+
+def process_group_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def init_process_group(launch: Any = None) -> None:
+    """Join the launched run (`launch`, a LaunchEnv), or start a one-process group when there is none:
+    DeepSpeed needs a group even on one device (ZeRO-3 with host offload is how one GPU trains a model
+    whose Adam state does not fit). NCCL on CUDA, gloo otherwise; nothing if a group exists already."""
+    import torch
+    import torch.distributed as dist
+
+    if process_group_ready():
+        return
+    if torch.cuda.is_available():
+        if launch is not None:
+            torch.cuda.set_device(launch.local_rank)
+        backend = "nccl"
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        backend = "gloo"
+    if launch is None:
+        # Ranks for libraries that read them from the environment (DeepSpeed's local rank); the group
+        # itself gets a fresh local port, so a process can start one again after destroying the last.
+        for name in ("RANK", "LOCAL_RANK"):
+            os.environ.setdefault(name, "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        return
+    # env:// with the launcher's variables: under torchrun it joins the agent's store instead of opening
+    # a second one on MASTER_PORT. MPI launchers name them differently, so fill in the torch names.
+    for name, value in (("RANK", launch.rank), ("WORLD_SIZE", launch.world_size), ("LOCAL_RANK", launch.local_rank),
+                        ("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port)):
+        os.environ.setdefault(name, str(value))
+    dist.init_process_group(backend, init_method="env://")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,412 @@
+"""Startup self-check: the prepared model against the unmodified model, before training starts.
+
+Why: lstune reads what a model's attention and blocks mean from its structure and config, and the structure does not
+say everything (a window applied only through the mask, positions that do not come from `position_ids`, a token
+mixer that is not attention). So before the run, on a short probe, it compares the model as lstune prepared it with
+the unmodified model running its own attention implementation (eager) and its own mask:
+
+1. probe model: a copy of the loaded model when it is small (<= 100M parameters); else a random-init copy, built on
+   the run's device, of a prefix of its layers long enough to hold every layer type the config lists per layer (a
+   layer or a few), with a vocabulary of 512 and windows / attention chunks cut to 16 tokens — exactness is a
+   property of the code path, not of the weights or the window's size;
+2. probe batch: one sequence longer than every window/chunk the config names (at least 64 tokens), with two packed
+   documents when the run packs; labels pre-shifted as the data pipeline makes them;
+3. reference: the probe model with `attn_implementation="eager"`, fp32, dropout off; prepared: a copy put through
+   `prepare_model` with the run's settings (LoRA, attention backend, SP, every memory technique, tiles forced to 2
+   where tiling is on so that tile edges are crossed);
+4. compare the mean loss (rel 1e-5) and the gradient at the input embeddings (rel 1e-4 of its largest entry). On
+   a mismatch, the first decoder layer whose output differs is named, and the techniques are tried one by one to
+   name the one to turn off. Under SP every rank of the group takes part (the reference runs whole on each rank).
+
+Cost: two forward/backward passes of the probe model on about 64 tokens (seconds on CPU). The check runs in fp32 on
+the run's device with the sdpa kernel where the configured kernel cannot run fp32 training (FlashAttention-2):
+kernel-level equivalence of flash/flex is covered by the GPU tests. `--skip-self-check` turns it off.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from lstune.errors import ModelError
+
+log = logging.getLogger("lstune")
+
+_SMALL_MODEL = 100_000_000
+_PROBE_VOCAB = 512
+_PROBE_WINDOW = 16
+_MIN_PROBE = 64
+_LOSS_RTOL = 1e-5
+_GRAD_RTOL = 1e-4
+
+
+@dataclass
+class SelfCheckResult:
+    ok: bool
+    tokens: int
+    documents: int
+    layers: int
+    copy_kind: str  # "copy" | "truncated"
+    loss_rel: float
+    grad_rel: float
+
+    def note(self) -> str:
+        return (
+            f"self-check passed: loss and input-embedding gradient equal the unmodified model's (eager attention, "
+            f"its own mask) on a {self.tokens}-token probe ({self.documents} document"
+            f"{'s' if self.documents > 1 else ''}) of a {self.layers}-layer {self.copy_kind} "
+            f"(loss rel {self.loss_rel:.1e}, gradient rel {self.grad_rel:.1e})"
+        )
+
+
+def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
+    """Compare `prepare_model(copy of model)` with the unmodified model; ModelError naming the layer and technique
+    on a mismatch. `model` itself is not changed."""
+    import torch
+
+    probe, kind = probe_model(model, trust_remote_code=config.model.trust_remote_code, device=runtime.device)
+    check_config = _check_config(config, probe, runtime)
+    batch = probe_batch(probe.config, pack=config.data.pack, sp=runtime.sp, vocab=probe.config.vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        result = _compare(probe, check_config, runtime, batch)
+    result.copy_kind, result.layers = kind, _layer_count(probe)
+    if not result.ok:
+        raise ModelError(_diagnose(probe, check_config, runtime, batch, result))
+    log.info("%s", result.note())
+    return result
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# probe model and batch
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def probe_model(model: Any, *, trust_remote_code: bool = False, device: Any = "cpu") -> tuple[Any, str]:
+    """(fp32 copy with dropout off, "copy" or "truncated random-init copy") of `model` on `device`."""
+    import torch
+
+    from lstune.models.introspect import unwrap_model
+
+    lm = unwrap_model(model)
+    if sum(p.numel() for p in lm.parameters()) <= _SMALL_MODEL:
+        probe, kind = copy.deepcopy(lm).to(device=device, dtype=torch.float32), "copy"
+    else:
+        probe, kind = _truncated_copy(lm.config, trust_remote_code, device), "truncated random-init copy"
+    _drop_dropout(probe)
+    probe.config.use_cache = False
+    return probe, kind
+
+
+def _truncated_copy(config: Any, trust_remote_code: bool, device: Any) -> Any:
+    """Built on the run's device: random init of a few full-width layers is most of the check's cost on a CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    small = truncated_config(config)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(small, dtype=torch.float32, trust_remote_code=trust_remote_code)
+
+
+def truncated_config(config: Any) -> Any:
+    """`config` with the shortest prefix of layers holding every value of its per-layer lists, and a small vocab."""
+    small = copy.deepcopy(config)
+    layers = getattr(config, "num_hidden_layers", 1)
+    per_layer = {k: v for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers and layers > 1}
+    keep = 1
+    for values in per_layer.values():
+        firsts = {}
+        for index, value in enumerate(values):
+            firsts.setdefault(repr(value), index)
+        keep = max(keep, max(firsts.values()) + 1)
+    small.num_hidden_layers = min(layers, max(keep, 2))
+    for key, values in per_layer.items():
+        setattr(small, key, values[: small.num_hidden_layers])
+    for key, window in named_windows(small).items():  # a short window is as good a test, on a short probe
+        setattr(small, key, min(window, _PROBE_WINDOW))
+    if getattr(small, "vocab_size", 0) > _PROBE_VOCAB:
+        small.vocab_size = _PROBE_VOCAB
+        if (getattr(small, "pad_token_id", None) or 0) >= _PROBE_VOCAB:
+            small.pad_token_id = None
+    return small
+
+
+def _drop_dropout(model: Any) -> None:
+    """Dropout draws differ between the two models' code paths; the check compares the deterministic function."""
+    from torch import nn
+
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for name, value in list(vars(model.config).items()):
+        if "dropout" in name and isinstance(value, float):
+            setattr(model.config, name, 0.0)
+
+
+def named_windows(config: Any) -> dict[str, int]:
+    """Integer config entries that limit how far attention reaches (sliding windows, attention chunks)."""
+    return {
+        key: value for key, value in vars(config).items()
+        if ("window" in key or "attention_chunk" in key) and isinstance(value, int) and not isinstance(value, bool)
+        and value > 0
+    }
+
+
+def probe_batch(config: Any, *, pack: bool, sp: int, vocab: int) -> dict[str, Any]:
+    """One row crossing every named window; two documents (an odd split) when packing. Length a multiple of 2·sp."""
+    import torch
+
+    windows = named_windows(config)
+    length = max([_MIN_PROBE, *(w + 16 for w in windows.values())])
+    length += -length % (2 * sp)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, min(vocab, 320) if vocab > 3 else vocab, (1, length), generator=gen)
+    cuts = [0, length // 2 + 3, length] if pack else [0, length]
+    positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])[None]
+    labels = torch.full_like(ids, -100)
+    for a, b in zip(cuts, cuts[1:]):
+        labels[0, a : b - 1] = ids[0, a + 1 : b]
+    return {"input_ids": ids, "position_ids": positions, "shift_labels": labels}
+
+
+def _layer_count(model: Any) -> int:
+    from lstune.models.introspect import decoder_layers
+
+    return len(decoder_layers(model))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# comparison
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _check_config(config: Any, probe: Any, runtime: Any) -> Any:
+    """The run's settings for the probe: tiles forced to 2 where tiling is on, a kernel that trains in fp32 here."""
+    from lstune.errors import UserError
+    from lstune.models.attention import resolve_backend
+
+    import torch
+
+    softcap = getattr(probe.config, "attn_logit_softcapping", None)
+    attn = config.model.attn
+    try:
+        resolve_backend(attn, device_type=runtime.device.type, dtype=torch.float32, softcap=softcap)
+    except UserError:
+        attn = "sdpa"
+    memory = config.memory
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, attn=attn, dtype="fp32"),
+        memory=dataclasses.replace(
+            memory,
+            tiled_mlp="off" if memory.tiled_mlp == "off" else 2,
+            tiled_loss="off" if memory.tiled_loss == "off" else 2,
+        ),
+    )
+
+
+def _compare(probe: Any, config: Any, runtime: Any, batch: dict) -> SelfCheckResult:
+    prepared_input = copy.deepcopy(probe)
+    _set_eager(probe)  # the probe is lstune's own copy: it serves as the reference
+    ref_loss, ref_grad, ref_layers = _reference_step(probe, batch, runtime.device)
+    probe.zero_grad(set_to_none=True)
+    loss, grad, layers = _prepared_step(prepared_input, config, runtime, batch)
+    loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
+    grad_rel = float((grad - ref_grad).abs().max() / ref_grad.abs().max().clamp_min(1e-12))
+    ok = _all_ranks_agree(loss_rel <= _LOSS_RTOL and grad_rel <= _GRAD_RTOL, runtime)
+    result = SelfCheckResult(ok, batch["input_ids"].shape[1], len(_doc_starts(batch)), 0, "", loss_rel, grad_rel)
+    result.first_bad_layer = _first_difference(layers, ref_layers)  # type: ignore[attr-defined]
+    return result
+
+
+def _set_eager(model: Any) -> None:
+    try:
+        model.set_attn_implementation("eager")
+    except (ValueError, AttributeError):
+        pass  # models that have only their own attention already run it
+
+
+def _embedding_capture(model: Any, store: list) -> Any:
+    """Forward hook making the input embeddings a leaf whose gradient is kept (also with frozen embeddings)."""
+
+    def hook(module, args, output):
+        leaf = output.detach().requires_grad_()
+        store.append(leaf)
+        return leaf
+
+    from lstune.models.introspect import unwrap_model
+
+    return unwrap_model(model).get_input_embeddings().register_forward_hook(hook)
+
+
+def _layer_capture(model: Any, store: dict) -> list:
+    from lstune.models.introspect import decoder_layers
+
+    def hook(index, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        store.setdefault(index, hidden.detach())
+
+    return [
+        layer.register_forward_hook(lambda m, a, o, i=i: hook(i, m, a, o))
+        for i, layer in enumerate(decoder_layers(model))
+    ]
+
+
+def _reference_step(model: Any, batch: dict, device: Any) -> tuple[float, Any, dict]:
+    import torch.nn.functional as F
+
+    model.to(device).train()
+    embeds, layers = [], {}
+    handles = [_embedding_capture(model, embeds), *_layer_capture(model, layers)]
+    try:
+        batch = {k: v.to(device) for k, v in batch.items()}
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        labels = batch["shift_labels"]
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return loss.item(), embeds[0].grad[0].detach(), {i: h[0] for i, h in layers.items()}
+
+
+def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict) -> tuple[float, Any, dict]:
+    from lstune.parallel.sp_data import count_tokens, shard_batch
+    from lstune.train.prepare import prepare_model
+
+    prepared = prepare_model(model, config, runtime)
+    embeds, layers = [], {}
+    handles = [_embedding_capture(prepared.model, embeds), *_layer_capture(prepared.model, layers)]
+    try:
+        shard = shard_batch(batch, runtime.sp, runtime.dims.sp_rank if runtime.sp > 1 else 0)
+        shard = {k: v.to(runtime.device) for k, v in shard.items()}
+        loss_sum, _ = prepared.loss_sum(shard)
+        (loss_sum / count_tokens(batch)).backward()
+        total = _sp_sum(loss_sum.detach(), runtime)
+    finally:
+        for handle in handles:
+            handle.remove()
+        prepared.undo()  # the copy is thrown away; undo also drops its attention registration
+    grad = _gather_tokens(embeds[0].grad[0].detach(), runtime)
+    return total / count_tokens(batch), grad, {i: _gather_tokens(h[0], runtime) for i, h in layers.items()}
+
+
+def _sp_sum(value: Any, runtime: Any) -> float:
+    if runtime.sp == 1:
+        return float(value)
+    import torch.distributed as dist
+
+    value = value.clone()
+    dist.all_reduce(value, group=runtime.dims.sp_group)
+    return float(value)
+
+
+def _gather_tokens(local_SD: Any, runtime: Any) -> Any:
+    """This rank's token shard → the whole probe sequence (SP); the probe length is a multiple of the SP degree."""
+    if runtime.sp == 1:
+        return local_SD
+    import torch
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(local_SD) for _ in range(runtime.sp)]
+    dist.all_gather(parts, local_SD.contiguous(), group=runtime.dims.sp_group)
+    return torch.cat(parts, dim=0)
+
+
+def _all_ranks_agree(ok: bool, runtime: Any) -> bool:
+    if runtime.sp == 1:
+        return ok
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([0.0 if ok else 1.0], device=runtime.device)
+    dist.all_reduce(flag, group=runtime.dims.sp_group)
+    return bool(flag.item() == 0)
+
+
+def _doc_starts(batch: dict) -> list[int]:
+    positions = batch["position_ids"][0].tolist()
+    return [i for i, p in enumerate(positions) if p == 0]
+
+
+def _first_difference(layers: dict, reference: dict) -> int | None:
+    for index in sorted(reference):
+        if index not in layers:
+            continue
+        ref, got = reference[index], layers[index].to(reference[index].device)
+        if ref.shape != got.shape or float((got - ref).abs().max()) > 1e-4 * float(ref.abs().max().clamp_min(1e-12)):
+            return index
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# diagnosis
+# --------------------------------------------------------------------------------------------------------------------
+
+_TECHNIQUES = {  # setting: (value that turns it off, the flag)
+    "tiled_mlp": ("off", "--tiled-mlp off"),
+    "mini_sequence": (False, "--no-mini-sequence"),
+    "tiled_loss": ("off", "--tiled-loss off"),
+    "checkpointing": (False, "--checkpointing off"),
+    "offload_checkpoints": (False, "--no-offload-checkpoints"),
+}
+
+
+def _diagnose(probe: Any, config: Any, runtime: Any, batch: dict, result: SelfCheckResult) -> str:
+    """The message of a failed check: where it differs, and which technique (if any) to turn off."""
+    where = _describe_layer(probe, getattr(result, "first_bad_layer", None))
+    culprit = _find_culprit(probe, config, runtime, batch)
+    if culprit is None:
+        fix = (
+            "it differs with every memory technique off, so lstune's attention / sequence parallelism gets this "
+            "model wrong; this model cannot be trained exactly by lstune (please report it)"
+        )
+    elif culprit == "all":
+        flags = ", ".join(flag for _, flag in _TECHNIQUES.values())
+        fix = f"it matches only with every memory technique off ({flags})"
+    else:
+        fix = f"it matches with {_TECHNIQUES[culprit][1]}: turn that technique off for this model"
+    return (
+        f"self-check failed: lstune's prepared model differs from the unmodified model (eager attention, its own "
+        f"mask) on a {result.tokens}-token probe with {result.documents} document(s): loss rel "
+        f"{result.loss_rel:.1e}, input-embedding gradient rel {result.grad_rel:.1e}; first differing layer: "
+        f"{where}. {fix[0].upper()}{fix[1:]}. (--skip-self-check skips this check at your own risk.)"
+    )
+
+
+def _describe_layer(probe: Any, index: int | None) -> str:
+    if index is None:
+        return "none in the forward (the difference is in backward or the loss head)"
+    from lstune.models.introspect import decoder_layers
+
+    layer = decoder_layers(probe)[index]
+    layer_types = getattr(probe.config, "layer_types", None)
+    kind = f", layer type {layer_types[index]!r}" if layer_types and index < len(layer_types) else ""
+    return f"layer {index} ({type(layer).__name__}{kind})"
+
+
+def _find_culprit(probe: Any, config: Any, runtime: Any, batch: dict) -> str | None:
+    """The first technique whose removal alone makes the check pass; "all" when only all off passes; None when even
+    all off fails."""
+    def with_memory(**changes):
+        return dataclasses.replace(config, memory=dataclasses.replace(config.memory, **changes))
+
+    if not _compare(probe, with_memory(**{k: off for k, (off, _) in _TECHNIQUES.items()}), runtime, batch).ok:
+        return None
+    for name, (off, _) in _TECHNIQUES.items():
+        if getattr(config.memory, name) == off:
+            continue
+        changes = {name: off}
+        if name == "checkpointing":
+            changes["offload_checkpoints"] = False
+        if name == "tiled_mlp":
+            changes["mini_sequence"] = False
+        if _compare(probe, with_memory(**changes), runtime, batch).ok:
+            return name
+    return "all"

@@ -1,0 +1,91 @@
+"""SP=2 on gloo, on every architecture of tests/support/archs.py: exact (loss and every gradient vs plain HF with its
+own attention and mask) or refused with the expected message; one long sample and packed documents; lstune's
+attention alone and with every memory technique. Windows (16 tokens) are shorter than each rank's shard (32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.archs import ARCHS, refusal
+
+SEQ = 64
+DOCS = [27, 21, 16]
+TOL = 2e-5
+
+
+def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
+    import copy
+
+    from lstune.config.schema import MemorySection
+    from lstune.errors import UserError
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.loss import causal_lm_loss_sum
+    from lstune.models.mixers import check_token_mixers
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.loss import global_mean, global_token_count, local_objective, sum_gradients
+    from lstune.parallel.sp_data import count_tokens, shard_batch
+    from lstune.parallel.ulysses import apply_ulysses
+    from tests.support.archs import tiny_model
+    from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads, split_documents
+
+    dims = ParallelDims(world, sp=world).build_groups()
+    results = {}
+    for model_type in model_types:
+        base = tiny_model(model_type)
+        for data in ("long", "packed"):
+            batch = long_batch(SEQ) if data == "long" else packed_batch(DOCS)
+            n = int(count_tokens(batch))
+            parts = [batch] if data == "long" else split_documents(batch, DOCS)
+            ref_loss, ref_grads = run_grads(base, hf_loss_sum, parts, scale=n)
+            for memory in (False, True):
+                model = copy.deepcopy(base)
+                try:
+                    check_token_mixers(model, pack=data == "packed", sp=world)
+                    apply_ulysses(model, dims)
+                    step = causal_lm_loss_sum
+                    if memory:
+                        techniques = MemorySection(tiled_mlp=2, tiled_loss=2, offload_checkpoints=True)
+                        step = apply_memory_techniques(model, techniques, seq_len=SEQ // world).loss_sum
+                    shard = shard_batch(batch, dims.sp, dims.sp_rank)
+                    local_sum, _ = step(model, shard)
+                    local_objective(local_sum, global_token_count([shard])).backward()
+                except UserError as error:
+                    results[(model_type, data, memory)] = ("refused", str(error))
+                    continue
+                sum_gradients(model.parameters())
+                loss = global_mean([local_sum.detach()], [count_tokens(shard)])
+                grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+                scale = max(float(g.abs().max()) for g in ref_grads.values())
+                diff = max(
+                    float((grads[k] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * scale)
+                    for k, g in ref_grads.items()
+                )
+                same_keys = grads.keys() == ref_grads.keys()
+                results[(model_type, data, memory)] = ("ran", (loss, ref_loss / n, diff, same_keys))
+    return results
+
+
+def _expected(model_type: str, data: str, memory: bool) -> str | None:
+    cases = ["attention", "sp"] + (["pack"] if data == "packed" else []) + (["tiled_mlp"] if memory else [])
+    patterns = [refusal(model_type, case) for case in cases if refusal(model_type, case)]
+    return "|".join(patterns) or None
+
+
+def test_every_architecture_is_exact_or_refused_under_sp2(pools):
+    import re
+
+    results = pools[2].run(_matrix_worker, list(ARCHS), timeout=600)
+    assert len(results[0]) == len(ARCHS) * 4
+    for key, (outcome, detail) in results[0].items():
+        expected = _expected(*key)
+        if expected:
+            assert outcome == "refused" and re.search(expected, detail), f"{key}: expected refusal, got {detail}"
+            continue
+        if outcome == "refused":  # show every unexpected refusal at once
+            print(key, detail)
+            continue
+        assert outcome == "ran", f"{key}: refused: {detail}"
+        loss, ref_loss, diff, same_keys = detail
+        assert same_keys, key
+        assert loss == pytest.approx(ref_loss, rel=TOL), f"{key}: loss {loss} != {ref_loss}"
+        assert diff < 1e-4, f"{key}: gradients differ by {diff:.1e} (relative)"

@@ -1,0 +1,46 @@
+"""`lstune train` runs the self-check before training: a mismatch stops the run with exit code 2 and a message,
+`--skip-self-check` skips it; structural refusals (packing a convolutional model) are user errors too."""
+
+from __future__ import annotations
+
+from tests.support.archs import tiny_config
+
+ARGS = ["--seq-len", "128", "--max-steps", "1", "--init", "random", "--lr", "1e-3", "--warmup-steps", "0"]
+
+
+def _model_folder(tmp_path, model_type: str):
+    folder = tmp_path / model_type
+    tiny_config(model_type).save_pretrained(folder)
+    return folder
+
+
+def test_a_failing_self_check_stops_the_run(cli, tmp_path, text_data, monkeypatch):
+    from lstune.models import attention
+
+    monkeypatch.setattr(attention, "window_from_mask", lambda *args: None)  # an injected bug: windows dropped
+    model = _model_folder(tmp_path, "qwen2_moe")
+    result = cli("train", "--model", model, "--data", text_data, "--output-dir", tmp_path / "a", *ARGS)
+    assert result.code == 2, (result.out, result.err)
+    assert "self-check failed" in result.err and "sliding_attention" in result.err
+    assert "Traceback" not in result.err
+    skipped = cli("train", "--model", model, "--data", text_data, "--output-dir", tmp_path / "b", "--skip-self-check",
+                  *ARGS)
+    assert skipped.code == 0, skipped.err
+    assert "self-check skipped" in skipped.out + skipped.err
+
+
+def test_packing_a_convolutional_model_is_refused(cli, tmp_path, text_data):
+    from transformers.utils import logging as hf_logging
+
+    model = _model_folder(tmp_path, "lfm2")
+    # transformers' own warning about its conv fallback goes to the stderr of an earlier test (its handler is
+    # created once per process), which pytest has closed by now.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        result = cli("train", "--model", model, "--data", text_data, "--output-dir", tmp_path / "o", "--pack", *ARGS)
+    finally:
+        hf_logging.set_verbosity(level)
+    assert result.code == 2, (result.out, result.err)
+    assert "packed documents would leak" in result.err and "without --pack" in result.err
+    assert "Traceback" not in result.err

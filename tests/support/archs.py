@@ -1,0 +1,82 @@
+"""Tiny random-init configs of many Hugging Face architectures, for the exact-or-refused matrix (no network).
+
+Each entry: model_type -> (config overrides, expectation). Expectation None means exact (loss and every gradient equal
+plain HF with its own attention and mask); otherwise {case: substring of the refusal message}, where case is
+"attention" (refused when lstune's attention is installed), "pack" (refused with packed documents), "sp" (refused under
+sequence parallelism), "tiled_mlp" (MLP tiling refused). Shared by tests/unit/models/test_model_matrix.py,
+tests/distributed/test_model_matrix_sp.py and docs/models.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+BASE = dict(
+    vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0,
+)
+NO_DROPOUT = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0, layerdrop=0.0)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+WINDOW = 16  # shorter than the test sequences, so every windowed layer really cuts
+
+ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "llama": ({}, {}),
+    "mistral": (dict(sliding_window=WINDOW, head_dim=8), {}),
+    "qwen2": (dict(use_sliding_window=True, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+              {}),
+    "qwen3": (dict(head_dim=8), {}),
+    "gemma3_text": (dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), {}),
+    "phi3": (dict(num_key_value_heads=4), {}),
+    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW), {}),
+    "qwen3_moe": ({**MOE, "head_dim": 8}, {}),
+    "qwen2_moe": ({**MOE, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2,
+                   "shared_expert_intermediate_size": 32}, {}),
+    "olmoe": (dict(MOE), {}),
+    "gpt2": (dict(n_embd=32, n_layer=2, n_head=4, n_positions=512), {}),
+    "phi": (dict(num_key_value_heads=4), {}),
+    "olmo2": ({}, {}),
+    "cohere": ({}, {}),
+    "starcoder2": (dict(sliding_window=WINDOW), {}),
+    "stablelm": (dict(num_key_value_heads=4), {}),
+    "glm4": (dict(head_dim=8), {}),
+    "smollm3": (dict(no_rope_layer_interval=2), {}),
+    "exaone4": (dict(sliding_window=WINDOW, sliding_window_pattern=2), {}),
+    "deepseek_v3": (dict(q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=24,
+                         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                         n_group=1, topk_group=1, num_key_value_heads=4), {}),
+    "opt": (dict(ffn_dim=64, word_embed_proj_dim=32),
+            {"tiled_mlp": "cannot tell which part of OPTDecoderLayer is its MLP"}),
+    "lfm2": (dict(layer_types=["conv", "full_attention"], block_dim=32, block_ff_dim=64, conv_L_cache=3),
+             {"pack": "packed documents would leak", "sp": "miss the previous rank's last tokens"}),
+    "bloom": (dict(n_layer=2, n_head=4), {"attention": "does not route attention through", "tiled_mlp": "residual"}),
+    "llama4_text": (dict(attention_chunk_size=WINDOW, head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
+                         interleave_moe_layer_step=1, no_rope_layers=[1, 0], layer_types=["chunked_attention",
+                         "full_attention"]),
+                    {"attention": "does not pass position_ids to its attention", "tiled_mlp": "more than one tensor",
+                     "sp": "needs position_ids at every attention call"}),
+}
+
+
+def tiny_config(model_type: str, **extra: Any):
+    from transformers import AutoConfig
+
+    overrides, _ = ARCHS[model_type]
+    kwargs = {**BASE, **NO_DROPOUT, **overrides, **extra}
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_model(model_type: str, *, seed: int = 0, attn: str | None = "eager", **extra: Any):
+    """A fp32 random-init model of `model_type` in training mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, **extra), dtype=torch.float32,
+                                             attn_implementation=attn)
+    model.train()
+    return model
+
+
+def refusal(model_type: str, case: str) -> str | None:
+    return ARCHS[model_type][1].get(case)

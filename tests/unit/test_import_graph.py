@@ -1,0 +1,76 @@
+"""The package's import graph: layers import only downward — no circle, no sideways import between siblings.
+
+Layers, top to bottom (docs/README.md draws the same map):
+
+    cli → train → {parallel, memory} → {models, data} → optim → config → errors
+
+`lstune.__main__` sits above cli and the package root (`lstune`, its version) below everything. Every
+`import` counts, including the lazy ones inside functions, since they run too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "lstune"
+TIERS = [["errors"], ["config"], ["optim"], ["models", "data"], ["parallel", "memory"], ["train"], ["cli"],
+         ["__main__"]]
+RANK = {unit: rank for rank, units in enumerate(TIERS) for unit in units}
+
+
+def _unit(module: str) -> str | None:
+    """The layer a dotted module belongs to (`lstune.memory.apply` → memory); None for the package root."""
+    parts = module.split(".")
+    if parts[0] != "lstune" or len(parts) == 1:
+        return None
+    return parts[1].removesuffix(".py")
+
+
+def _module_of(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    return ".".join(relative.parts).removesuffix(".__init__")
+
+
+def _imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in found if name.startswith("lstune")}
+
+
+def _edges() -> set[tuple[str, str]]:
+    edges = set()
+    for path in PACKAGE.rglob("*.py"):
+        source = _unit(_module_of(path))
+        for target_module in _imports(path):
+            target = _unit(target_module)
+            if source is not None and target is not None and target in RANK and source != target:
+                edges.add((source, target))
+    return edges
+
+
+def test_every_layer_is_placed():
+    units = {path.name.removesuffix(".py") for path in PACKAGE.iterdir()
+             if path.name != "__init__.py" and (path.suffix == ".py" or (path / "__init__.py").exists())}
+    assert units <= set(RANK), sorted(units - set(RANK))
+
+
+@pytest.mark.parametrize("edge", sorted(_edges()), ids=lambda e: f"{e[0]}->{e[1]}")
+def test_imports_only_go_down(edge):
+    source, target = edge
+    assert RANK[target] < RANK[source], f"lstune.{source} imports lstune.{target}: up or sideways"
+
+
+def test_the_checker_sees_lazy_imports(tmp_path):
+    """A function-level import counts: the checker must find it (otherwise every test above is vacuous)."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f():\n    from lstune.train.run import train\n    import lstune.cli.app\n")
+    assert _imports(sample) == {"lstune.train.run", "lstune.train.run.train", "lstune.cli.app"}
+    assert ("models", "data") not in _edges()  # the byte tokenizer's sideways import is gone

@@ -1,0 +1,97 @@
+"""The startup self-check: passes on exact models, and catches injected bugs (dropped window, shifted positions, a
+broken memory technique) with a message naming the layer and what to turn off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lstune.config.schema import DataSection, RunSection, TrainConfig
+from lstune.errors import ModelError
+from lstune.train import self_check
+from lstune.train.runtime import Runtime
+from tests.support.archs import tiny_config, tiny_model
+
+CPU = Runtime(torch.device("cpu"), None)
+
+
+def _config(pack: bool = False) -> TrainConfig:
+    return TrainConfig(data=DataSection(pack=pack))
+
+
+@pytest.mark.parametrize("model_type, pack", [("qwen2_moe", True), ("deepseek_v3", True), ("gemma3_text", False),
+                                              ("lfm2", False)])
+def test_exact_models_pass(model_type, pack):
+    result = self_check.run_self_check(tiny_model(model_type), _config(pack), CPU)
+    assert result.ok and result.loss_rel < 1e-5 and result.documents == (2 if pack else 1)
+    assert result.tokens > 16 + 16  # crosses the 16-token windows of the test configs
+    assert "self-check passed" in result.note()
+
+
+def test_a_dropped_window_is_caught(monkeypatch):
+    from lstune.models import attention
+
+    monkeypatch.setattr(attention, "window_from_mask", lambda *args: None)
+    with pytest.raises(ModelError, match=r"self-check failed.*layer 0 \(Qwen2MoeDecoderLayer, layer type "
+                                         r"'sliding_attention'\).*every memory technique off"):
+        self_check.run_self_check(tiny_model("qwen2_moe"), _config(), CPU)
+
+
+def test_shifted_positions_are_caught(monkeypatch):
+    """Learned absolute positions (GPT-2): positions off by one change every layer's input."""
+    from lstune.memory import loss
+
+    original = loss.final_hidden_states
+
+    def shifted(model, batch, **kwargs):
+        return original(model, {**batch, "position_ids": batch["position_ids"] + 1}, **kwargs)
+
+    monkeypatch.setattr(loss, "final_hidden_states", shifted)
+    with pytest.raises(ModelError, match="self-check failed.*first differing layer: layer 0"):
+        self_check.run_self_check(tiny_model("gpt2"), _config(True), CPU)
+
+
+def test_a_broken_technique_is_named(monkeypatch):
+    from lstune.memory import mlp
+
+    original = mlp.TiledForward._run_tile
+
+    def off_by_a_little(self, x, start, end, **kwargs):
+        return original(self, x, start, end, **kwargs) * 1.001
+
+    monkeypatch.setattr(mlp.TiledForward, "_run_tile", off_by_a_little)
+    with pytest.raises(ModelError, match="matches with --tiled-mlp off"):
+        self_check.run_self_check(tiny_model("llama"), _config(), CPU)
+
+
+def test_big_models_are_checked_on_a_truncated_copy(monkeypatch):
+    monkeypatch.setattr(self_check, "_SMALL_MODEL", 0)
+    result = self_check.run_self_check(tiny_model("gemma3_text"), _config(True), CPU)
+    assert result.ok and result.copy_kind.startswith("truncated")
+
+
+def test_the_truncated_config_keeps_every_layer_type():
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    config = tiny_config("gemma3_text", num_hidden_layers=12, layer_types=types * 2, vocab_size=4096)
+    small = self_check.truncated_config(config)
+    assert small.num_hidden_layers == 6 and small.layer_types == types and small.vocab_size == 512
+    assert config.num_hidden_layers == 12  # the model's own config is untouched
+
+
+def test_the_probe_crosses_every_named_window():
+    config = tiny_config("mistral", sliding_window=100)
+    batch = self_check.probe_batch(config, pack=True, sp=2, vocab=320)
+    length = batch["input_ids"].shape[1]
+    assert length > 100 and length % 4 == 0
+    assert (batch["position_ids"][0] == 0).sum() == 2
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_training_setup_runs_it_unless_skipped(skip, tmp_path):
+    from lstune.models.loading import resolve_model
+    from lstune.train.run import _setup_model
+
+    config = TrainConfig(data=DataSection(seq_len=64), run=RunSection(skip_self_check=skip))
+    loaded, _ = _setup_model(config, CPU, resolve_model("tiny-llama"), None, [])
+    expected = "self-check skipped" if skip else "self-check passed"
+    assert any(expected in note for note in loaded.notes)
