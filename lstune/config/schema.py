@@ -315,7 +315,10 @@ class RunSection:
         p.parse_optional_str, flag_value="latest", metavar="[PATH]",
     )
     overwrite: bool = _opt(
-        False, "Allow an existing --output-dir; its old checkpoints and metrics are removed.", p.parse_bool
+        False,
+        "Allow an existing --output-dir; the files its previous run recorded as lstune's are removed once this run "
+        "has passed every check (nothing else is touched).",
+        p.parse_bool,
     )
     stop_at_step: int | None = _opt(
         None,
