@@ -170,8 +170,6 @@ def _unreadable(names: str, builder: str, e: Exception, files: list[Path]) -> Da
 def _first_bad_line(files: list[Path]) -> str | None:
     """'FILE line N: what is wrong' for the first line that is not UTF-8 or not JSON; read only after
     a load failed, so valid data never pays for this second pass."""
-    import json
-
     for path in files:
         with open(path, "rb") as f:
             if path.suffix.lower() == ".json":
@@ -184,11 +182,9 @@ def _first_bad_line(files: list[Path]) -> str | None:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
                     return f"{path} line {number} is not UTF-8 text (byte {exc.start + 1} is {raw[exc.start]:#04x})"
-                if line.strip():
-                    try:
-                        json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        return f"{path} line {number} is not valid JSON ({exc.msg}, column {exc.colno})"
+                problem = _json_line_problem(line, number)
+                if problem:
+                    return f"{path} {problem}"
     return None
 
 
@@ -211,14 +207,22 @@ def _json_document_problem(data: bytes) -> str | None:
 
 def _jsonl_lines_problem(text: str) -> str | None:
     """A .json file holding one record per line (datasets accepts that too)."""
+    for number, line in enumerate(text.splitlines(), start=1):
+        problem = _json_line_problem(line, number)
+        if problem:
+            return problem
+    return None
+
+
+def _json_line_problem(line: str, number: int) -> str | None:
     import json
 
-    for number, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as exc:
-                return f"line {number} is not valid JSON ({exc.msg}, column {exc.colno})"
+    if not line.strip():
+        return None
+    try:
+        json.loads(line)
+    except json.JSONDecodeError as exc:
+        return f"line {number} is not valid JSON ({exc.msg}, column {exc.colno})"
     return None
 
 

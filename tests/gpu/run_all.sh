@@ -4,19 +4,7 @@
 #   source .whl/prelude.sh && RES=/tmp/res setsid nohup bash tests/gpu/run_all.sh > /tmp/run_all.log 2>&1 &
 # Each phase has its own time limit; a failed or timed-out phase is recorded and the next one runs.
 set -u
-RES=${RES:-/tmp/res}
-mkdir -p "$RES"
-OUT="$RES/bench.jsonl"
-B="python3 -m tests.gpu.bench_ladder"
-phase() {  # phase NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  echo "=== $(date +%T) $name (limit ${limit}s)"
-  local start=$SECONDS
-  timeout "$limit" "$@"
-  local rc=$?
-  echo "{\"kind\": \"phase\", \"name\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start))}" >> "$OUT"
-  echo "=== $(date +%T) $name rc=$rc in $((SECONDS - start))s"
-}
+. "$(dirname "$0")/phase.sh"
 
 phase gpu-tests 420 bash -c "python3 -m pytest -q -rs tests/gpu > $RES/gpu-tests.log 2>&1"
 phase rates 120 $B rates --out "$OUT" --attn-lengths 32k,128k

@@ -3,19 +3,7 @@
 # tests, the longest sequence of the offloaded rungs at full depth through a 2-layer model carrying the other
 # 30 layers' device bytes, the full-depth longest sequence of the tiled rungs, and the Qwen3-8B recipe via the CLI.
 set -u
-RES=${RES:-/tmp/res}
-mkdir -p "$RES"
-OUT="$RES/bench.jsonl"
-B="python3 -m tests.gpu.bench_ladder"
-phase() {  # phase NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
-  echo "=== $(date +%T) $name (limit ${limit}s)"
-  local start=$SECONDS
-  timeout "$limit" "$@"
-  local rc=$?
-  echo "{\"kind\": \"phase\", \"name\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start))}" >> "$OUT"
-  echo "=== $(date +%T) $name rc=$rc in $((SECONDS - start))s"
-}
+. "$(dirname "$0")/phase.sh"
 phase gpu-tests-new 150 bash -c "python3 -m pytest -q -rs tests/gpu -k 'overlap or lora or peak_memory' > $RES/gpu-tests-2.log 2>&1"
 phase maxlen-mini_seq-deep 200 $B maxlen --out "$OUT" --rung mini_seq --layers 2 --as-layers 32 \
   --fit-lengths 64k,128k --start 384k --len-step 32k --max-tries 2 --max-len 704k
