@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,7 +37,7 @@ from lstune.memory.loss import (
 from lstune.memory.patching import Undo, run_undos
 from lstune.memory.probe import probe_hidden_states, probe_inputs
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy
-from lstune.models.introspect import ModelParts, find_parts, layer_mlp
+from lstune.models.introspect import ModelParts, find_parts
 
 if TYPE_CHECKING:
     from torch import nn
@@ -114,10 +115,10 @@ def apply_memory_techniques(
     plan = MemoryPlan(seq_len=seq_len, parts=parts, tiled_mlp=memory.tiled_mlp, mini_sequence=memory.mini_sequence)
     probing = _can_probe(parts.lm)
     if probing:
-        check_loss_head(model)
+        check_loss_head(parts)
     try:
         plan._undos.extend(share_lora_inputs(model))
-        _apply_mlp(model, plan, probing)
+        _apply_mlp(plan, probing)
         _apply_loss(model, plan, memory.tiled_loss)
         _apply_checkpointing(
             model, plan, memory.checkpointing, memory.offload_checkpoints, memory.host_mem_budget
@@ -148,19 +149,20 @@ def _can_probe(lm: "nn.Module") -> bool:
     return param is not None and param.device.type != "meta" and not is_fake(param)
 
 
-def _apply_mlp(model, plan: MemoryPlan, probing: bool) -> None:
+def _apply_mlp(plan: MemoryPlan, probing: bool) -> None:
     if plan.tiled_mlp == "off":
         return
     layers, hidden = plan.parts.layers, plan.parts.hidden_size
     policy = TilePolicy(tile_len=hidden) if plan.tiled_mlp == "auto" else TilePolicy(count=plan.tiled_mlp)
-    tiled_mlp_mod.check_call_signature(layers)
+    names = plan.parts.mlp_names
+    tiled_mlp_mod.check_call_signature(layers, names)
     if probing:
-        tiled_mlp_mod.check_per_token(layers, hidden)
-    fused = _discover_fusion(model, layers) if plan.mini_sequence and probing else {}
+        tiled_mlp_mod.check_per_token(layers, hidden, names)
+    fused = _discover_fusion(plan.parts) if plan.mini_sequence and probing else {}
     if plan.mini_sequence and not probing:
         _note(plan, "mini-sequence: norm fusion needs a probe forward on real weights (meta/fake model); "
                     "the MLP is tiled alone")
-    installed = _install_verified(model, layers, policy, fused, probing)
+    installed = _install_verified(plan.parts, policy, fused)
     plan.fused_norms = {t.layer_index: _names(t, layers) for t in installed if t.pre_norm or t.post_norm}
     plan._undos.append(lambda: tiled_mlp_mod.undo_tiled_blocks(installed))
     block = installed[0].block
@@ -169,33 +171,33 @@ def _apply_mlp(model, plan: MemoryPlan, probing: bool) -> None:
                 type(block).__name__, len(installed), plan.mlp_tiles, plan.seq_len)
 
 
-def _discover_fusion(model, layers) -> dict[int, tuple[str | None, str | None]]:
+def _discover_fusion(parts: ModelParts) -> dict[int, tuple[str | None, str | None]]:
     """Which norms feed / follow each layer's block, from one recorded probe forward."""
-    inputs = probe_inputs(model)
-    calls = tiled_mlp_mod.record_child_calls(layers, lambda: probe_hidden_states(model, inputs))
+    inputs = probe_inputs(parts)
+    calls = tiled_mlp_mod.record_child_calls(parts.layers, lambda: probe_hidden_states(parts, inputs))
     fused = {}
-    for index, layer in enumerate(layers):
-        _, name = layer_mlp(layer)
+    for index, name in enumerate(parts.mlp_names):
         pre, post = tiled_mlp_mod.find_fusable_norms(calls[index], name)
         if pre or post:
             fused[index] = (pre, post)
     return fused
 
 
-def _install_verified(model, layers, policy, fused, probing) -> list:
+def _install_verified(parts: ModelParts, policy, fused) -> list:
     """Install tiled blocks; if fused norms change the probe's output, fall back to unfused blocks."""
+    install = partial(tiled_mlp_mod.install_tiled_blocks, parts.layers, policy, names=parts.mlp_names)
     if not fused:
-        return tiled_mlp_mod.install_tiled_blocks(layers, policy)
-    inputs = probe_inputs(model)
-    reference = probe_hidden_states(model, inputs)
-    installed = tiled_mlp_mod.install_tiled_blocks(layers, policy, fused)
-    fused_out = probe_hidden_states(model, inputs)
+        return install()
+    inputs = probe_inputs(parts)
+    reference = probe_hidden_states(parts, inputs)
+    installed = install(fused=fused)
+    fused_out = probe_hidden_states(parts, inputs)
     tol = 1e-5 if reference.dtype == torch.float32 else 1e-2
     if torch.allclose(fused_out, reference, rtol=tol, atol=tol):
         return installed
     tiled_mlp_mod.undo_tiled_blocks(installed)
     logger.warning("mini-sequence: fusing norms into the MLP changed the output; tiling the MLP alone")
-    return tiled_mlp_mod.install_tiled_blocks(layers, policy)
+    return install()
 
 
 def _names(tiled, layers) -> tuple[str | None, str | None]:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from lstune.memory.tiling import TilePolicy, int32_safe_tiles, is_zero3_partitioned, sequence_tiled
-from lstune.models.introspect import ModelParts, decoder_body, find_parts, output_embedding, text_config, unwrap_model
+from lstune.models.introspect import ModelParts, decoder_body, find_parts
 
 if TYPE_CHECKING:
     from torch import nn
@@ -225,7 +225,7 @@ def _liger_loss_sum(head, transform: LogitTransform, hidden_TD, labels_T) -> tor
 
 
 @torch.no_grad()
-def check_loss_head(model: "nn.Module") -> None:
+def check_loss_head(parts: ModelParts) -> None:
     """Raise ModelError unless head + transform reproduce the model's own logits on a few-token probe.
 
     Catches architectures that post-process logits in a way `logit_transform` does not know.
@@ -233,17 +233,14 @@ def check_loss_head(model: "nn.Module") -> None:
     from lstune.errors import ModelError
     from lstune.memory.probe import eval_mode, probe_hidden_states, probe_inputs
 
-    inputs = probe_inputs(model)
-    with eval_mode(unwrap_model(model)):
-        reference = unwrap_model(model)(**inputs, use_cache=False).logits.float()
-    ours = logit_transform(text_config(model))(output_embedding(model)(probe_hidden_states(model, inputs)).float())
-    tol = 1e-4 if hidden_dtype(model) == torch.float32 else 3e-2
+    inputs = probe_inputs(parts)
+    with eval_mode(parts.lm):
+        reference = parts.lm(**inputs, use_cache=False).logits.float()
+    ours = logit_transform(parts.text_config)(parts.output_embedding(probe_hidden_states(parts, inputs)).float())
+    tol = 1e-4 if parts.output_embedding.weight.dtype == torch.float32 else 3e-2
     if not torch.allclose(ours, reference, rtol=tol, atol=tol * reference.abs().max().item()):
         raise ModelError(
-            f"lstune's loss head does not reproduce {type(unwrap_model(model)).__name__}'s logits "
+            f"lstune's loss head does not reproduce {type(parts.lm).__name__}'s logits "
             "(it post-processes logits in a way lstune does not know); this architecture is not supported yet."
         )
 
-
-def hidden_dtype(model: "nn.Module") -> torch.dtype:
-    return output_embedding(model).weight.dtype

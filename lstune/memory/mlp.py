@@ -35,7 +35,7 @@ from lstune.errors import ModelError
 from lstune.memory.patching import Undo, patch_forward
 from lstune.memory.probe import eval_mode
 from lstune.memory.tiling import TilePolicy, sequence_tiled
-from lstune.models.introspect import is_norm, layer_mlp
+from lstune.models.introspect import is_norm, mlp_names
 
 if TYPE_CHECKING:
     from torch import nn
@@ -105,14 +105,17 @@ def widest_row(module: "nn.Module") -> int:
 
 
 def install_tiled_blocks(
-    layers: "nn.ModuleList", policy: TilePolicy, fused: dict[int, tuple[str | None, str | None]] | None = None
+    layers: "nn.ModuleList",
+    policy: TilePolicy,
+    fused: dict[int, tuple[str | None, str | None]] | None = None,
+    names: tuple[str, ...] | None = None,
 ) -> list[TiledBlock]:
-    """Tile the per-token block of every layer; `fused[i] = (pre_norm_name, post_norm_name)` fuses norms."""
+    """Tile the per-token block of every layer; `fused[i] = (pre_norm_name, post_norm_name)` fuses norms.
+    `names`: each layer's block attribute (`ModelParts.mlp_names`), looked up here when not given."""
     installed = []
-    for index, layer in enumerate(layers):
-        parent, name = layer_mlp(layer)
+    for index, (layer, name) in enumerate(zip(layers, names or mlp_names(layers))):
         pre_name, post_name = (fused or {}).get(index, (None, None))
-        installed.append(_install_one(index, layer, getattr(parent, name), policy, pre_name, post_name))
+        installed.append(_install_one(index, layer, getattr(layer, name), policy, pre_name, post_name))
     return installed
 
 
@@ -135,14 +138,13 @@ def undo_tiled_blocks(installed: list[TiledBlock]) -> None:
             tiled.undos.pop()()
 
 
-def check_call_signature(layers: "nn.ModuleList") -> None:
+def check_call_signature(layers: "nn.ModuleList", names: tuple[str, ...] | None = None) -> None:
     """Refuse blocks called with more than the hidden states (BLOOM's MLP takes the residual too): the tiled forward
     slices only its first argument, so another per-token argument would reach each tile whole."""
     import inspect
 
-    for layer in layers:
-        parent, name = layer_mlp(layer)
-        block = getattr(parent, name)
+    for layer, name in zip(layers, names or mlp_names(layers)):
+        block = getattr(layer, name)
         params = list(inspect.signature(block.forward).parameters.values())[1:]
         required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
                                                                                    p.POSITIONAL_OR_KEYWORD)]
@@ -157,15 +159,14 @@ _EXTRA_ARGUMENT_MESSAGE = (
 )
 
 
-def check_per_token(layers: "nn.ModuleList", hidden_size: int) -> None:
+def check_per_token(layers: "nn.ModuleList", hidden_size: int, names: tuple[str, ...] | None = None) -> None:
     """Refuse blocks whose output for a token depends on other tokens (tiling would change the result).
 
     Runs each distinct block class once on 6 random tokens and on the first 3 of them.
     """
     checked = set()
-    for layer in layers:
-        parent, name = layer_mlp(layer)
-        block = getattr(parent, name)
+    for layer, name in zip(layers, names or mlp_names(layers)):
+        block = getattr(layer, name)
         if type(block) in checked:
             continue
         checked.add(type(block))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lstune.models.introspect import decoder_body, output_embedding
+from lstune.models.introspect import ModelParts
 
 if TYPE_CHECKING:
     from torch import nn
@@ -19,18 +19,18 @@ if TYPE_CHECKING:
 PROBE_TOKENS = 8
 
 
-def probe_inputs(model: "nn.Module", n: int = PROBE_TOKENS) -> dict[str, torch.Tensor]:
+def probe_inputs(parts: ModelParts, n: int = PROBE_TOKENS) -> dict[str, torch.Tensor]:
     """`input_ids` and `position_ids` of `n` tokens on the model's device (token ids 1..n, below any vocab)."""
-    device = output_embedding(model).weight.device
+    device = parts.output_embedding.weight.device
     ids = torch.arange(1, n + 1, device=device).unsqueeze(0)
     positions = torch.arange(n, device=device).unsqueeze(0)
     return {"input_ids": ids, "position_ids": positions}
 
 
 @torch.no_grad()
-def probe_hidden_states(model: "nn.Module", inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def probe_hidden_states(parts: ModelParts, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Final hidden states of the decoder body on the probe, in eval mode (dropout off)."""
-    body = decoder_body(model)
+    body = parts.body
     with eval_mode(body):
         out = body(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

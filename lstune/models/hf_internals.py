@@ -43,6 +43,13 @@ def attention_function(key: str) -> Callable | None:
     return AttentionInterface._global_mapping.get(key)
 
 
+def attention_mask_function(key: str) -> Callable | None:
+    """The mask function registered under `key`, or None."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    return AttentionMaskInterface._global_mapping.get(key)
+
+
 def attention_implementation(config: Any) -> str | None:
     """The attention implementation a config names (resolved, as the model runs it)."""
     return config._attn_implementation

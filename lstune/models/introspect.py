@@ -13,6 +13,7 @@ than one per-token block (e.g. Gemma-3n's extra side blocks); the usual case nev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from lstune.errors import ModelError
@@ -35,6 +36,12 @@ class ModelParts:
     input_embedding: Any  # None when the model has none to report
     output_embedding: Any  # the LM head
     text_config: Any
+
+    @cached_property
+    def mlp_names(self) -> tuple[str, ...]:
+        """Per layer, the attribute naming its per-token block (`layer_mlp`), looked up on first use only:
+        a model whose MLP cannot be told apart is refused only when a technique needs its MLP."""
+        return mlp_names(self.layers)
 
     @property
     def hidden_size(self) -> int:
@@ -137,6 +144,11 @@ def layer_mlp(layer: "nn.Module") -> tuple["nn.Module", str]:
             "turn MLP tiling off (tiled_mlp: off, mini_sequence: false) for this architecture."
         )
     return layer, candidates[0][0]
+
+
+def mlp_names(layers: "nn.ModuleList") -> tuple[str, ...]:
+    """`layer_mlp`'s attribute name for each layer."""
+    return tuple(layer_mlp(layer)[1] for layer in layers)
 
 
 def final_norm(model: "nn.Module") -> "nn.Module":

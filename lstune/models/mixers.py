@@ -13,27 +13,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lstune.errors import ModelError
-from lstune.models.introspect import decoder_layers
 
 if TYPE_CHECKING:
     from torch import nn
 
 
-def convolution_mixers(model: "nn.Module") -> list[str]:
+def convolution_mixers(layers: "nn.ModuleList") -> list[str]:
     """Qualified names (`layers.<i>.<path>`) of the convolutions inside the decoder layers."""
     from torch import nn
 
     found = []
-    for index, layer in enumerate(decoder_layers(model)):
+    for index, layer in enumerate(layers):
         for name, module in layer.named_modules():
             if isinstance(module, (nn.Conv1d, nn.Conv2d)):
                 found.append(f"layers.{index}.{name}")
     return found
 
 
-def check_token_mixers(model: "nn.Module", *, pack: bool, sp: int) -> None:
-    """ModelError when packed documents or SP shards would leak through a convolutional token mixer."""
-    convolutions = convolution_mixers(model)
+def check_token_mixers(layers: "nn.ModuleList", *, pack: bool, sp: int) -> None:
+    """ModelError when packed documents or SP shards would leak through a convolutional token mixer
+    (`layers`: the decoder layers, `ModelParts.layers`)."""
+    convolutions = convolution_mixers(layers)
     if not convolutions or not (pack or sp > 1):
         return
     where = ", ".join(convolutions[:3]) + (f" and {len(convolutions) - 3} more" if len(convolutions) > 3 else "")

@@ -79,7 +79,7 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     from lstune.models.mixers import check_token_mixers
 
     parts = find_parts(model)
-    check_token_mixers(model, pack=config.data.pack, sp=runtime.sp)
+    check_token_mixers(parts.layers, pack=config.data.pack, sp=runtime.sp)
     attention = use_lstune_attention(model, backend=config.model.attn)
     ulysses = None
     try:

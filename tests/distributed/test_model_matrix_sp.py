@@ -20,6 +20,7 @@ def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
     from lstune.errors import UserError
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.loss import causal_lm_loss_sum
+    from lstune.models.introspect import decoder_layers
     from lstune.models.mixers import check_token_mixers
     from lstune.parallel.dims import ParallelDims
     from lstune.parallel.loss import global_mean, global_token_count, local_objective, sum_gradients
@@ -40,7 +41,7 @@ def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
             for memory in (False, True):
                 model = copy.deepcopy(base)
                 try:
-                    check_token_mixers(model, pack=data == "packed", sp=world)
+                    check_token_mixers(decoder_layers(model), pack=data == "packed", sp=world)
                     apply_ulysses(model, dims)
                     step = causal_lm_loss_sum
                     if memory:

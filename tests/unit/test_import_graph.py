@@ -74,3 +74,49 @@ def test_the_checker_sees_lazy_imports(tmp_path):
     sample.write_text("def f():\n    from lstune.train.run import train\n    import lstune.cli.app\n")
     assert _imports(sample) == {"lstune.train.run", "lstune.train.run.train", "lstune.cli.app"}
     assert ("models", "data") not in _edges()  # the byte tokenizer's sideways import is gone
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module → the lstune modules it imports, each name resolved to the most specific module that exists
+    (`from lstune.memory import mlp` is an edge to lstune.memory.mlp, not to the package)."""
+    modules = {_module_of(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for name in _imports(path):
+            while name not in modules and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in modules and name != module:
+                targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph`, or None (depth-first search with the path on a stack)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+
+    def visit(node, path):
+        state[node] = 1
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target, path + [target])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return None
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """Within a layer too: no module reaches itself through its imports (lazy ones count)."""
+    assert _cycle(_module_graph()) is None, " → ".join(_cycle(_module_graph()))
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

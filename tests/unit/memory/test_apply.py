@@ -111,3 +111,28 @@ def test_expandable_segments_set_unless_the_user_configured_the_allocator(monkey
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:256")
     assert ensure_expandable_segments() is False
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:256"
+
+
+def test_the_model_tree_is_walked_once_for_its_parts(monkeypatch):
+    """Given the parts, applying every technique (probes included) and a training step look nothing up again:
+    no wrapper is unwrapped, no body or layer list searched, and each layer's MLP is found exactly once."""
+    from lstune.models import introspect
+    from lstune.models.introspect import find_parts
+
+    model = build_model("tiny-llama", num_hidden_layers=3)
+    parts = find_parts(model)
+    calls = {name: 0 for name in ("unwrap_model", "decoder_body", "decoder_layers", "layer_mlp", "output_embedding")}
+    for name in calls:
+        original = getattr(introspect, name)
+
+        def counting(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(introspect, name, counting)
+    memory = MemorySection(tiled_mlp=2, tiled_loss=2, mini_sequence=True, checkpointing=True)
+    plan = apply_memory_techniques(model, memory, seq_len=32, parts=parts)
+    plan.loss_sum(model, long_batch(32))[0].backward()
+    plan.undo()
+    assert plan.fused_norms, "mini-sequence's probe ran (norms fused), so the probes were exercised"
+    assert calls == {"unwrap_model": 0, "decoder_body": 0, "decoder_layers": 0, "layer_mlp": 3, "output_embedding": 0}

@@ -18,6 +18,7 @@ from lstune.memory.loss import (
     loss_tile_count,
 )
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy, tile_bounds
+from lstune.models.introspect import find_parts
 from lstune.models.presets import build_model
 from lstune.memory.measure import LiveBytes
 from tests.unit.memory._helpers import hf_loss_sum, long_batch
@@ -92,10 +93,10 @@ def test_all_labels_ignored_gives_zero_and_a_zero_gradient():
 
 def test_check_loss_head_catches_an_unknown_logit_transform():
     model = build_model("tiny-llama")
-    check_loss_head(model)
+    check_loss_head(find_parts(model))
     model.config.final_logit_softcapping = 2.0  # lstune would softcap; Llama's forward does not
     with pytest.raises(ModelError, match="does not reproduce"):
-        check_loss_head(model)
+        check_loss_head(find_parts(model))
 
 
 def _head_peak(model, seq: int, tiles) -> int:

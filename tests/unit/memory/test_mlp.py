@@ -18,7 +18,7 @@ from lstune.memory.mlp import (
 )
 from lstune.memory.probe import probe_hidden_states, probe_inputs
 from lstune.memory.tiling import TilePolicy
-from lstune.models.introspect import decoder_layers
+from lstune.models.introspect import decoder_layers, find_parts
 from lstune.models.presets import build_model
 from lstune.memory.measure import LiveBytes, SavedBytes
 
@@ -110,16 +110,16 @@ def test_fusable_norms_found_from_the_call_graph():
 def test_a_wrong_fusion_is_detected_and_falls_back(caplog):
     """Fusing the *input* norm into the MLP changes the output: the probe catches it, plain tiling is used."""
     model = build_model("tiny-llama", num_hidden_layers=2)
-    layers = decoder_layers(model)
-    inputs = probe_inputs(model)
-    reference = probe_hidden_states(model, inputs)
+    parts = find_parts(model)
+    inputs = probe_inputs(parts)
+    reference = probe_hidden_states(parts, inputs)
     wrong = {0: ("input_layernorm", None)}
     with caplog.at_level(logging.WARNING, logger="lstune"):
-        installed = _install_verified(model, layers, TilePolicy(tile_len=HIDDEN), wrong, True)
+        installed = _install_verified(parts, TilePolicy(tile_len=HIDDEN), wrong)
     try:
         assert "changed the output" in caplog.text
         assert all(t.pre_norm is None and t.post_norm is None for t in installed)
-        torch.testing.assert_close(probe_hidden_states(model, inputs), reference)
+        torch.testing.assert_close(probe_hidden_states(parts, inputs), reference)
     finally:
         undo_tiled_blocks(installed)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from unittest import mock
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lstune.errors import ConfigError, ModelError, UserError
-from lstune.models import attention
+from lstune.models import attention, hf_internals
 from lstune.models.attention import (
     check_attention_support,
     cu_seqlens,
@@ -193,18 +192,16 @@ def test_no_seq_by_seq_tensor_is_ever_built():
         masks.append(attention._build_no_mask(**kwargs))
         return masks[-1]
 
-    with mock.patch.dict(attention_mask_registry(), {handle.key: spy}):
+    own_mask = hf_internals.attention_mask_function(handle.key)
+    hf_internals.register_attention(handle.key, hf_internals.attention_function(handle.key), spy)
+    try:
         tracker = LargestTensor()
         with tracker:
             token_loss(model, batch).backward()
+    finally:
+        hf_internals.register_attention(handle.key, hf_internals.attention_function(handle.key), own_mask)
     assert masks and all(isinstance(mask, attention.ModelMask) for mask in masks)  # a description, no tensor
     assert tracker.largest < seq * seq // 8, tracker.largest
-
-
-def attention_mask_registry() -> dict:
-    from transformers.masking_utils import AttentionMaskInterface
-
-    return AttentionMaskInterface._global_mapping
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -315,22 +312,20 @@ def test_check_attention_support():
 
 
 def test_undo_restores_and_other_models_are_untouched(caplog):
-    from transformers.modeling_utils import AttentionInterface
-
     model, bystander = build_model("tiny-llama", num_hidden_layers=1), build_model("tiny-llama", num_hidden_layers=1)
-    assert model.config._attn_implementation == "sdpa"
+    assert hf_internals.attention_implementation(model.config) == "sdpa"
     batch = packed_batch([[10, 6]])
     with caplog.at_level(logging.INFO, logger="lstune"):
         handle = use_lstune_attention(model)
     assert handle.key in caplog.text and "no attention mask" in caplog.text
-    assert model.config._attn_implementation == handle.key
-    assert bystander.config._attn_implementation == "sdpa"
-    assert handle.key in AttentionInterface._global_mapping and handle.key in attention_mask_registry()
+    assert hf_internals.attention_implementation(model.config) == handle.key
+    assert hf_internals.attention_implementation(bystander.config) == "sdpa"
+    assert hf_internals.attention_function(handle.key) and hf_internals.attention_mask_function(handle.key)
 
     handle.undo()
     handle.undo()
-    assert model.config._attn_implementation == "sdpa"
-    assert handle.key not in AttentionInterface._global_mapping and handle.key not in attention_mask_registry()
+    assert hf_internals.attention_implementation(model.config) == "sdpa"
+    assert hf_internals.attention_function(handle.key) is None and hf_internals.attention_mask_function(handle.key) is None
     with torch.no_grad():
         torch.testing.assert_close(token_loss(model, batch), token_loss(bystander, batch))
 

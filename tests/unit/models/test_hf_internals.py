@@ -66,10 +66,13 @@ def test_packed_sequence_detection_can_be_switched_off():
 
 
 def test_no_other_module_touches_transformers_internals():
+    """Nor does any test but this file: tests read internals through the same accessors, so a transformers
+    release that moves one breaks this file alone."""
+    sources = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tests").rglob("*.py")]
     offenders = [
-        f"{path.relative_to(PACKAGE)}:{number}"
-        for path in PACKAGE.rglob("*.py")
-        if path.name != "hf_internals.py"
+        f"{path.relative_to(PACKAGE.parent)}:{number}"
+        for path in sources
+        if path.name not in ("hf_internals.py", "test_hf_internals.py")
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if PRIVATE.search(line) and not line.lstrip().startswith(("#", "`")) and "`" not in line
     ]

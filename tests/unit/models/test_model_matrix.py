@@ -59,9 +59,10 @@ def _apply(model, technique: str, data: str):
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.models.attention import use_lstune_attention
+    from lstune.models.introspect import decoder_layers
     from lstune.models.mixers import check_token_mixers
 
-    check_token_mixers(model, pack=data == "packed", sp=1)
+    check_token_mixers(decoder_layers(model), pack=data == "packed", sp=1)
     use_lstune_attention(model, backend="sdpa")
     if TECHNIQUES[technique] is None:
         return lstune_step

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lstune.errors import DataError, ModelError
+from lstune.models.hf_internals import attention_implementation
 from lstune.models.presets import build_model
 from lstune.parallel.dims import ParallelDims
 from lstune.parallel.ulysses import UlyssesAttention, apply_ulysses
@@ -17,10 +18,10 @@ def test_sp1_wrapper_matches_plain_model_and_undo_restores_it():
     model = build_model("tiny-mistral", attn_implementation="sdpa")
     plain, _ = loss_sum(model, batch)
     handle = apply_ulysses(model, ParallelDims(1, 1))
-    assert model.config._attn_implementation.startswith("lstune_")
+    assert attention_implementation(model.config).startswith("lstune_")
     wrapped, _ = loss_sum(model, batch)
     handle.undo()
-    assert model.config._attn_implementation == "sdpa"
+    assert attention_implementation(model.config) == "sdpa"
     torch.testing.assert_close(wrapped, plain, rtol=1e-6, atol=1e-5)
 
 

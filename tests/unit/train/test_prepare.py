@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from lstune.config.load import build_config
+from lstune.models.hf_internals import attention_implementation
 from lstune.models.presets import build_model
 from lstune.train.prepare import apply_techniques, prepare_model
 from lstune.train.runtime import Runtime
@@ -24,14 +25,14 @@ def test_apply_undo_reapply_keeps_the_numbers_and_the_model():
     config = build_config({}, {"seq_len": "96", "tiled_mlp": "3", "tiled_loss": "4", "offload_checkpoints": True})
     prepared = prepare_model(model, config, _runtime())
     assert prepared.memory.loss_tiles == 4 and prepared.memory.mlp_tiles == 3
-    assert prepared.model.config._attn_implementation == prepared.attention.key
+    assert attention_implementation(prepared.model.config) == prepared.attention.key
     with torch.no_grad():
         first, count = prepared.loss_sum(batch)
     torch.testing.assert_close(first, reference, rtol=1e-5, atol=1e-5)
 
     prepared.undo()
     assert not any("forward" in vars(m) for m in model.modules())
-    assert model.config._attn_implementation == "sdpa"
+    assert attention_implementation(model.config) == "sdpa"
 
     again = apply_techniques(prepared.model, build_config({}, {"seq_len": "96", "mini_sequence": True}), _runtime())
     with torch.no_grad():
