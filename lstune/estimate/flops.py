@@ -1,0 +1,74 @@
+"""FLOPs of one training step of one sequence: the model's (the MFU numerator) and the hardware's.
+
+Per token and layer, a matmul of a `[in, out]` weight costs 2·in·out FLOPs forward. Backward costs the input
+gradient (2·in·out) and, for trainable weights, the weight gradient (2·in·out): a frozen LoRA base costs
+forward + input gradient only; its adapters r·(in + out) cost all three. Causal attention computes S(S+1)/2
+(query, key) pairs per layer (fewer inside a sliding window), 4·head_dim·heads FLOPs per pair forward (QKᵀ and
+PV), twice that backward.
+
+`model` is the MFU numerator: forward + backward, no recompute. `hardware` adds what lstune runs again:
+checkpointing's second forward of every layer, the tiled MLP's recompute of each tile in backward, the tiled
+loss head's recompute of the logits, and attention kernels' own backward recompute (FlashAttention's backward
+is 2.5 × its forward, the convention of the rates in lstune.estimate.hardware).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from lstune.estimate.shapes import ModelShape
+
+ATTENTION_BACKWARD = 2.0  # model FLOPs: dQ, dK, dV, dP
+ATTENTION_BACKWARD_KERNEL = 2.5  # what a FlashAttention-class backward computes (recomputes P)
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """FLOPs of one step of `tokens` tokens (one micro-batch of one sequence, all layers, all ranks together)."""
+
+    model: float  # MFU numerator
+    hardware: float  # with recompute
+    hardware_matmul: float  # the part of `hardware` that runs as dense matmuls
+    hardware_attention: float  # the part that runs in attention kernels
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def step_flops(
+    model_config: Any, seq_len: int, *, lora: bool, checkpointing: bool, lora_r: int = 16,
+    tiled_mlp: bool = False, tiled_loss: bool = False,
+) -> StepFlops:
+    """FLOPs of a step over one sequence of `seq_len` tokens (module doc). `lora`: LoRA of rank `lora_r` on every
+    linear layer but the head (adapter FLOPs are r·(in + out) per linear); `tiled_mlp` / `tiled_loss`: their
+    recompute counts in `hardware`."""
+    shape = ModelShape.from_config(model_config)
+    s = seq_len
+    layer_fwd = 2 * shape.layer_matmul_params() * s * shape.layers
+    head_fwd = 2 * shape.hidden * shape.vocab * s
+    attention_fwd = 4 * shape.head_dim * shape.heads * shape.attention_pairs(s)
+    adapter_fwd = 2 * lora_r * _adapter_widths(shape) * s * shape.layers if lora else 0
+    base_backward = 1 if lora else 2
+    matmul_model = (layer_fwd + head_fwd) * (1 + base_backward) + 3 * adapter_fwd
+    model = matmul_model + attention_fwd * (1 + ATTENTION_BACKWARD)
+    recompute = 0.0
+    if checkpointing:
+        recompute += layer_fwd + adapter_fwd
+    if tiled_mlp:
+        recompute += 2 * shape.mlp_matrices * shape.hidden * shape.active_intermediate * s * shape.layers
+    if tiled_loss:
+        recompute += head_fwd
+    attention_hw = attention_fwd * (1 + ATTENTION_BACKWARD_KERNEL + (1 if checkpointing else 0))
+    matmul_hw = matmul_model + recompute
+    return StepFlops(float(model), float(matmul_hw + attention_hw), float(matmul_hw), float(attention_hw), s)
+
+
+def _adapter_widths(shape: ModelShape) -> int:
+    """Σ (in + out) over the linear layers of one decoder layer that LoRA 'auto' adapts (dense experts counted
+    as the MLP a token passes through)."""
+    h = shape.hidden
+    attention = (h + shape.q_width) + 2 * (h + shape.kv_width) + (shape.q_width + h)
+    mlp = shape.mlp_matrices * (h + shape.active_intermediate)
+    return attention + mlp

@@ -1,0 +1,141 @@
+"""The hardware an estimate is for: a table of GPUs, and the cluster a run would use (devices × nodes, host memory).
+
+Device bytes are what `torch.cuda.get_device_properties(...).total_memory` reports (less than the marketing
+size: the driver keeps some). Throughputs are bf16: the dense matmul peak of the data sheet, the matmul rate a
+training step sustains inside a model, and the causal-attention kernel rate (FlashAttention-2 class). The H100
+rates were measured on one H100 80GB HBM3 (docs/benchmarks/2026-11-23-h100: GEMMs 700-800 TFLOP/s in isolation,
+about 80 % of that inside the model; causal SDPA 530-560 TFLOP/s forward and backward); the others are the
+same fractions of their data-sheet peaks until `lstune bench` measures them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, replace
+
+from lstune.errors import ConfigError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator (or the CPU): its memory and bf16 throughputs."""
+
+    name: str
+    device_bytes: int
+    peak_tflops: float  # bf16 dense matmul, data sheet
+    matmul_tflops: float  # bf16 matmul rate sustained inside a training step
+    attention_tflops: float  # causal attention kernel, forward and backward
+    host_link_gbps: float  # pinned host <-> device copies, GB/s
+    kind: str = "cuda"  # "cuda" or "cpu"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+GPUS: dict[str, Hardware] = {
+    "h100-80gb": Hardware("h100-80gb", 85_017_493_504, 989.0, 620.0, 540.0, 50.0),
+    "h200": Hardware("h200", int(139.8 * GIB), 989.0, 640.0, 560.0, 50.0),
+    "a100-80gb": Hardware("a100-80gb", int(79.15 * GIB), 312.0, 200.0, 170.0, 25.0),
+    "a100-40gb": Hardware("a100-40gb", int(39.39 * GIB), 312.0, 200.0, 170.0, 25.0),
+    "l40s": Hardware("l40s", int(44.39 * GIB), 362.0, 220.0, 180.0, 25.0),
+}
+# A CPU "device": its memory is the host's (filled in by `resolve_hardware`); rates of a few cores.
+CPU = Hardware("cpu", 0, 1.0, 0.2, 0.1, 10.0, kind="cpu")
+
+
+def gpu_spec(name: str) -> Hardware:
+    """The table entry for `name` (case-insensitive; `cpu` too); ConfigError naming the known ones otherwise."""
+    key = name.strip().lower()
+    if key == "cpu":
+        return CPU
+    if key not in GPUS:
+        raise ConfigError([f"--gpu {name!r} is not a known GPU; use one of {', '.join(GPUS)} or cpu, or give "
+                           "--device-mem (e.g. --device-mem 80G) for another one."])
+    return GPUS[key]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The resolved hardware of a run: `gpus` devices per node on `nodes` nodes, `host_bytes` of RAM per node."""
+
+    device: Hardware
+    gpus: int
+    nodes: int
+    host_bytes: int
+    source: str  # where the device came from: "local CUDA device", "--gpu h100-80gb", ...
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.kind == "cuda"
+
+    def to_dict(self) -> dict:
+        return {"device": self.device.to_dict(), "gpus": self.gpus, "nodes": self.nodes,
+                "world_size": self.world_size, "host_bytes": self.host_bytes, "source": self.source}
+
+
+def resolve_hardware(
+    *, gpu: str | None = None, device_mem: int | None = None, host_mem: int | None = None, gpus: int = 1,
+    nodes: int = 1, detect: bool = True,
+) -> Cluster:
+    """The cluster to estimate for. Device: `gpu` from the table, else this machine's CUDA device (when
+    `detect`), else the CPU; `device_mem` overrides its memory (an unlisted GPU: H100 rates). Host: `host_mem`,
+    else this machine's RAM."""
+    problems = []
+    if nodes < 1:
+        problems.append(f"--nodes {nodes}: give at least 1 node.")
+    if gpus < 1:
+        problems.append(f"--gpus {gpus}: give at least 1 process per node.")
+    if device_mem is not None and device_mem < GIB:
+        problems.append(f"--device-mem {device_mem} bytes is less than 1 GiB; give e.g. --device-mem 80G.")
+    if problems:
+        raise ConfigError(problems)
+    device, source = _device(gpu, device_mem, detect)
+    host = host_mem if host_mem is not None else local_host_bytes()
+    if device.kind == "cpu":
+        device = replace(device, device_bytes=device_mem or host)
+    return Cluster(device, gpus, nodes, host, source)
+
+
+def _device(gpu: str | None, device_mem: int | None, detect: bool) -> tuple[Hardware, str]:
+    if gpu is not None:
+        spec = gpu_spec(gpu)
+        if device_mem is not None and spec.kind == "cuda":
+            return replace(spec, device_bytes=device_mem), f"--gpu {gpu} with --device-mem"
+        return spec, f"--gpu {gpu}"
+    if device_mem is not None:
+        return replace(GPUS["h100-80gb"], name="gpu", device_bytes=device_mem), "--device-mem (H100 rates)"
+    local = local_cuda_device() if detect else None
+    if local is not None:
+        return local, "this machine's CUDA device"
+    return CPU, "this machine's CPU (no CUDA device; give --gpu or --device-mem to estimate for a GPU)"
+
+
+def local_cuda_device() -> Hardware | None:
+    """This machine's first CUDA device with its measured memory, rates from the table entry its name matches
+    (H100 rates when none does), or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(0)
+    return replace(_table_entry(props.name, props.total_memory), name=props.name, device_bytes=props.total_memory)
+
+
+def _table_entry(device_name: str, total_bytes: int) -> Hardware:
+    name = device_name.lower()
+    for model in ("h200", "h100", "l40s"):
+        if model in name:
+            return GPUS["h100-80gb" if model == "h100" else model]
+    if "a100" in name:
+        return GPUS["a100-80gb" if total_bytes > 60 * GIB else "a100-40gb"]
+    return GPUS["h100-80gb"]
+
+
+def local_host_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,0 +1,184 @@
+"""The shapes an estimate needs, read from a transformers config (and parameter counts from a meta-device model).
+
+`ModelShape.from_config` reads widths from the config alone (hidden, heads, kv heads, head dim, intermediate,
+experts, vocab, tied embeddings, sliding windows) — enough for FLOPs. `count_parameters` builds the model on the
+meta device (no weights, no memory) and counts what a run holds: frozen and trainable parameters with LoRA's
+adapters placed exactly where peft would place them, the largest layer, the norms per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+# Architectures whose MLP is a plain up/act/down (two matrices); every other one is gated (SwiGLU/GeGLU: three).
+_UNGATED_MLP = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "opt", "falcon", "bloom", "phi", "starcoder2", "gptj",
+                          "codegen", "mpt"})
+
+
+def text_config(config: Any) -> Any:
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Widths of one decoder (per token), from the config."""
+
+    layers: int
+    hidden: int
+    q_width: int  # heads · head_dim
+    kv_width: int  # kv heads · head_dim
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP width, or one expert's for MoE
+    experts: int  # 0 for dense
+    top_k: int
+    shared_intermediate: int  # MoE shared experts' total width
+    vocab: int
+    tied: bool
+    gated: bool
+    windows: tuple[int | None, ...]  # per layer: sliding window in tokens, None = full causal
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        c = text_config(config)
+        hidden = _first(c, "hidden_size", "n_embd", "d_model")
+        heads = _first(c, "num_attention_heads", "n_head")
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+        moe_width = getattr(c, "moe_intermediate_size", None)
+        intermediate = (moe_width if experts and moe_width else None) or getattr(c, "intermediate_size", None) \
+            or getattr(c, "n_inner", None) or 4 * hidden
+        layers = _first(c, "num_hidden_layers", "n_layer")
+        return cls(
+            layers=layers, hidden=hidden, q_width=heads * head_dim, kv_width=kv_heads * head_dim, heads=heads,
+            kv_heads=kv_heads, head_dim=head_dim, intermediate=intermediate, experts=experts,
+            top_k=(getattr(c, "num_experts_per_tok", None) or 1) if experts else 0,
+            shared_intermediate=_shared_width(c) if experts else 0,
+            vocab=c.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
+            gated=getattr(c, "model_type", "") not in _UNGATED_MLP, windows=_windows(c, layers),
+        )
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.gated else 2
+
+    @property
+    def active_intermediate(self) -> int:
+        """MLP width one token passes through: the dense width, or top-k experts plus shared experts."""
+        if not self.experts:
+            return self.intermediate
+        return self.top_k * self.intermediate + self.shared_intermediate
+
+    def layer_matmul_params(self) -> int:
+        """Weights one token multiplies in one layer (attention projections + active MLP + router)."""
+        attention = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
+        router = self.hidden * self.experts
+        return attention + self.mlp_matrices * self.hidden * self.active_intermediate + router
+
+    def attention_pairs(self, seq_len: int) -> int:
+        """(query, key) pairs over all layers of one causal sequence: S(S+1)/2 per full layer, fewer in windows."""
+        return sum(_causal_pairs(seq_len, window) for window in self.windows)
+
+
+def _first(config: Any, *names: str) -> int:
+    for name in names:
+        value = getattr(config, name, None)
+        if value:
+            return value
+    raise ValueError(f"the model config has none of {', '.join(names)}")
+
+
+def _shared_width(c: Any) -> int:
+    width = getattr(c, "shared_expert_intermediate_size", None)
+    if width:
+        return width
+    shared = getattr(c, "n_shared_experts", None) or 0
+    return shared * (getattr(c, "moe_intermediate_size", None) or 0)
+
+
+def _windows(c: Any, layers: int) -> tuple[int | None, ...]:
+    window = getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None)
+    if types and len(types) == layers:
+        return tuple(window if t == "sliding_attention" and window else None for t in types)
+    if window and getattr(c, "use_sliding_window", True):
+        return (window,) * layers
+    return (None,) * layers
+
+
+def _causal_pairs(n: int, window: int | None) -> int:
+    if window is None or window >= n:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of the model as a run holds them (from a meta-device build)."""
+
+    total: int  # every parameter (tied weights once), adapters included
+    trainable: int  # adapters with LoRA, everything without
+    adapters: int  # LoRA adapter parameters (0 without LoRA)
+    adapted_linears: int  # linear layers LoRA adapts
+    largest_layer: int  # parameters of the largest decoder layer (ZeRO-3 gathers one at a time)
+    norms_per_layer: int
+    embeddings: int  # input embedding (+ output head when not tied)
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trainable
+
+    def to_dict(self) -> dict:
+        return {"total": self.total, "trainable": self.trainable, "frozen": self.frozen, "adapters": self.adapters,
+                "adapted_linears": self.adapted_linears, "largest_layer": self.largest_layer,
+                "norms_per_layer": self.norms_per_layer, "embeddings": self.embeddings}
+
+
+def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto",
+                     trust_remote_code: bool = False) -> ParamCounts:
+    """Count on a meta-device build of `config`: nothing is allocated. LoRA: r · (in + out) per adapted
+    `nn.Linear` — every linear but the output head for 'auto' (peft's "all-linear"), else those whose name
+    ends in one of the targets."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lstune.models.introspect import decoder_layers, is_norm, output_embedding
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    base = sum(p.numel() for p in model.parameters())
+    head = output_embedding(model)
+    adapters, adapted = 0, 0
+    if lora_r:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and module is not head and _targeted(name, lora_targets):
+                adapters += lora_r * (module.in_features + module.out_features)
+                adapted += 1
+    layers = decoder_layers(model)
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    norms = sum(1 for m in layers[0].modules() if m is not layers[0] and is_norm(m))
+    embeddings = sum(p.numel() for p in model.get_input_embeddings().parameters())
+    if head is not None and not any(p is q for p in head.parameters() for q in model.get_input_embeddings().parameters()):
+        embeddings += sum(p.numel() for p in head.parameters())
+    total = base + adapters
+    return ParamCounts(total, adapters if lora_r else total, adapters, adapted, largest, norms, embeddings)
+
+
+def _targeted(name: str, targets: Any) -> bool:
+    if targets == "auto":
+        return True
+    names = [targets] if isinstance(targets, str) else list(targets)
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in names or any(name.endswith(t) for t in names)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else a
+
+
+__all__ = ["ModelShape", "ParamCounts", "count_parameters", "text_config", "ceil_div", "math"]

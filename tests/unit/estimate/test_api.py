@@ -1,0 +1,108 @@
+"""The estimate's API: FLOPs against a hand count, the hardware table and its errors, and the byte model's
+answers for the cases that decide a run (dtypes, engines, offload, longest sequence)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lstune.config.schema import TrainConfig
+from lstune.errors import ConfigError
+from lstune.estimate import estimate
+from lstune.estimate.flops import step_flops
+from lstune.estimate.hardware import GPUS, gpu_spec, resolve_hardware
+from lstune.models.presets import preset_config
+
+GiB = 2**30
+
+
+def _config(**flat) -> TrainConfig:
+    return TrainConfig.from_flat({"model": "tiny-llama", **flat})
+
+
+def test_step_flops_match_a_hand_count_for_tiny_llama():
+    # tiny-llama: hidden 128, 4 q heads / 2 kv heads of 32, intermediate 352, vocab 320, 4 layers; 64 tokens.
+    s, h, layers = 64, 128, 4
+    layer_params = h * 128 + 2 * h * 64 + 128 * h + 3 * h * 352  # q, k, v, o, gate/up/down
+    layer_fwd = 2 * layer_params * s * layers
+    head_fwd = 2 * h * 320 * s
+    attention_fwd = layers * 4 * 32 * 4 * (s * (s + 1) // 2)  # QKᵀ and PV over causal pairs, 4 heads of 32
+    full = step_flops(preset_config("tiny-llama"), s, lora=False, checkpointing=False)
+    assert full.model == 3 * (layer_fwd + head_fwd) + 3 * attention_fwd
+    assert full.hardware == 3 * (layer_fwd + head_fwd) + 3.5 * attention_fwd  # kernel backward recomputes P
+
+    adapters = layers * 2 * 8 * s * ((h + 128) + 2 * (h + 64) + (128 + h) + 3 * (h + 352))  # r = 8
+    lora = step_flops(preset_config("tiny-llama"), s, lora=True, lora_r=8, checkpointing=True)
+    assert lora.model == 2 * (layer_fwd + head_fwd) + 3 * adapters + 3 * attention_fwd
+    assert lora.hardware == lora.model + layer_fwd + adapters + 1.5 * attention_fwd  # + recompute of every layer
+
+
+def test_unknown_gpu_names_the_known_ones():
+    with pytest.raises(ConfigError) as exc:
+        gpu_spec("h1000")
+    assert all(name in str(exc.value) for name in GPUS) and exc.value.exit_code == 2
+    assert gpu_spec("H100-80GB").device_bytes > 80 * 10**9
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"nodes": 0}, "--nodes"), ({"gpus": 0}, "--gpus"), ({"device_mem": 1000}, "--device-mem"),
+])
+def test_impossible_hardware_is_refused(kwargs, words):
+    with pytest.raises(ConfigError, match=words):
+        resolve_hardware(gpu="h100-80gb", **kwargs)
+
+
+def test_lora_on_one_h100_keeps_the_frozen_base_in_bf16_and_checkpoints_at_2_bytes_per_hidden():
+    hw = resolve_hardware(gpu="h100-80gb", host_mem=128 * GiB)
+    e = estimate(_config(model="llama-3.1-8b", seq_len=32768, lora_r=16), hw)
+    items = {i.name: i for i in e.breakdown.items}
+    assert e.engine.kind == "torch"
+    assert items["frozen parameters"].device == 2 * e.params.frozen
+    assert e.params.frozen == 16_060_522_496 // 2  # the H100 measurement of the bf16 base
+    assert e.breakdown.checkpoint_bytes_per_token_layer == 2 * 4096
+    assert e.fits and 32768 < e.longest_seq_len < 10**6
+
+
+def test_full_fine_tune_of_8b_on_one_gpu_needs_zero3_with_offload():
+    hw = resolve_hardware(gpu="h100-80gb", host_mem=512 * GiB)
+    e = estimate(_config(model="llama-3.1-8b", seq_len=16384), hw)
+    assert e.engine.kind == "deepspeed" and e.engine.zero_stage == 3 and e.engine.offload_optimizer
+    assert e.fits
+
+
+def test_70b_lora_on_8_gpus_shards_the_bf16_base():
+    """The old rule counted trainable weights only (ZeRO-1, '1.5 GB per device'); the base is 141 GB."""
+    hw = resolve_hardware(gpu="h100-80gb", gpus=8, host_mem=1024 * GiB)
+    e = estimate(_config(model="llama-3.1-70b", seq_len=32768, lora_r=16), hw)
+    assert e.engine.zero_stage == 3 and e.fits
+    assert e.sp == 8
+
+
+def test_offload_moves_checkpoints_to_the_host_and_lengthens_the_longest_sequence():
+    hw = resolve_hardware(gpu="h100-80gb", host_mem=1024 * GiB)
+    plain = estimate(_config(model="llama-3.1-8b", seq_len=65536, lora_r=16), hw)
+    offload = estimate(_config(model="llama-3.1-8b", seq_len=65536, lora_r=16, offload_checkpoints=True), hw)
+    assert offload.device_peak_bytes < plain.device_peak_bytes
+    assert offload.host_peak_bytes > plain.host_peak_bytes
+    assert offload.longest_seq_len > plain.longest_seq_len
+
+
+def test_a_run_that_does_not_fit_gets_suggestions_that_do():
+    hw = resolve_hardware(gpu="h100-80gb", host_mem=1024 * GiB)
+    e = estimate(_config(model="llama-3.1-8b", seq_len=300 * 1024, lora_r=16), hw)
+    assert not e.fits
+    assert e.suggestions and all(s.fits for s in e.suggestions)
+    assert e.to_dict()["suggestions"][0]["flags"].startswith("--")
+
+
+def test_sp_degree_that_cannot_work_is_refused():
+    hw = resolve_hardware(gpu="h100-80gb", gpus=4)
+    with pytest.raises(ConfigError, match="--sp"):
+        estimate(_config(sp=3), hw)
+
+
+def test_to_dict_is_json():
+    import json
+
+    e = estimate(_config(seq_len=4096), resolve_hardware(gpu="cpu", host_mem=16 * GiB))
+    data = json.loads(json.dumps(e.to_dict()))
+    assert data["device_peak_bytes"] == e.device_peak_bytes and data["fits"] is True
