@@ -50,9 +50,10 @@ def _root(
 
 
 def _register_commands() -> None:
-    from lstune.cli import presets, train
+    from lstune.cli import estimate, presets, train
 
     train.register(app)
+    estimate.register(app)
     presets.register(app)
 
 

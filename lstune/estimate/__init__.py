@@ -122,7 +122,7 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
     sp = resolve_sp(config, hardware, model_config)
     engine = choose_engine(config, hardware, shape, params, sp)
     result = _evaluate(config, hardware, shape, params, sp, engine, model_config)
-    result.longest_seq_len = longest_seq_len(config, hardware, shape, params, sp, engine, model_config)
+    result.longest_seq_len = longest_seq_len(config, hardware, shape, params, sp, engine)
     if suggest and not result.fits:
         result.suggestions = cheapest_changes(config, hardware, model_config, params)
     return result
@@ -179,17 +179,18 @@ def engine_candidates(config: TrainConfig, hardware: Cluster) -> list[Engine]:
 
 
 def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int) -> Engine:
-    """The first candidate whose device and host peaks fit; the one with the smallest device peak if none does."""
+    """The first candidate whose device and host peaks fit; when none does, the one that fits the longest
+    sequence (the first of equals)."""
     candidates = engine_candidates(config, hardware)
-    capacity = device_capacity(hardware)
-    best, best_peak = candidates[-1], None
     for engine in candidates:
-        b = breakdown(shape, params, settings(config, hardware, sp, engine))
-        if b.device_peak <= capacity and b.host_peak * hardware.gpus <= hardware.host_bytes:
+        if _fits(breakdown(shape, params, settings(config, hardware, sp, engine)), hardware):
             return engine
-        if best_peak is None or b.device_peak < best_peak:
-            best, best_peak = engine, b.device_peak
-    return best
+    reach = [longest_seq_len(config, hardware, shape, params, sp, engine) for engine in candidates]
+    return candidates[reach.index(max(reach))]
+
+
+def _fits(b: Breakdown, hardware: Cluster) -> bool:
+    return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= hardware.host_bytes
 
 
 def device_capacity(hardware: Cluster) -> int:
@@ -227,14 +228,12 @@ def step_seconds(flops: StepFlops, hardware: Cluster, sp: int, engine: Engine, p
     return compute + host_adam
 
 
-def longest_seq_len(config, hardware, shape, params, sp, engine, model_config) -> int:
+def longest_seq_len(config, hardware, shape, params, sp, engine) -> int:
     """The longest sequence (a multiple of 1024 · SP) whose peaks fit, with everything else unchanged."""
     step = MIN_SEQ * sp
 
     def fits(n: int) -> bool:
-        c = _with(config, seq_len=n)
-        b = breakdown(shape, params, settings(c, hardware, sp, engine))
-        return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= hardware.host_bytes
+        return _fits(breakdown(shape, params, settings(_with(config, seq_len=n), hardware, sp, engine)), hardware)
 
     if not fits(step):
         return 0

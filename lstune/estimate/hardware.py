@@ -1,11 +1,13 @@
 """The hardware an estimate is for: a table of GPUs, and the cluster a run would use (devices × nodes, host memory).
 
 Device bytes are what `torch.cuda.get_device_properties(...).total_memory` reports (less than the marketing
-size: the driver keeps some). Throughputs are bf16: the dense matmul peak of the data sheet, the matmul rate a
-training step sustains inside a model, and the causal-attention kernel rate (FlashAttention-2 class). The H100
-rates were measured on one H100 80GB HBM3 (docs/benchmarks/2026-11-23-h100: GEMMs 700-800 TFLOP/s in isolation,
-about 80 % of that inside the model; causal SDPA 530-560 TFLOP/s forward and backward); the others are the
-same fractions of their data-sheet peaks until `lstune bench` measures them.
+size: the driver keeps some). Throughputs are bf16: the dense matmul peak of the data sheet, and the two rates a
+step time is computed with — `matmul_tflops` for everything that grows linearly with the sequence (matmuls
+and the elementwise work around them: norms, rotary, casts, LoRA's thin matmuls) and `attention_tflops` for the
+causal attention kernels. The H100 rates are fitted to the full-depth steps measured on one H100 80GB HBM3
+(docs/benchmarks/2026-11-23-h100: Llama-3.1-8B LoRA, 8K-147K tokens; docs/estimate.md): 340 and 500 TFLOP/s,
+against 700-800 for isolated GEMMs and 530-560 for isolated causal SDPA. The other GPUs get the same fractions
+of their data-sheet peaks until `lstune bench` measures them.
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ class Hardware:
 
 
 GPUS: dict[str, Hardware] = {
-    "h100-80gb": Hardware("h100-80gb", 85_017_493_504, 989.0, 620.0, 540.0, 50.0),
-    "h200": Hardware("h200", int(139.8 * GIB), 989.0, 640.0, 560.0, 50.0),
-    "a100-80gb": Hardware("a100-80gb", int(79.15 * GIB), 312.0, 200.0, 170.0, 25.0),
-    "a100-40gb": Hardware("a100-40gb", int(39.39 * GIB), 312.0, 200.0, 170.0, 25.0),
-    "l40s": Hardware("l40s", int(44.39 * GIB), 362.0, 220.0, 180.0, 25.0),
+    "h100-80gb": Hardware("h100-80gb", 85_017_493_504, 989.0, 340.0, 500.0, 50.0),
+    "h200": Hardware("h200", int(139.8 * GIB), 989.0, 350.0, 510.0, 50.0),
+    "a100-80gb": Hardware("a100-80gb", int(79.15 * GIB), 312.0, 107.0, 156.0, 25.0),
+    "a100-40gb": Hardware("a100-40gb", int(39.39 * GIB), 312.0, 107.0, 156.0, 25.0),
+    "l40s": Hardware("l40s", int(44.39 * GIB), 362.0, 125.0, 163.0, 25.0),
 }
 # A CPU "device": its memory is the host's (filled in by `resolve_hardware`); rates of a few cores.
 CPU = Hardware("cpu", 0, 1.0, 0.2, 0.1, 10.0, kind="cpu")

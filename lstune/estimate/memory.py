@@ -39,9 +39,6 @@ GIB = 2**30
 CUDA_CONTEXT_BYTES = 512 * 2**20  # the CUDA context and kernels, outside torch's allocator
 ALLOCATOR_RESERVE = 0.025  # of device memory the caching allocator cannot hand out (expandable segments)
 HOST_PROCESS_BYTES = 2 * GIB  # one training process's own memory (python, torch, CUDA libraries): measured 1.5-1.9 GB
-# Host bytes per offloaded checkpoint byte: on the H100 the process's RSS grew by twice the offloaded bytes
-# (2.0× at 128K: 31.0 GiB offloaded, RSS 67.4 GB; docs/benchmarks/2026-11-23-h100/bench.json).
-PINNED_FACTOR = 2.0
 LOSS_TILE_BYTES = 2**30  # lstune.memory.loss.LOSS_TILE_BYTES: ALST's ~1 GiB of fp32 logits per tile
 ADAM_BYTES = 8  # two fp32 moments
 DS_GRAD_BYTES, DS_OPTIM_BYTES = 4, 12  # DeepSpeed bf16 mode: fp32 gradient; fp32 master + m + v
@@ -203,7 +200,7 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
         b.phase = "layer backward"
         return
     offloaded = _offloaded_layers(shape, s, ckpt)
-    host = int(offloaded * ckpt * PINNED_FACTOR)
+    host = offloaded * pinned_block(ckpt)
     layer = t * _layer_per_token(shape, p, s, act) + _mlp_tile(shape, s, act)
     loss = _loss_head(shape, s, act)
     kept_fwd = shape.layers - offloaded
@@ -214,9 +211,16 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
         b.phase, on_device, working = "layer backward", kept_bwd, ("working set of one layer in backward", layer)
     b.add("activation checkpoints", on_device * ckpt, host,
           f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
-          + (f" (× {PINNED_FACTOR:g} pinned, measured)" if offloaded else ""))
+          + (f" in pinned blocks of {pinned_block(ckpt):,} B" if offloaded else ""))
     b.add(*working)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
+
+
+def pinned_block(nbytes: int) -> int:
+    """Host bytes one pinned copy takes: torch's caching host allocator rounds every pinned allocation up to a
+    power of two (CachingHostAllocator.h, `PowerOf2Ceil`, unless PYTORCH_CUDA_ALLOC_CONF sets
+    pinned_max_round_threshold) and keeps the blocks cached for reuse."""
+    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
 def _offloaded_layers(shape: ModelShape, s: Settings, ckpt: int) -> int:

@@ -1,0 +1,178 @@
+"""`lstune estimate`: will this run fit, with which settings, how fast — from the model's config alone.
+
+Takes the same flags and recipes as `lstune train` (the config sections), plus the hardware to estimate for.
+The library answer is `lstune.estimate.estimate` (analytic) or `lstune.train.trace.trace_estimate` (--trace);
+this module parses, calls one of them and renders the result.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional
+
+import typer
+
+from lstune.cli.options import config_parameter, given_flags, section_parameters
+
+HELP = (
+    "Predict the device and host memory peak of a training run, the longest sequence that fits, the cheapest "
+    "changes that would fit, and the step time — before anything is downloaded or rented.\n\n"
+    "Takes every `lstune train` flag and recipe (--config). Hardware: this machine's CUDA device when there is "
+    "one, else --gpu or --device-mem; --host-mem defaults to this machine's RAM."
+)
+SECTIONS = ("model", "data", "memory", "parallel", "optim")
+_HW = "Hardware"
+
+
+def register(app: typer.Typer) -> None:
+    command = _estimate_command
+    command.__signature__ = _signature()
+    app.command("estimate", help=HELP, no_args_is_help=False)(command)
+
+
+def _option(name: str, annotation: Any, option: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=option)
+
+
+def _signature() -> inspect.Signature:
+    from lstune.estimate.hardware import GPUS  # torch-free
+
+    own = [
+        _option("gpu", Optional[str], typer.Option(
+            None, "--gpu", metavar="NAME", rich_help_panel=_HW,
+            help=f"Estimate for this GPU: {', '.join(GPUS)} or cpu [default: this machine's CUDA device, else cpu].")),
+        _option("device_mem", Optional[str], typer.Option(
+            None, "--device-mem", metavar="BYTES", rich_help_panel=_HW,
+            help="Memory of one device, e.g. 80G (another GPU, or to override the table's).")),
+        _option("host_mem", Optional[str], typer.Option(
+            None, "--host-mem", metavar="BYTES", rich_help_panel=_HW,
+            help="Host memory of one node, e.g. 512G [default: this machine's RAM].")),
+        _option("nodes", Optional[str], typer.Option(
+            None, "--nodes", metavar="N", rich_help_panel=_HW, help="Nodes, each with --gpus devices [default: 1].")),
+        _option("trace", bool, typer.Option(
+            False, "--trace", help="Measure instead: run the prepared model's real training step on fake tensors "
+                                   "(no memory used; seconds to a minute).")),
+        _option("as_json", bool, typer.Option(False, "--json", help="Print one JSON object (for scripts).")),
+    ]
+    return inspect.Signature([config_parameter(), *own, *section_parameters(SECTIONS)])
+
+
+def _estimate_command(**kwargs: Any) -> int:
+    from lstune.config.load import build_config, read_recipe
+
+    config_path = kwargs.pop("config")
+    hardware_flags = {k: kwargs.pop(k) for k in ("gpu", "device_mem", "host_mem", "nodes")}
+    trace, as_json = kwargs.pop("trace"), kwargs.pop("as_json")
+    recipe = read_recipe(config_path) if config_path else {}
+    config = build_config(recipe, given_flags(kwargs), recipe_name=str(config_path or "the recipe"),
+                          checks=_model_problems)
+    hardware = _hardware(config, **hardware_flags)
+    if trace:
+        from lstune.train.trace import trace_estimate
+
+        result = trace_estimate(config, hardware)
+    else:
+        from lstune.estimate import estimate
+
+        result = estimate(config, hardware)
+    if as_json:
+        import json
+
+        typer.echo(json.dumps(result.to_dict(), indent=1))
+    else:
+        _render(result)
+    return 0
+
+
+def _model_problems(config) -> list[str]:
+    """The model must resolve (its config is all the estimate reads); the data source is not needed."""
+    from lstune.errors import UserError
+    from lstune.models.loading import resolve_source
+
+    try:
+        resolve_source(config.model.name)
+    except UserError as exc:
+        return exc.problems
+    return []
+
+
+def _hardware(config, *, gpu, device_mem, host_mem, nodes):
+    from lstune.config.parse import parse_bytes, parse_int
+    from lstune.errors import ConfigError
+    from lstune.estimate.hardware import resolve_hardware
+
+    problems, values = [], {}
+    for flag, raw, parser in (("--device-mem", device_mem, parse_bytes), ("--host-mem", host_mem, parse_bytes),
+                              ("--nodes", nodes, lambda v: parse_int(v, minimum=1))):
+        if raw is None:
+            continue
+        try:
+            values[flag] = parser(raw)
+        except ValueError as exc:
+            problems.append(f"{flag} {raw!r} {exc}.")
+    if problems:
+        raise ConfigError(problems)
+    return resolve_hardware(gpu=gpu, device_mem=values.get("--device-mem"), host_mem=values.get("--host-mem"),
+                            gpus=config.parallel.gpus, nodes=values.get("--nodes", 1))
+
+
+def _render(e) -> None:
+    from rich.table import Table
+
+    from lstune.cli.render import console, human_bytes
+    from lstune.config.parse import format_length
+
+    con, hw, b = console(), e.hardware, e.breakdown
+    dp = hw.world_size // e.sp
+    con.print(f"[bold]{e.model}[/bold] at {format_length(e.seq_len)} tokens: SP {e.sp} × DP {dp} on "
+              f"{hw.nodes} × {hw.gpus} {hw.device.name} ({hw.source}); host {human_bytes(hw.host_bytes)} per node")
+    d = b.dtypes
+    con.print(f"engine: {e.engine.describe()}; dtypes: frozen {_dt(d['frozen'])}, trainable {_dt(d['trainable'])}, "
+              f"residual stream {_dt(d['residual'])}, activations {_dt(d['act'])}")
+    p = e.params
+    con.print(f"parameters: {p.frozen:,} frozen, {p.trainable:,} trainable; checkpoints "
+              f"{b.checkpoint_bytes_per_token_layer:,} B per token per layer")
+    table = Table(title=f"per rank (peak in the {b.phase})", title_justify="left")
+    for column, justify in (("", "left"), ("device", "right"), ("host", "right"), ("", "left")):
+        table.add_column(column, justify=justify)
+    for item in b.items:
+        table.add_row(item.name, _bytes(item.device), _bytes(item.host), item.detail)
+    table.add_row("[bold]total[/bold]", human_bytes(e.device_peak_bytes), human_bytes(b.host_peak),
+                  f"host per node: {human_bytes(e.host_peak_bytes)} ({hw.gpus} ranks)")
+    table.add_row("capacity", human_bytes(e.device_capacity), human_bytes(e.host_capacity),
+                  f"margin: device {human_bytes(e.device_capacity - e.device_peak_bytes)}, "
+                  f"host {human_bytes(e.host_capacity - e.host_peak_bytes)}")
+    con.print(table)
+    colour = "green" if e.fits else "red"
+    con.print(f"verdict: [{colour}]{e.verdict()}[/{colour}]")
+    con.print(f"longest sequence that fits this configuration: [bold]{format_length(e.longest_seq_len)}[/bold]"
+              if e.longest_seq_len else "longest sequence that fits: none (even 1K tokens do not fit)")
+    con.print(f"step: {e.flops.hardware:.3g} FLOPs run ({e.flops.model:.3g} model FLOPs), ~{e.step_seconds:,.1f} s, "
+              f"~{e.tokens_per_second:,.0f} tokens/s")
+    for note in e.notes:
+        con.print(f"[yellow]note[/yellow]: {note}")
+    if e.suggestions:
+        _render_suggestions(con, e, human_bytes)
+
+
+def _render_suggestions(con, e, human_bytes) -> None:
+    from rich.table import Table
+
+    fits = any(s.fits for s in e.suggestions)
+    table = Table(title="changes that would fit" if fits else "closest changes (none fits)", title_justify="left")
+    for column in ("change", "device peak", "host peak", "step time", "fits"):
+        table.add_column(column, justify="left" if column == "change" else "right")
+    for s in e.suggestions:
+        table.add_row(s.flags, human_bytes(s.device_peak_bytes), human_bytes(s.host_peak_bytes),
+                      f"{s.step_seconds:,.1f} s", "yes" if s.fits else "no")
+    con.print(table)
+
+
+def _bytes(n: int) -> str:
+    from lstune.cli.render import human_bytes
+
+    return human_bytes(n) if n else "-"
+
+
+def _dt(nbytes: int) -> str:
+    return {2: "bf16", 4: "fp32"}.get(nbytes, f"{nbytes} B")

@@ -1,0 +1,82 @@
+"""`lstune estimate` end to end: the table, the verdict, the longest sequence, --json, recipes, and every bad
+input's one-line message with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+H100 = ["--gpu", "h100-80gb", "--host-mem", "128G"]
+
+
+def test_table_verdict_and_longest_sequence(cli):
+    result = cli("estimate", "--model", "llama-3.1-8b", "--seq-len", "64k", "--lora-r", "16", *H100)
+    assert result.code == 0, result.err
+    for text in ("frozen parameters", "activation checkpoints", "working set of one layer", "verdict: fits",
+                 "longest sequence that fits", "tokens/s", "residual stream bf16"):
+        assert text in result.out, text
+
+
+def test_json_has_the_contract_fields(cli):
+    result = cli("estimate", "--model", "llama-3.1-8b", "--seq-len", "1M", "--lora-r", "16", "--json", *H100)
+    assert result.code == 0, result.err
+    data = json.loads(result.out)
+    assert data["fits"] is False and data["longest_seq_len"] < 2**20
+    assert data["suggestions"] and data["flops"]["model"] > 0 and data["step_seconds"] > 0
+    assert data["dtypes"]["frozen"] == data["dtypes"]["residual"] == data["dtypes"]["act"] == 2
+    assert data["checkpoint_bytes_per_token_layer"] == 2 * 4096
+
+
+def test_a_recipe_works_and_flags_override_it(cli):
+    result = cli("estimate", "--config", "recipes/llama-3.1-8b/500k-1xh100.yaml", "--model", "llama-3.1-8b",
+                 "--seq-len", "256k", "--json", *H100)
+    assert result.code == 0, result.err
+    data = json.loads(result.out)
+    assert data["seq_len"] == 256 * 1024 and data["parameters"]["adapters"] > 0
+
+
+def test_many_gpus_and_nodes(cli):
+    result = cli("estimate", "--model", "llama-3.1-70b", "--seq-len", "1M", "--lora-r", "16", "--gpus", "8",
+                 "--nodes", "4", "--offload-checkpoints", "--gpu", "h100-80gb", "--host-mem", "2T", "--json")
+    assert result.code == 0, result.err
+    data = json.loads(result.out)
+    assert data["hardware"]["world_size"] == 32 and data["sp"] == 32 and data["dp"] == 1  # --sp auto: every rank
+    assert data["engine"]["zero_stage"] == 3
+
+
+def _assert_user_error(result, *fragments):
+    assert result.code == 2, (result.code, result.out, result.err)
+    assert "Traceback" not in result.err
+    for fragment in fragments:
+        assert fragment in result.err, (fragment, result.err)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--gpu", "h1000"], ["--gpu 'h1000' is not a known GPU", "h100-80gb", "--device-mem"]),
+    (["--device-mem", "80X"], ["--device-mem '80X' is not a size"]),
+    (["--device-mem", "512M"], ["--device-mem", "less than 1 GiB"]),
+    (["--host-mem", "lots"], ["--host-mem 'lots' is not a size"]),
+    (["--nodes", "0"], ["--nodes '0'"]),
+    (["--seq-len", "500q"], ["--seq-len '500q' is not a length"]),
+    (["--gpus", "4", "--sp", "3"], ["--sp 3"]),
+    (["--model", "no/such-model-here", "--init", "bogus"], ["--init"]),
+    (["--model", "./missing-folder/x/y"], ["--model"]),
+])
+def test_bad_input_is_one_message_with_exit_2(cli, args, fragments):
+    _assert_user_error(cli("estimate", "--gpu", "h100-80gb", *args), *fragments)
+
+
+def test_help_stays_light():
+    code = (
+        "import sys, runpy; sys.argv = ['lstune', 'estimate', '--help'];"
+        "\ntry:\n    runpy.run_module('lstune', run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0, e.code"
+        "\nheavy = [m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules]"
+        "\nassert not heavy, heavy"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--gpu", "--device-mem", "--host-mem", "--nodes", "--trace", "--json", "--seq-len", "--lora-r"):
+        assert flag in proc.stdout, flag
