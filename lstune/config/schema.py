@@ -339,6 +339,11 @@ class RunSection:
         "the run; it still stops after 10 such steps in a row.",
         p.parse_bool,
     )
+    force: bool = _opt(
+        False,
+        "Train even when the memory estimate (`lstune estimate`) predicts the run will not fit on this GPU.",
+        p.parse_bool,
+    )
     trust_checkpoint: bool = _opt(
         False,
         "Resume from a DeepSpeed checkpoint even when its files hold Python objects beyond tensors and plain "

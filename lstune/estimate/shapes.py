@@ -8,7 +8,6 @@ adapters placed exactly where peft would place them, the largest layer, the norm
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,5 +179,3 @@ def _targeted(name: str, targets: Any) -> bool:
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b) if b else a
 
-
-__all__ = ["ModelShape", "ParamCounts", "count_parameters", "text_config", "ceil_div", "math"]

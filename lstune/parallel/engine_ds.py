@@ -21,8 +21,8 @@ ZeRO and offload (why each exists — memory per parameter with bf16 + Adam is 1
 stage 1 shards the 12 B of fp32 master weights and Adam moments over ranks, stage 2 also the 4 B of
 gradients, stage 3 also the 2 B of weights (gathered layer by layer in forward and backward);
 offload_optimizer keeps master weights, moments and the update on the host (DeepSpeedCPUAdam), and
-offload_params keeps the stage-3 weight shards on the host too. `auto_zero_config` picks the cheapest
-that fits.
+offload_params keeps the stage-3 weight shards on the host too. `--zero-stage auto` takes the first
+that the memory estimate says fits (lstune.estimate.choose_engine).
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DS_TAG = "deepspeed"
-BYTES_PER_PARAM = {"weights": 2, "grads": 4, "optimizer": 12}  # bf16 weights, fp32 grads, fp32 master + m + v
-STATIC_SHARE = 0.5  # of device memory that weights, grads and optimizer may take; the rest is for activations
 EXPORT_SHARD_BYTES = 2 * 1024**3
 
 
@@ -56,44 +54,6 @@ class ZeroPlan:
     offload_params: bool
     bytes_per_device: int  # weights + gradients + optimizer state resident on each device
     reason: str
-
-
-def zero_plans(model_params: int, world: int) -> list[ZeroPlan]:
-    """Candidate configurations, cheapest in communication first, with their resident bytes per device."""
-    p, n = model_params, world
-    w, g, o = (BYTES_PER_PARAM[k] * p for k in ("weights", "grads", "optimizer"))
-    return [
-        ZeroPlan(0, False, False, w + g + o, "weights, gradients and Adam state all fit"),
-        ZeroPlan(1, False, False, w + g + o // n, "Adam state sharded (ZeRO-1)"),
-        ZeroPlan(2, False, False, w + (g + o) // n, "gradients and Adam state sharded (ZeRO-2)"),
-        ZeroPlan(3, False, False, (w + g + o) // n, "weights, gradients and Adam state sharded (ZeRO-3)"),
-        # Offloaded optimizer: fp32 grads, master weights and moments live on the host; the device keeps
-        # its bf16 weight shard and bf16 gradient buckets.
-        ZeroPlan(3, True, False, 2 * w // n, "ZeRO-3 with Adam state on the host"),
-        ZeroPlan(3, True, True, 0, "ZeRO-3 with Adam state and weights on the host"),
-    ]
-
-
-def auto_zero_config(model_params: int, device_mem: int, world: int) -> ZeroPlan:
-    """ZeRO stage and offload for `model_params` parameters on `world` devices of `device_mem` bytes.
-
-    Rule: the first plan of `zero_plans` (least communication and host traffic) whose resident
-    weights + gradients + optimizer state take at most half of device memory — the other half is for
-    activations, which at long sequence lengths are the larger part. Stage 0 (no ZeRO: the
-    single-device TorchEngine) only on one device; with several, ZeRO-1 costs the same communication
-    as plain data parallelism. Stages that only shard over ranks are skipped on one device, where they
-    save nothing. If nothing fits, everything goes to the host (ALST's single-GPU Llama-8B setup).
-    `--zero-stage`, `--offload-optimizer` and `--offload-params` override the choice.
-    """
-    budget = int(device_mem * STATIC_SHARE)
-    for plan in zero_plans(model_params, world):
-        if world == 1 and plan.stage in (1, 2, 3) and not plan.offload_optimizer:
-            continue
-        if world > 1 and plan.stage == 0:
-            continue
-        if plan.bytes_per_device <= budget:
-            return plan
-    return zero_plans(model_params, world)[-1]
 
 
 def deepspeed_config(

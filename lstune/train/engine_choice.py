@@ -1,59 +1,79 @@
-"""Which engine trains the model: plain AdamW on one device, or DeepSpeed ZeRO (with host offload).
+"""Which engine trains the model, and whether the run fits: the estimate's answer for this machine.
 
-Rules (`--zero-stage auto`):
-- several processes: DeepSpeed, with the stage and offload `auto_zero_config` picks for the model size and
-  device memory (lstune.parallel.engine_ds);
-- one process: plain AdamW when the resident training state fits in half the device's memory —
-  2 bytes per weight (bf16 on CUDA) + 16 bytes per trainable parameter (fp32 master, gradient, Adam m, v);
-  otherwise DeepSpeed ZeRO-3 with Adam state (and, if needed, weights) on the host — ALST's single-GPU
-  setup. On CPU one process always uses plain AdamW.
-`--zero-stage N`, `--offload-optimizer` and `--offload-params` override the choice.
+`plan_run` asks lstune.estimate the same question `lstune estimate` answers, for the hardware this process
+runs on (its device, the processes per node and nodes of the launch, this machine's RAM), before any weight is
+loaded. The engine is the estimate's: with `--zero-stage auto`, the first of single-device AdamW (one process),
+ZeRO-1, -2, -3, ZeRO-3 with Adam state on the host, and with the weights on the host too, whose predicted
+device and host peaks fit; `--zero-stage N`, `--offload-optimizer` and `--offload-params` are taken as given.
+On CPU one process always trains with plain AdamW and several with ZeRO-1 (nothing to offload to).
+
+`check_fits` stops a run the estimate says will not fit, with exit code 2 and the cheapest changes that
+would, unless `--force`. On CPU the "device" is this machine's RAM, so only a run predicted to need more than
+all of it stops (the CPU demo and tests are far below).
 """
 
 from __future__ import annotations
 
-import os
-
-from lstune.config.schema import ParallelSection, zero_problems
+from lstune.config.schema import TrainConfig
 from lstune.errors import ConfigError
 
-STATIC_SHARE = 0.5  # of device memory the training state may take; the rest is for activations
 
+def runtime_cluster(runtime):
+    """The hardware this run has: this device (CUDA or CPU) × the launch's processes per node × nodes."""
+    from lstune.estimate.hardware import CPU, Cluster, local_cuda_device, local_host_bytes
 
-def choose_zero(parallel: ParallelSection, model, runtime):
-    """A ZeroPlan for DeepSpeed, or None for the single-device TorchEngine."""
-    from lstune.parallel.engine_ds import ZeroPlan, auto_zero_config
-
-    offload_optimizer, offload_params = bool(parallel.offload_optimizer), bool(parallel.offload_params)
-    problems = zero_problems(
-        parallel.zero_stage, processes=runtime.world_size, offload_optimizer=offload_optimizer,
-        offload_params=offload_params,
-    )
-    if problems:
-        raise ConfigError(problems)
-    if parallel.zero_stage == "0":
-        return None
-    if parallel.zero_stage != "auto":
-        return ZeroPlan(int(parallel.zero_stage), offload_optimizer, offload_params, 0, "chosen with --zero-stage")
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    device_mem = _device_memory(runtime)
-    offloads_asked = offload_optimizer or offload_params
-    if runtime.world_size == 1 and not offloads_asked:
-        if runtime.device.type != "cuda" or 2 * total + 16 * trainable <= STATIC_SHARE * device_mem:
-            return None
-    plan = auto_zero_config(trainable, device_mem, runtime.world_size)
-    if offloads_asked:
-        plan = ZeroPlan(3, offload_optimizer or plan.offload_optimizer, offload_params, 0, "host offload asked for")
-    return plan
-
-
-def _device_memory(runtime) -> int:
-    """Bytes of memory of one device: the GPU's, or this process's share of host RAM on CPU."""
-    if runtime.device.type == "cuda":
-        import torch
-
-        return torch.cuda.get_device_properties(runtime.device).total_memory
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local = runtime.launch.local_world_size if runtime.launch else 1
-    return host // max(local, 1)
+    nodes = max(1, runtime.world_size // max(local, 1))
+    host = local_host_bytes()
+    if runtime.device.type == "cuda":
+        return Cluster(local_cuda_device(), local, nodes, host, "this machine's CUDA device")
+    from dataclasses import replace
+
+    return Cluster(replace(CPU, device_bytes=host // max(local, 1)), local, nodes, host, "this machine's CPU")
+
+
+def plan_run(config: TrainConfig, runtime, model_config, *, cluster=None):
+    """The estimate (lstune.estimate.Estimate) of this run on this machine: engine, peaks, verdict."""
+    from lstune.estimate import estimate
+
+    return estimate(config, cluster or runtime_cluster(runtime), model_config=model_config)
+
+
+def zero_plan(prediction):
+    """The ZeroPlan of the estimate's engine for DeepSpeed, or None for the single-device TorchEngine."""
+    from lstune.parallel.engine_ds import ZeroPlan
+
+    engine = prediction.engine
+    if engine.kind == "torch":
+        return None
+    static = sum(i.device for i in prediction.breakdown.items if i.name.startswith(("param", "grad", "optim")))
+    return ZeroPlan(engine.zero_stage, engine.offload_optimizer, engine.offload_params, static,
+                    f"{engine.describe()}; {_peaks(prediction)}")
+
+
+def prediction_note(prediction) -> str:
+    return f"estimate: {prediction.engine.describe()}; {_peaks(prediction)}; {prediction.verdict()}"
+
+
+def _peaks(prediction) -> str:
+    gib = 2**30
+    return (f"predicted peak {prediction.device_peak_bytes / gib:,.1f} of {prediction.device_capacity / gib:,.1f} GiB "
+            f"per device, host {prediction.host_peak_bytes / gib:,.1f} of {prediction.host_capacity / gib:,.1f} GiB")
+
+
+def check_fits(config: TrainConfig, prediction, runtime) -> None:
+    """ConfigError (exit 2) when the run is predicted not to fit and --force is not given."""
+    if prediction.fits or config.run.force:
+        return
+    from lstune.config.parse import format_length
+
+    changes = [s for s in prediction.suggestions if s.fits][:3]
+    advice = "; ".join(f"{s.flags} (peak {s.device_peak_bytes / 2**30:,.1f} GiB)" for s in changes)
+    longest = prediction.longest_seq_len
+    raise ConfigError([
+        f"--seq-len {format_length(config.data.seq_len)} is predicted not to fit: {_peaks(prediction)}. "
+        + (f"Changes that would fit: {advice}. " if advice else "")
+        + (f"The longest sequence that fits as configured is {format_length(longest)}. " if longest else "")
+        + "See `lstune estimate` with the same flags for the breakdown, or add --force to try anyway."
+    ])
+

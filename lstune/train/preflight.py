@@ -54,41 +54,6 @@ def check_parallel_layout(config: TrainConfig) -> None:
     ParallelDims.for_model(config.parallel.gpus, config.parallel.sp, spec.config)
 
 
-def check_sizes(config: TrainConfig, model_config, runtime) -> None:
-    """Refuse sizes that cannot fit before any data or weights are loaded.
-
-    The bound is deliberately simple and only a lower one: every decoder layer's input, one hidden state
-    of micro_batch × (seq_len / sp) × hidden in the compute dtype, must exist at once on the device (on
-    CPU: in host RAM). A run over it cannot work; a run under it may still not fit. The full memory
-    estimate (`lstune estimate`) is the finer check where it is available.
-    """
-    hidden = getattr(model_config, "hidden_size", None) or getattr(model_config, "n_embd", None)
-    if not hidden:
-        return
-    sp = runtime.sp
-    bytes_per_value = 2 if runtime.autocast_dtype is not None else 4
-    tokens = config.optim.micro_batch_size * -(-config.data.seq_len // sp)
-    needed = tokens * hidden * bytes_per_value
-    available, where = _device_memory(runtime)
-    if needed > available:
-        raise ConfigError([
-            f"--micro-batch-size {config.optim.micro_batch_size} × --seq-len {config.data.seq_len:,} cannot fit: one hidden "
-            f"state of {tokens:,} tokens × {hidden} × {bytes_per_value} bytes is {needed / 2**30:,.1f} GiB, more than "
-            f"the {available / 2**30:,.1f} GiB of {where} (a lower bound: training needs several times that). "
-            "Lower --seq-len or --micro-batch-size, or add processes for sequence parallelism."
-        ])
-
-
-def _device_memory(runtime) -> tuple[int, str]:
-    if runtime.device.type == "cuda":
-        import torch
-
-        return torch.cuda.get_device_properties(runtime.device).total_memory, f"memory on {runtime.device}"
-    import os
-
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "host RAM"
-
-
 # Settings that fix the shape of the saved state: a checkpoint cannot be loaded under other values.
 _RESUME_FIXED = {
     "model": "the model it was trained from",

@@ -78,13 +78,16 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
 
 
 def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path | None, folder) -> TrainResult:
-    from lstune.train.preflight import check_resume_compatible, check_sizes
+    from lstune.train.engine_choice import check_fits, plan_run, prediction_note
+    from lstune.train.preflight import check_resume_compatible
 
     if resume_from is not None:
         check_resume_compatible(config, resume_from, runtime.world_size)
     spec = _check_model_support(config, runtime)
     runtime.set_dims(config.parallel.sp, spec.config)
-    check_sizes(config, spec.config, runtime)
+    prediction = plan_run(config, runtime, spec.config)  # before any data or weights are loaded
+    reporter.note(prediction_note(prediction))
+    check_fits(config, prediction, runtime)
     tokenizer, notes = _setup_tokenizer(config, spec)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, spec.config)
@@ -92,7 +95,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     for note in loaded.notes:
         reporter.note(note)
     max_steps = total_steps(config, len(dataset), runtime.world_size)
-    engine, engine_note = _make_engine(config, prepared.model, max_steps, runtime)
+    engine, engine_note = _make_engine(config, prepared.model, max_steps, runtime, prediction)
     reporter.note(engine_note)
 
     state = RunState()
@@ -212,14 +215,14 @@ def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> i
     return max(1, math.ceil((optim.epochs or 1.0) * num_samples / per_step))
 
 
-def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime):
-    """Plain AdamW on one device unless ZeRO is asked for or needed (lstune.train.engine_choice)."""
+def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime, prediction):
+    """The engine the estimate chose (lstune.train.engine_choice): plain AdamW on one device, or DeepSpeed ZeRO."""
     from lstune.optim import OptimConfig
     from lstune.train.engine import TorchEngine
-    from lstune.train.engine_choice import choose_zero
+    from lstune.train.engine_choice import zero_plan
 
     optim = OptimConfig.from_section(config.optim, max_steps)
-    plan = choose_zero(config.parallel, model, runtime)
+    plan = zero_plan(prediction)
     if plan is None:
         return TorchEngine(model, optim), f"engine: AdamW on {runtime.device}"
     from lstune.parallel.engine_ds import DeepSpeedEngine

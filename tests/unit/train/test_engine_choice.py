@@ -1,4 +1,5 @@
-"""Which engine trains the model: the rules of `choose_zero` on every branch, with no GPU needed."""
+"""Which engine trains the model and whether the run may start: the estimate's answer for this machine
+(lstune.train.engine_choice), on every branch, with no GPU needed (the cluster is given)."""
 
 from __future__ import annotations
 
@@ -7,56 +8,73 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lstune.config.schema import ParallelSection
+from lstune.config.schema import TrainConfig
 from lstune.errors import ConfigError
-from lstune.train.engine_choice import choose_zero
+from lstune.estimate.hardware import resolve_hardware
+from lstune.models.presets import preset_config
+from lstune.train.engine_choice import check_fits, plan_run, zero_plan
 
 GiB = 1024**3
 
 
-class _Params(torch.nn.Module):
-    """A stand-in model: `total` parameters (on meta, no memory), `trainable` of them trainable."""
-
-    def __init__(self, total: int, trainable: int):
-        super().__init__()
-        self.frozen = torch.nn.Parameter(torch.empty(total - trainable, device="meta"), requires_grad=False)
-        self.trained = torch.nn.Parameter(torch.empty(trainable, device="meta"))
-
-
-def _runtime(device="cpu", world=1, mem=80 * GiB, monkeypatch=None):
-    if monkeypatch is not None:
-        monkeypatch.setattr("lstune.train.engine_choice._device_memory", lambda runtime: mem)
-    launch = SimpleNamespace(local_world_size=world) if world > 1 else None
-    return SimpleNamespace(device=torch.device(device), world_size=world, launch=launch)
+def _plan(model="tiny-llama", gpu="cpu", gpus=1, host=64 * GiB, **flat):
+    config = TrainConfig.from_flat({"model": model, **flat})
+    cluster = resolve_hardware(gpu=gpu, gpus=gpus, host_mem=host)
+    runtime = SimpleNamespace(device=torch.device("cuda" if gpu != "cpu" else "cpu"))
+    prediction = plan_run(config, runtime, preset_config(model), cluster=cluster)
+    return config, prediction, runtime
 
 
 def test_one_cpu_process_trains_with_plain_adamw():
-    assert choose_zero(ParallelSection(), _Params(1000, 1000), _runtime()) is None
+    _, prediction, _ = _plan()
+    assert zero_plan(prediction) is None and prediction.fits
 
 
-def test_one_gpu_keeps_adamw_while_the_state_fits_half_its_memory(monkeypatch):
-    small = _Params(100_000_000, 100_000_000)  # 18 bytes each: 1.8 GB
-    assert choose_zero(ParallelSection(), small, _runtime("cuda", mem=80 * GiB, monkeypatch=monkeypatch)) is None
-    big = _Params(8_000_000_000, 8_000_000_000)  # 144 GB: ALST's single-GPU setup
-    plan = choose_zero(ParallelSection(), big, _runtime("cuda", mem=80 * GiB, monkeypatch=monkeypatch))
+def test_lora_of_8b_on_one_h100_keeps_plain_adamw():
+    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", lora_r=16, seq_len=32768)
+    assert zero_plan(prediction) is None
+
+
+def test_full_fine_tune_of_8b_on_one_h100_puts_adam_on_the_host():
+    """144 GB of weights + gradients + Adam state: ALST's single-GPU setup."""
+    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", host=512 * GiB, seq_len=16384)
+    plan = zero_plan(prediction)
     assert (plan.stage, plan.offload_optimizer) == (3, True)
+    assert "predicted peak" in plan.reason
 
 
-def test_several_processes_always_use_deepspeed(monkeypatch):
-    plan = choose_zero(ParallelSection(), _Params(1000, 1000), _runtime(world=4, monkeypatch=monkeypatch))
-    assert plan is not None and plan.stage == 1
+def test_70b_lora_on_8_gpus_is_sharded_not_zero1():
+    """The old rule counted trainable weights only and chose ZeRO-1 with '1.5 GB per device': the bf16 base
+    alone is 141 GB on every GPU."""
+    _, prediction, _ = _plan("llama-3.1-70b", gpu="h100-80gb", gpus=8, host=1024 * GiB, lora_r=16, seq_len=32768)
+    assert zero_plan(prediction).stage == 3 and prediction.fits
 
 
-def test_an_explicit_stage_and_offload_are_taken_as_given(monkeypatch):
-    parallel = ParallelSection(zero_stage="3", offload_optimizer=True, offload_params=True)
-    plan = choose_zero(parallel, _Params(10, 10), _runtime())
-    assert (plan.stage, plan.offload_optimizer, plan.offload_params, plan.reason) == (
-        3, True, True, "chosen with --zero-stage")
-    asked = choose_zero(ParallelSection(offload_optimizer=True), _Params(10, 10), _runtime())
-    assert (asked.stage, asked.offload_optimizer, asked.reason) == (3, True, "host offload asked for")
+def test_several_cpu_processes_use_zero1():
+    _, prediction, _ = _plan(gpus=4)
+    assert zero_plan(prediction).stage == 1
+
+
+def test_an_explicit_stage_and_offload_are_taken_as_given():
+    _, prediction, _ = _plan(zero_stage="3", offload_optimizer=True, offload_params=True)
+    plan = zero_plan(prediction)
+    assert (plan.stage, plan.offload_optimizer, plan.offload_params) == (3, True, True)
+    _, asked, _ = _plan(offload_optimizer=True)
+    assert (zero_plan(asked).stage, zero_plan(asked).offload_optimizer) == (3, True)
 
 
 def test_stage_zero_with_several_processes_is_refused_with_the_config_rule():
     with pytest.raises(ConfigError, match="--zero-stage 0 is plain single-device AdamW"):
-        choose_zero(ParallelSection(zero_stage="0"), _Params(10, 10), _runtime(world=2))
-    assert choose_zero(ParallelSection(zero_stage="0"), _Params(10, 10), _runtime()) is None
+        _plan(gpus=2, zero_stage="0")
+
+
+def test_a_run_that_will_not_fit_stops_with_the_changes_that_would_and_force_overrides():
+    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, lora_r=16, seq_len=300 * 1024)
+    assert not prediction.fits
+    with pytest.raises(ConfigError) as exc:
+        check_fits(config, prediction, runtime)
+    message = str(exc.value)
+    assert "predicted not to fit" in message and "--offload-checkpoints" in message and "--force" in message
+    assert exc.value.exit_code == 2
+    forced = TrainConfig.from_flat({**config.to_dict(), "force": True})
+    check_fits(forced, prediction, runtime)  # no error
