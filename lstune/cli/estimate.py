@@ -79,9 +79,26 @@ def _estimate_command(**kwargs: Any) -> int:
         import json
 
         typer.echo(json.dumps(result.to_dict(), indent=1))
+    elif trace:
+        _render(result.estimate)
+        _render_trace(result)
     else:
         _render(result)
     return 0
+
+
+def _render_trace(report) -> None:
+    from lstune.cli.render import console, human_bytes
+
+    t, analytic = report.trace, report.comparable.device_peak_bytes
+    diff = (analytic - t.device_peak_bytes) / max(t.device_peak_bytes, 1)
+    console().print(
+        f"trace (fake tensors, {t.seconds:.0f} s; one rank, {t.seq_len:,} local tokens, {t.layers} layers, loss head "
+        f"{t.loss_backend}): device peak [bold]{human_bytes(t.device_peak_bytes)}[/bold] — the analytic model of the "
+        f"same step says {human_bytes(analytic)} ({diff:+.1%}); weights {human_bytes(t.parameter_bytes)}, gradients "
+        f"{human_bytes(t.gradient_bytes)}, optimizer {human_bytes(t.optimizer_bytes)}; host {human_bytes(t.host_peak_bytes)}; "
+        f"checkpoints {t.checkpoint_bytes_per_token_layer:,} B per token per layer ({t.residual_dtype})"
+    )
 
 
 def _model_problems(config) -> list[str]:

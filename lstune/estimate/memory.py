@@ -83,6 +83,7 @@ class Settings:
     checkpointing: bool
     offload_checkpoints: bool
     host_mem_budget: int | None
+    liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
 
     @property
     def local_tokens(self) -> int:
@@ -131,8 +132,14 @@ def dtypes(s: Settings) -> dict:
     if s.engine.kind == "deepspeed":
         weights = 2 if s.bf16 else 4
         return {"frozen": weights, "trainable": weights, "residual": weights, "act": act}
-    frozen = 2 if (s.on_cuda and s.lora_r and s.dtype != "fp32") else 4
+    frozen = 2 if lora_base_in_bf16(s.lora_r, s.dtype, s.on_cuda) else 4
     return {"frozen": frozen, "trainable": 4, "residual": frozen, "act": act}
+
+
+def lora_base_in_bf16(lora_r: int, dtype: str, on_cuda: bool) -> bool:
+    """The single-device rule of lstune.train.prepare.adapt_model: on CUDA a LoRA run keeps its frozen base in
+    bf16 (the adapters stay fp32), so the residual stream and the checkpoints are bf16 too."""
+    return bool(on_cuda and lora_r and dtype != "fp32")
 
 
 def breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
@@ -280,7 +287,7 @@ def loss_backend(s: Settings) -> str:
     if s.tiled_loss == "auto" and s.mini_sequence:
         return "mst"
     if s.tiled_loss == "auto":
-        return "liger" if s.on_cuda else "alst"
+        return "liger" if s.on_cuda and s.liger else "alst"
     return "off" if s.tiled_loss == "off" else "count"
 
 

@@ -47,8 +47,10 @@ import functools
 import importlib.util
 import itertools
 import logging
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -89,9 +91,32 @@ def document_ids(position_ids_BS: Tensor) -> Tensor:
     return document_starts(position_ids_BS).cumsum(dim=1) - 1
 
 
+# Document spans stated for position_ids that have no values (fake tensors in `lstune estimate --trace`).
+_STATED_SPANS: ContextVar[list[list[tuple[int, int]]] | None] = ContextVar("lstune_stated_spans", default=None)
+
+
+@contextmanager
+def stated_document_spans(position_ids_BS: Tensor) -> Iterator[None]:
+    """Within the block, position_ids without values (fake tensors) are taken to hold the documents of these real
+    `position_ids_BS`: a memory trace computes them before faking the batch, since finding them needs the values."""
+    token = _STATED_SPANS.set(document_spans(position_ids_BS))
+    try:
+        yield
+    finally:
+        _STATED_SPANS.reset(token)
+
+
 def document_spans(position_ids_BS: Tensor) -> list[list[tuple[int, int]]]:
     """Per row, the `(start, end)` token ranges of its documents. One host sync for the whole batch."""
+    from torch._subclasses.fake_tensor import is_fake
+
     batch, seq = position_ids_BS.shape
+    if is_fake(position_ids_BS):
+        stated = _STATED_SPANS.get()
+        if stated is None or len(stated) != batch or stated[0][-1][1] != seq:
+            raise UserError("position_ids without values (fake tensors) need their documents stated: run inside "
+                            "lstune.models.attention.stated_document_spans(real_position_ids).")
+        return stated
     spans: list[list[int]] = [[] for _ in range(batch)]
     for row, col in document_starts(position_ids_BS).nonzero().tolist():
         spans[row].append(col)

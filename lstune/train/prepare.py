@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lstune.config.schema import ModelSection, TrainConfig
+from lstune.estimate.memory import lora_base_in_bf16
 from lstune.models.loading import apply_lora
 
 log = logging.getLogger("lstune")
@@ -61,9 +62,13 @@ def adapt_model(model, spec: ModelSection, runtime):
     """Steps 1-2: device and dtype, then LoRA; returns the model to train (peft-wrapped with LoRA)."""
     import torch
 
-    if runtime.device.type == "cuda" and spec.lora_r and spec.dtype != "fp32":
+    if lora_base_in_bf16(spec.lora_r, spec.dtype, runtime.device.type == "cuda"):
         model = model.to(dtype=torch.bfloat16)
-    model = model.to(runtime.device)
+    return add_lora(model.to(runtime.device), spec)
+
+
+def add_lora(model, spec: ModelSection):
+    """Step 2: LoRA adapters when `spec` asks for them (the model as it is otherwise)."""
     if spec.lora_r:
         model = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout, targets=spec.lora_targets)
         log.info("LoRA r=%d applied", spec.lora_r)

@@ -1,0 +1,251 @@
+"""`lstune estimate --trace`: the real prepared model and real training steps, run on fake tensors, measured.
+
+The model is built on the meta device and materialised as fake tensors (no memory, no data), then prepared
+exactly as `lstune train` prepares it (lstune.train.prepare: LoRA, lstune's attention, the memory techniques,
+in the target run's dtypes: on a CUDA target the LoRA base is bf16 and the step runs under bf16 autocast), and
+one optimizer step runs (forward, backward, AdamW) with Adam's state already present, as in every step after the
+first. `LiveBytes` (lstune.memory.measure) follows every storage from the first weight on:
+weights, gradients, optimizer state and activations are all counted, and the peak is the step's.
+
+What fake tensors cannot give is supplied as it would be on the real run: lstune's attention finds documents
+from the values of `position_ids`, which fake tensors do not have — the spans are computed from the real
+positions first (`stated_document_spans`); transformers' packed-batch detection is told the same
+(`no_packed_sequence_detection`). Offloaded checkpoints are CPU copies here: they are subtracted from the device
+peak and reported as host bytes, in the pinned blocks a CUDA run allocates.
+
+Per-rank modelling: the trace runs one rank's share — the local sequence seq_len / SP, whose Ulysses attention
+holds the same bytes (S/SP tokens × all heads before the all-to-all, S tokens × heads/SP after) — with the
+single-device engine; for a ZeRO engine the traced weights, gradients and Adam state are replaced by the
+analytic per-rank shard of the same state (lstune.estimate.memory), which DeepSpeed's partitioning fixes exactly.
+Two things are the CPU's, not the GPU's: the loss head runs the ALST tiles (Liger is CUDA-only) and attention runs
+PyTorch's CPU SDPA kernel; both are modelled the same way by the analytic estimate it is compared with.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
+from typing import Any
+
+from lstune.config.schema import TrainConfig
+from lstune.errors import ConfigError
+
+
+@dataclass
+class TraceResult:
+    """Measured on fake tensors: per-rank bytes of one steady-state training step."""
+
+    seq_len: int  # local tokens per sample (seq_len / SP)
+    layers: int
+    device_peak_bytes: int  # the rank's peak, static terms of a ZeRO engine replaced by its shard (module doc)
+    traced_peak_bytes: int  # what the single-device trace itself peaked at
+    parameter_bytes: int  # weights (and buffers) after preparation
+    gradient_bytes: int
+    optimizer_bytes: int
+    host_peak_bytes: int  # offloaded checkpoints, in CUDA's pinned blocks
+    checkpoint_bytes_per_token_layer: int  # the decoder layer input's bytes per token (what a checkpoint holds)
+    residual_dtype: str
+    loss_backend: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp: int = 1,
+               static_bytes: int | None = None) -> TraceResult:
+    """Trace one steady-state training step of one rank (module doc). `static_bytes`: the rank's weights + gradients +
+    optimizer state when a ZeRO engine shards them (None: the single-device engine's, as traced)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from lstune.memory.measure import LiveBytes
+    from lstune.models.attention import stated_document_spans
+    from lstune.models.hf_internals import no_packed_sequence_detection
+
+    start = time.perf_counter()
+    local = replace(config, data=replace(config.data, seq_len=-(-config.data.seq_len // sp)))
+    runtime = _runtime(config, target_cuda)
+    batch_real = _positions(local)
+    holder: dict[str, Any] = {}
+    live = LiveBytes(exclude=lambda: _host_bytes(holder))
+    model = _on_meta(local, model_config, target_cuda)
+    with stated_document_spans(batch_real), FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        base_bytes = _storage_bytes(model)  # allocated before the meter starts; alive throughout
+        with live, no_packed_sequence_detection():
+            prepared, optimizer = _prepare(model, local, runtime)
+            holder["plan"] = prepared.memory
+            parameter_bytes = base_bytes + live.current
+            layer_input = _watch_layer_input(prepared)
+            _create_optimizer_state(optimizer)
+            live.peak = live.current
+            gradient_bytes, optimizer_bytes = _one_step(prepared, optimizer, local, runtime)
+    live.peak += base_bytes
+    traced = live.peak
+    if static_bytes is not None:
+        traced_static = parameter_bytes + gradient_bytes + optimizer_bytes
+        device_peak = traced - traced_static + static_bytes
+    else:
+        device_peak = traced
+    per_token = layer_input.get("bytes_per_token", 0)
+    return TraceResult(
+        seq_len=local.data.seq_len, layers=len(prepared.parts.layers), device_peak_bytes=device_peak,
+        traced_peak_bytes=traced, parameter_bytes=parameter_bytes, gradient_bytes=gradient_bytes,
+        optimizer_bytes=optimizer_bytes, host_peak_bytes=_pinned_host_bytes(prepared, local, per_token),
+        checkpoint_bytes_per_token_layer=per_token, residual_dtype=layer_input.get("dtype", "?"),
+        loss_backend=prepared.memory.loss_backend, seconds=time.perf_counter() - start,
+    )
+
+
+def _runtime(config: TrainConfig, target_cuda: bool):
+    """One CPU rank standing in for the target's rank: its autocast dtype is the target run's."""
+    import torch
+
+    bf16 = (target_cuda and config.model.dtype != "fp32") or config.model.dtype == "bf16"
+    return SimpleNamespace(device=torch.device("cpu"), sp=1, dims=None,
+                           autocast_dtype=torch.bfloat16 if bf16 else None)
+
+
+def _positions(config: TrainConfig):
+    import torch
+
+    s, b = config.data.seq_len, config.optim.micro_batch_size
+    return torch.arange(s).expand(b, s)
+
+
+def _on_meta(config: TrainConfig, model_config, target_cuda: bool):
+    """The model on the meta device, in the dtype the target run keeps its base in, with its LoRA adapters: all of
+    it before faking, since `Module.to` (which peft calls to place adapters) cannot swap fake parameters."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lstune.estimate.memory import lora_base_in_bf16
+    from lstune.train.prepare import add_lora
+
+    bf16 = lora_base_in_bf16(config.model.lora_r, config.model.dtype, target_cuda)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                                 trust_remote_code=config.model.trust_remote_code)
+    model.config.use_cache = False
+    return add_lora(model, config.model)
+
+
+def _storage_bytes(model) -> int:
+    storages = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                for t in [*model.parameters(), *model.buffers()]}
+    return sum(storages.values())
+
+
+def _prepare(model, config: TrainConfig, runtime):
+    """lstune's techniques (attention, memory) and the single-device engine's AdamW; LoRA is on already."""
+    from lstune.optim import OptimConfig, make_adamw
+    from lstune.train.prepare import apply_techniques
+
+    prepared = apply_techniques(model, config, runtime)
+    params = [p for p in prepared.model.parameters() if p.requires_grad]
+    return prepared, make_adamw(params, OptimConfig.from_section(config.optim, 10))
+
+
+def _watch_layer_input(prepared) -> dict:
+    """Record the first decoder layer's input (what its checkpoint holds): dtype and bytes per token."""
+    seen: dict = {}
+
+    def hook(module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if hidden is not None and "dtype" not in seen:
+            seen["dtype"] = str(hidden.dtype).removeprefix("torch.")
+            seen["bytes_per_token"] = hidden.shape[-1] * hidden.element_size()
+
+    prepared.parts.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def _create_optimizer_state(optimizer) -> None:
+    """Adam's moments exist during every backward but the first: create them with one update from zero
+    gradients, so that one traced step is a steady-state step."""
+    import torch
+
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _one_step(prepared, optimizer, config: TrainConfig, runtime) -> tuple[int, int]:
+    """Forward, backward and AdamW as lstune.train.step runs them; (gradient bytes, optimizer bytes) at the end."""
+    import torch
+
+    s, b = config.data.seq_len, config.optim.micro_batch_size
+    batch = {"input_ids": torch.zeros(b, s, dtype=torch.long), "position_ids": torch.arange(s).expand(b, s),
+             "shift_labels": torch.zeros(b, s, dtype=torch.long)}
+    dtype = runtime.autocast_dtype
+    with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss, count = prepared.loss_sum(batch)
+    (loss / count).backward()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    gradients = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    optimizer.step()
+    state = sum(t.untyped_storage().nbytes() for st in optimizer.state.values() for t in st.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
+    optimizer.zero_grad(set_to_none=True)
+    return gradients, state
+
+
+def _host_bytes(holder: dict) -> int:
+    plan = holder.get("plan")
+    offloader = getattr(plan, "offloader", None)
+    return offloader.stats.host_bytes if offloader is not None else 0
+
+
+def _pinned_host_bytes(prepared, config: TrainConfig, per_token: int) -> int:
+    from lstune.estimate.memory import pinned_block
+
+    offloader = prepared.memory.offloader
+    if offloader is None or not per_token:
+        return 0
+    per_layer = config.optim.micro_batch_size * config.data.seq_len * per_token
+    return (offloader.stats.peak_host_bytes // per_layer) * pinned_block(per_layer)
+
+
+def trace_estimate(config: TrainConfig, hardware):
+    """The analytic estimate of `config` on `hardware` with the trace of the same rank beside it."""
+    from lstune.estimate import estimate, traced_settings_estimate
+
+    analytic = estimate(config, hardware)
+    if analytic.engine.kind == "deepspeed":
+        static = sum(i.device for i in analytic.breakdown.items if i.name.startswith(("param", "grad", "optim")))
+    else:
+        static = None
+    model_config = _model_config(config)
+    if config.model.attn not in ("auto", "sdpa"):
+        raise ConfigError([f"--trace runs PyTorch's SDPA kernel on CPU; drop --attn {config.model.attn} for the trace."])
+    traced = trace_step(config, model_config=model_config, target_cuda=hardware.on_cuda, sp=analytic.sp,
+                        static_bytes=static)
+    comparable = traced_settings_estimate(config, hardware, model_config, analytic)
+    return TraceReport(analytic, comparable, traced)
+
+
+def _model_config(config: TrainConfig):
+    from lstune.models.loading import resolve_model
+
+    return resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code).config
+
+
+@dataclass
+class TraceReport:
+    """`lstune estimate --trace`: the analytic estimate, the analytic model of what the trace ran (CPU loss head),
+    and the trace."""
+
+    estimate: Any
+    comparable: Any  # lstune.estimate.Estimate with the trace's loss head
+    trace: TraceResult
+
+    def to_dict(self) -> dict:
+        data = self.estimate.to_dict()
+        diff = self.comparable.device_peak_bytes - self.trace.device_peak_bytes
+        data["trace"] = {**self.trace.to_dict(), "analytic_device_peak_bytes": self.comparable.device_peak_bytes,
+                         "analytic_minus_trace_fraction": diff / max(self.trace.device_peak_bytes, 1)}
+        return data
