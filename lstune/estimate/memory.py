@@ -84,6 +84,7 @@ class Settings:
     offload_checkpoints: bool
     host_mem_budget: int | None
     liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
+    fuse_norms: bool = True  # mini-sequence fuses the MLP's norms (a probe on real weights finds them)
 
     @property
     def local_tokens(self) -> int:
@@ -248,8 +249,9 @@ def _layer_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
     """Bytes per token of one checkpointed layer's recompute + backward (module doc)."""
     h = shape.hidden
     attention = act * (4 * h + 6 * shape.q_width + 4 * shape.kv_width) + _norm_upcast(act) * h
-    mlp_norm = 0 if s.mini_sequence and s.tiled_mlp != "off" else 3 * 4 * h
-    extra_norms = max(0, p.norms_per_layer - 2) - (1 if s.mini_sequence and p.norms_per_layer >= 4 else 0)
+    fused = s.mini_sequence and s.fuse_norms and s.tiled_mlp != "off"
+    mlp_norm = 0 if fused else 3 * 4 * h
+    extra_norms = max(0, p.norms_per_layer - 2) - (1 if fused and p.norms_per_layer >= 4 else 0)
     mlp = 0 if s.tiled_mlp != "off" else _mlp_per_token(shape, act)
     return attention + mlp_norm + 4 * h * max(0, extra_norms) + mlp
 
@@ -295,7 +297,10 @@ def _loss_head(shape: ModelShape, s: Settings, act: int) -> int:
     t, h, v = s.local_tokens, shape.hidden, shape.vocab
     final_norm = t * (_norm_upcast(act) + act) * h
     hidden_and_grad = t * (act + 4) * h  # the head's saved input and its fp32 gradient accumulator
-    per_logit = 4 + 4 + act  # fp32 logits, their gradient, the 16-bit matmul output
+    # Per logit of a tile at its peak: the fp32 logits and log-softmax's fp32 output or their fp32 gradients, and
+    # the 16-bit matmul output or gradient: 4 + 4 + act, plus ~1 B for what overlaps tile to tile (fitted on
+    # traces of Llama-3.1-8B and Qwen3-0.6B shapes, docs/estimate.md).
+    per_logit = 4 + 4 + act + 1
     backend = loss_backend(s)
     if backend == "liger":
         chunk = ceil_div(t, ceil_div(v, h))  # Liger's chunks hold about as many logits as hidden states
@@ -308,4 +313,14 @@ def _loss_head(shape: ModelShape, s: Settings, act: int) -> int:
         tile = t
     else:
         tile = ceil_div(t, min(int(s.tiled_loss), t))
-    return final_norm + hidden_and_grad + tile * v * per_logit
+    return final_norm + hidden_and_grad + tile * v * per_logit + _head_weight_grad(shape, s)
+
+
+def _head_weight_grad(shape: ModelShape, s: Settings) -> int:
+    """A trainable head (full fine-tune) adds autocast's bf16 copy of its fp32 weight (its gradient sum over the
+    tiles becomes `.grad`, counted with the gradients); tied to the input embedding, the embedding's dense fp32
+    gradient and its accumulation with the head's add two fp32 copies (both fitted on traces, docs/estimate.md)."""
+    if s.lora_r:
+        return 0
+    weight = shape.vocab * shape.hidden
+    return weight * (2 if s.bf16 else 0) + (8 * weight if shape.tied else 0)

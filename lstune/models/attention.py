@@ -99,7 +99,11 @@ _STATED_SPANS: ContextVar[list[list[tuple[int, int]]] | None] = ContextVar("lstu
 def stated_document_spans(position_ids_BS: Tensor) -> Iterator[None]:
     """Within the block, position_ids without values (fake tensors) are taken to hold the documents of these real
     `position_ids_BS`: a memory trace computes them before faking the batch, since finding them needs the values."""
-    token = _STATED_SPANS.set(document_spans(position_ids_BS))
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        spans = document_spans(position_ids_BS)
+    token = _STATED_SPANS.set(spans)
     try:
         yield
     finally:

@@ -17,8 +17,11 @@ Per-rank modelling: the trace runs one rank's share — the local sequence seq_l
 holds the same bytes (S/SP tokens × all heads before the all-to-all, S tokens × heads/SP after) — with the
 single-device engine; for a ZeRO engine the traced weights, gradients and Adam state are replaced by the
 analytic per-rank shard of the same state (lstune.estimate.memory), which DeepSpeed's partitioning fixes exactly.
-Two things are the CPU's, not the GPU's: the loss head runs the ALST tiles (Liger is CUDA-only) and attention runs
-PyTorch's CPU SDPA kernel; both are modelled the same way by the analytic estimate it is compared with.
+Three things differ from the GPU run and are modelled the same way by the analytic estimate the trace is compared
+with (`lstune.estimate.traced_settings_estimate`): the loss head runs the ALST tiles (Liger is CUDA-only),
+mini-sequence tiles the MLP without fusing its norms (finding them needs a probe on real weights), and attention
+runs PyTorch's CPU SDPA kernel (full causal attention holds the same tensors as CUDA's flash kernels; sliding
+windows and softcapping do not trace on CPU). A model lstune cannot prepare on CPU is refused with the reason.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from lstune.config.schema import TrainConfig
-from lstune.errors import ConfigError
+from lstune.errors import ConfigError, ModelError
 
 
 @dataclass
@@ -222,8 +225,12 @@ def trace_estimate(config: TrainConfig, hardware):
     model_config = _model_config(config)
     if config.model.attn not in ("auto", "sdpa"):
         raise ConfigError([f"--trace runs PyTorch's SDPA kernel on CPU; drop --attn {config.model.attn} for the trace."])
-    traced = trace_step(config, model_config=model_config, target_cuda=hardware.on_cuda, sp=analytic.sp,
-                        static_bytes=static)
+    try:
+        traced = trace_step(config, model_config=model_config, target_cuda=hardware.on_cuda, sp=analytic.sp,
+                            static_bytes=static)
+    except ModelError as exc:
+        raise ConfigError([f"--trace runs the step on this CPU, where lstune cannot prepare this model: {exc} "
+                           "Drop --trace for the analytic estimate."]) from None
     comparable = traced_settings_estimate(config, hardware, model_config, analytic)
     return TraceReport(analytic, comparable, traced)
 
@@ -249,3 +256,90 @@ class TraceReport:
         data["trace"] = {**self.trace.to_dict(), "analytic_device_peak_bytes": self.comparable.device_peak_bytes,
                          "analytic_minus_trace_fraction": diff / max(self.trace.device_peak_bytes, 1)}
         return data
+
+
+# ---- accuracy grid: the analytic model against the trace -------------------------------------------------------
+
+GIB = 2**30
+# (name, preset, flat settings). Presets keep their widths; the grid uses 2 layers (every layer is alike, and the
+# per-layer terms are what the analytic model has to get right; depth only multiplies checkpoints).
+GRID_ARCHS = {
+    "llama-3.1-8b": "GQA 32/8, SwiGLU",
+    "qwen3-8b": "GQA 32/8, q/k norms",
+    "qwen2.5-7b": "GQA 28/4, qkv biases",
+    "llama-3.2-1b": "tied embeddings",
+    "qwen3-0.6b": "tied embeddings, large vocabulary for its width",
+    "phi-3-mini": "MHA, fused qkv and gate_up",
+    "mixtral-8x7b": "MoE 8 experts, top-2",
+    "qwen3-30b-a3b": "MoE 128 experts, top-8",
+}
+GRID_SETTINGS = {
+    "LoRA defaults": {"lora_r": 16},
+    "LoRA + offload": {"lora_r": 16, "offload_checkpoints": True},
+    "LoRA + mini-sequence + offload": {"lora_r": 16, "offload_checkpoints": True, "mini_sequence": True},
+    "LoRA, MLP untiled": {"lora_r": 16, "tiled_mlp": "off"},
+    "full fine-tune": {},
+    "LoRA, SP 2 ZeRO-1": {"lora_r": 16, "gpus": 2, "zero_stage": "1"},
+    "LoRA, SP 4 ZeRO-3": {"lora_r": 16, "gpus": 4, "zero_stage": "3"},
+    "full, SP 4 ZeRO-3": {"gpus": 4, "zero_stage": "3"},
+}
+
+
+def grid_row(arch: str, setting: str, seq_len: int, *, layers: int = 2, gpu: str = "h100-80gb") -> dict:
+    """One row of the accuracy grid: analytic and traced device peak of the same rank."""
+    from lstune.estimate import estimate, traced_settings_estimate
+    from lstune.estimate.hardware import resolve_hardware
+    from lstune.models.presets import preset_config
+
+    flat = {"model": arch, "seq_len": seq_len, **GRID_SETTINGS[setting]}
+    config = TrainConfig.from_flat(flat)
+    model_config = preset_config(arch, num_hidden_layers=layers)
+    hardware = resolve_hardware(gpu=gpu, gpus=config.parallel.gpus, host_mem=1 << 50)
+    analytic = estimate(config, hardware, model_config=model_config, suggest=False)
+    comparable = traced_settings_estimate(config, hardware, model_config, analytic)
+    static = None
+    if analytic.engine.kind == "deepspeed":
+        static = sum(i.device for i in comparable.breakdown.items if i.name.startswith(("param", "grad", "optim")))
+    traced = trace_step(config, model_config=model_config, target_cuda=hardware.on_cuda, sp=analytic.sp,
+                        static_bytes=static)
+    a, t = comparable.device_peak_bytes, traced.device_peak_bytes
+    return {"arch": arch, "setting": setting, "seq_len": seq_len, "sp": analytic.sp,
+            "engine": analytic.engine.describe(), "analytic": a, "trace": t, "error": (a - t) / t,
+            "seconds": traced.seconds}
+
+
+# The grid of docs/estimate.md: every setting on Llama-3.1-8B shapes at three lengths, and LoRA / full fine-tune
+# of the other architectures at one.
+def default_grid() -> list[tuple[str, str, int]]:
+    rows = [("llama-3.1-8b", setting, seq) for setting in GRID_SETTINGS for seq in (8192, 16384, 32768)]
+    for arch in ("qwen3-8b", "qwen2.5-7b", "phi-3-mini", "llama-3.2-1b", "qwen3-0.6b"):
+        rows += [(arch, "LoRA defaults", 16384), (arch, "full fine-tune", 16384)]
+    rows += [(arch, "LoRA defaults", 16384) for arch in ("mixtral-8x7b", "qwen3-30b-a3b")]
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m lstune.train.trace [--arch A ...] [--setting S ...] [--seq N ...]: the accuracy grid (analytic vs
+    trace, device peak of one rank) as a Markdown table; no arguments: the grid of docs/estimate.md."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--arch", nargs="+")
+    parser.add_argument("--setting", nargs="+")
+    parser.add_argument("--seq", nargs="+", type=int)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args(argv)
+    rows = default_grid()
+    if args.arch or args.setting or args.seq:
+        rows = [(a, s, n) for a in (args.arch or list(GRID_ARCHS)) for s in (args.setting or list(GRID_SETTINGS))
+                for n in (args.seq or [16384])]
+    print("| architecture | setting | tokens | SP | engine | analytic (GiB) | trace (GiB) | analytic − trace |")
+    print("|---|---|---:|---:|---|---:|---:|---:|")
+    for arch, setting, seq in rows:
+        r = grid_row(arch, setting, seq, layers=args.layers)
+        print(f"| {arch} | {setting} | {seq:,} | {r['sp']} | {r['engine']} | {r['analytic'] / GIB:.2f} | "
+              f"{r['trace'] / GIB:.2f} | {r['error']:+.1%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

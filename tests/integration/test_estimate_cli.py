@@ -80,3 +80,16 @@ def test_help_stays_light():
     assert proc.returncode == 0, proc.stderr
     for flag in ("--gpu", "--device-mem", "--host-mem", "--nodes", "--trace", "--json", "--seq-len", "--lora-r"):
         assert flag in proc.stdout, flag
+
+
+def test_trace_reports_the_measured_step_beside_the_analytic_one(cli):
+    result = cli("estimate", "--model", "tiny-llama", "--seq-len", "2k", "--lora-r", "8", "--trace", "--json", *H100)
+    assert result.code == 0, result.err
+    trace = json.loads(result.out)["trace"]
+    assert trace["checkpoint_bytes_per_token_layer"] == 2 * 128 and trace["residual_dtype"] == "bfloat16"
+    assert trace["device_peak_bytes"] > 0 and abs(trace["analytic_minus_trace_fraction"]) < 0.10
+
+
+def test_trace_of_a_model_that_cannot_run_on_cpu_says_so(cli):
+    _assert_user_error(cli("estimate", "--model", "tiny-gemma2", "--seq-len", "1k", "--trace", *H100),
+                       "--trace runs the step on this CPU", "Drop --trace")

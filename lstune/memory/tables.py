@@ -1,9 +1,10 @@
-"""The tables of docs/memory.md, measured with lstune's own meters (lstune.memory.measure).
+"""The tables of docs/memory.md, measured with lstune's own meters (lstune.memory.measure); the whole-step
+trace of `lstune estimate --trace` is lstune.train.trace.
 
 Run as a script it prints them:
-    python -m tests.support.memory --preset qwen3-0.6b --layers 2 --seq 1024 2048
-    python -m tests.support.memory --preset qwen3-0.6b --dtype bfloat16 --loss-policies --seq 4096 65536 262144 1048576
-    python -m tests.support.memory --preset qwen3-0.6b --layers 2 --seq 1100 --step-times --threads 2
+    python -m lstune.memory.tables --preset qwen3-0.6b --layers 2 --seq 1024 2048
+    python -m lstune.memory.tables --preset qwen3-0.6b --dtype bfloat16 --loss-policies --seq 4096 65536 262144 1048576
+    python -m lstune.memory.tables --preset qwen3-0.6b --layers 2 --seq 1100 --step-times --threads 2
 """
 
 from __future__ import annotations
@@ -107,8 +108,23 @@ def measure_table(preset: str, layers: int, seqs: list[int], device: str, dtype:
     rows = []
     with mode or contextlib.nullcontext(), _one_document_positions(fake):
         for name, options in CONFIGS.items():
-            rows.append((name, [_run_config(model, name, options, seq, device) for seq in seqs]))
+            rows.append((name, [_run_config_at(model, name, options, seq, device, fake) for seq in seqs]))
     return rows
+
+
+def _run_config_at(model, name, options, seq, device, fake) -> int:
+    """Fake position_ids have no values: lstune's attention is told the documents (one per row) they would hold."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from lstune.models.attention import stated_document_spans
+
+    with unset_fake_temporarily():
+        positions = torch.arange(seq)[None]
+    stated = stated_document_spans(positions) if fake else contextlib.nullcontext()
+    with stated:
+        return _run_config(model, name, options, seq, device)
 
 
 def _one_document_positions(fake: bool):

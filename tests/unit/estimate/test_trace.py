@@ -1,0 +1,52 @@
+"""`lstune estimate --trace` (lstune.train.trace): the dtypes of the target run, every static term counted, and the
+analytic model within 3 % of the trace on a fast subset of docs/estimate.md's grid."""
+
+from __future__ import annotations
+
+import pytest
+
+from lstune.config.schema import TrainConfig
+from lstune.estimate.shapes import count_parameters
+from lstune.models.presets import preset_config
+from lstune.train.trace import grid_row, trace_step
+
+
+def _trace(target_cuda: bool, **flat):
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 1024, **flat})
+    return config, trace_step(config, model_config=preset_config("tiny-llama"), target_cuda=target_cuda)
+
+
+def test_a_cuda_lora_run_is_traced_with_a_bf16_base_and_bf16_checkpoints():
+    config, t = _trace(True, lora_r=8)
+    counts = count_parameters(preset_config("tiny-llama"), lora_r=8)
+    hidden = 128
+    assert t.residual_dtype == "bfloat16" and t.checkpoint_bytes_per_token_layer == 2 * hidden
+    assert t.gradient_bytes == 4 * counts.adapters and t.optimizer_bytes == 8 * counts.adapters
+    weights = 2 * counts.frozen + 4 * counts.adapters
+    assert weights <= t.parameter_bytes < weights + 64 * 1024  # + buffers (rotary tables)
+    assert t.traced_peak_bytes > t.parameter_bytes + t.gradient_bytes + t.optimizer_bytes
+
+
+def test_an_fp32_cpu_run_keeps_fp32_checkpoints_and_full_fine_tune_counts_every_gradient():
+    _, t = _trace(False)
+    counts = count_parameters(preset_config("tiny-llama"))
+    assert t.residual_dtype == "float32" and t.checkpoint_bytes_per_token_layer == 4 * 128
+    assert t.gradient_bytes == 4 * counts.total and t.optimizer_bytes == 8 * counts.total
+
+
+def test_offloaded_checkpoints_leave_the_device_peak_for_the_host():
+    _, plain = _trace(True, lora_r=8)
+    _, offload = _trace(True, lora_r=8, offload_checkpoints=True)
+    assert offload.host_peak_bytes == 3 * 1024 * 2 * 128  # 3 of 4 layers, one pinned block each (a power of 2)
+    assert offload.device_peak_bytes < plain.device_peak_bytes
+
+
+@pytest.mark.parametrize("arch, setting, seq", [
+    ("llama-3.1-8b", "LoRA defaults", 8192),
+    ("llama-3.1-8b", "LoRA, MLP untiled", 16384),
+    ("llama-3.1-8b", "full, SP 4 ZeRO-3", 16384),
+    ("phi-3-mini", "LoRA defaults", 16384),
+])
+def test_the_analytic_model_is_within_3_percent_of_the_trace(arch, setting, seq):
+    row = grid_row(arch, setting, seq)
+    assert abs(row["error"]) <= 0.03, row
