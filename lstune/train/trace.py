@@ -318,6 +318,47 @@ def default_grid() -> list[tuple[str, str, int]]:
     return rows
 
 
+# ---- the estimate against measured GPU peaks -----------------------------------------------------------------
+
+# The rungs of tests/gpu/bench_ladder.py as config settings (LoRA r=16, single-device engine).
+BENCH_RUNGS = {
+    "tiled_loss": {"tiled_mlp": "off"},
+    "tiled_mlp": {},
+    "offload": {"offload_checkpoints": True},
+    "mini_seq": {"offload_checkpoints": True, "mini_sequence": True},
+}
+
+
+def bench_rows(path: str) -> list[dict]:
+    """The analytic estimate beside every successful step of a `bench.json` (docs/benchmarks/*/) whose rung maps to
+    a config: torch's `max_memory_allocated` against the estimate without the CUDA context (which it does not
+    count); 2-layer rungs carried the other layers' static bytes as ballast, added here as measured."""
+    import json
+
+    from lstune.estimate import estimate
+    from lstune.estimate.hardware import resolve_hardware
+    from lstune.estimate.memory import CUDA_CONTEXT_BYTES
+    from lstune.models.presets import preset_config
+
+    records = json.loads(open(path).read())["records"]
+    ballast = {r["rung"]: r.get("ballast_bytes", 0) for r in records if r["kind"] == "maxlen"}
+    hardware = resolve_hardware(gpu="h100-80gb", host_mem=1 << 50)
+    rows = []
+    for r in records:
+        if r["kind"] != "step" or r["outcome"] != "ok" or r["rung"] not in BENCH_RUNGS:
+            continue
+        config = TrainConfig.from_flat({"model": r["preset"], "seq_len": r["seq"], "lora_r": r["lora_r"],
+                                        "zero_stage": "0", **BENCH_RUNGS[r["rung"]]})
+        model_config = preset_config(r["preset"], num_hidden_layers=r["layers"])
+        e = estimate(config, hardware, model_config=model_config, suggest=False)
+        predicted = e.device_peak_bytes - CUDA_CONTEXT_BYTES + (ballast.get(r["rung"], 0) if r["layers"] < 32 else 0)
+        rows.append({"rung": r["rung"], "seq": r["seq"], "layers": r["layers"], "run": 2 if ("fit" in r or "search" in r) else 1,
+                     "measured": r["peak_allocated"], "estimate": predicted,
+                     "error": (predicted - r["peak_allocated"]) / r["peak_allocated"],
+                     "step_s": min(r["step_s"]), "estimate_s": e.step_seconds})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     """python -m lstune.train.trace [--arch A ...] [--setting S ...] [--seq N ...]: the accuracy grid (analytic vs
     trace, device peak of one rank) as a Markdown table; no arguments: the grid of docs/estimate.md."""
@@ -328,7 +369,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--setting", nargs="+")
     parser.add_argument("--seq", nargs="+", type=int)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--bench", help="instead: the analytic estimate against the peaks of this bench.json")
     args = parser.parse_args(argv)
+    if args.bench:
+        print("| rung | tokens | layers | run | measured (GiB) | estimate (GiB) | estimate − measured | step (s) | estimate (s) |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in bench_rows(args.bench):
+            print(f"| {r['rung']} | {r['seq']:,} | {r['layers']} | {r['run']} | {r['measured'] / GIB:.2f} | "
+                  f"{r['estimate'] / GIB:.2f} | {r['error']:+.1%} | {r['step_s']:.2f} | {r['estimate_s']:.2f} |")
+        return
     rows = default_grid()
     if args.arch or args.setting or args.seq:
         rows = [(a, s, n) for a in (args.arch or list(GRID_ARCHS)) for s in (args.setting or list(GRID_SETTINGS))
