@@ -317,10 +317,8 @@ def _loss_head(shape: ModelShape, s: Settings, act: int) -> int:
 
 
 def _head_weight_grad(shape: ModelShape, s: Settings) -> int:
-    """A trainable head (full fine-tune) adds autocast's bf16 copy of its fp32 weight (its gradient sum over the
-    tiles becomes `.grad`, counted with the gradients); tied to the input embedding, the embedding's dense fp32
-    gradient and its accumulation with the head's add two fp32 copies (both fitted on traces, docs/estimate.md)."""
-    if s.lora_r:
+    """A trainable head (full fine-tune) adds autocast's bf16 copy of its fp32 weight; its gradient, summed over
+    the tiles, becomes `.grad` (counted with the gradients). Fitted on traces, docs/estimate.md."""
+    if s.lora_r or not s.bf16:
         return 0
-    weight = shape.vocab * shape.hidden
-    return weight * (2 if s.bf16 else 0) + (8 * weight if shape.tied else 0)
+    return 2 * shape.vocab * shape.hidden

@@ -2,8 +2,8 @@
 
 `ModelShape.from_config` reads widths from the config alone (hidden, heads, kv heads, head dim, intermediate,
 experts, vocab, tied embeddings, sliding windows) — enough for FLOPs. `count_parameters` builds the model on the
-meta device (no weights, no memory) and counts what a run holds: frozen and trainable parameters with LoRA's
-adapters placed exactly where peft would place them, the largest layer, the norms per layer.
+meta device (no weights, no memory) and counts what a run holds: frozen and trainable parameters with LoRA applied
+by peft on the meta model, the largest layer, the norms per layer.
 """
 
 from __future__ import annotations
@@ -140,40 +140,35 @@ class ParamCounts:
 
 def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto",
                      trust_remote_code: bool = False) -> ParamCounts:
-    """Count on a meta-device build of `config`: nothing is allocated. LoRA: r · (in + out) per adapted
-    `nn.Linear` — every linear but the output head for 'auto' (peft's "all-linear"), else those whose name
-    ends in one of the targets."""
+    """Count on a meta-device build of `config` (nothing is allocated), with LoRA applied by peft itself
+    (lstune.models.loading.apply_lora), so adapters are counted wherever peft puts them (MoE experts too)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lstune.models.introspect import decoder_layers, is_norm, output_embedding
+    from lstune.models.introspect import decoder_layers, is_norm
+    from lstune.models.loading import apply_lora
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    base = sum(p.numel() for p in model.parameters())
-    head = output_embedding(model)
-    adapters, adapted = 0, 0
-    if lora_r:
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and module is not head and _targeted(name, lora_targets):
-                adapters += lora_r * (module.in_features + module.out_features)
-                adapted += 1
+    base = _unique_numel(model.parameters())
     layers = decoder_layers(model)
-    largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    largest = max(_unique_numel(layer.parameters()) for layer in layers)
     norms = sum(1 for m in layers[0].modules() if m is not layers[0] and is_norm(m))
-    embeddings = sum(p.numel() for p in model.get_input_embeddings().parameters())
-    if head is not None and not any(p is q for p in head.parameters() for q in model.get_input_embeddings().parameters()):
-        embeddings += sum(p.numel() for p in head.parameters())
-    total = base + adapters
-    return ParamCounts(total, adapters if lora_r else total, adapters, adapted, largest, norms, embeddings)
+    embeddings = _unique_numel([*model.get_input_embeddings().parameters(), *model.get_output_embeddings().parameters()])
+    if not lora_r:
+        return ParamCounts(base, base, 0, 0, largest, norms, embeddings)
+    with torch.device("meta"):
+        peft_model = apply_lora(model, r=lora_r, alpha=None, dropout=0.0, targets=lora_targets)
+    adapters = _unique_numel(p for p in peft_model.parameters() if p.requires_grad)
+    adapted = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A")) > 0)
+    return ParamCounts(base + adapters, adapters, adapters, adapted, largest, norms, embeddings)
 
 
-def _targeted(name: str, targets: Any) -> bool:
-    if targets == "auto":
-        return True
-    names = [targets] if isinstance(targets, str) else list(targets)
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf in names or any(name.endswith(t) for t in names)
+def _unique_numel(params) -> int:
+    seen: dict[int, int] = {}
+    for p in params:
+        seen[id(p)] = p.numel()
+    return sum(seen.values())
 
 
 def ceil_div(a: int, b: int) -> int:

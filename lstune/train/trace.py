@@ -76,6 +76,7 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
     model = _on_meta(local, model_config, target_cuda)
     with stated_document_spans(batch_real), FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
+        model.tie_weights()  # to_empty gives each module its own copy of a shared weight; tie them again
         base_bytes = _storage_bytes(model)  # allocated before the meter starts; alive throughout
         with live, no_packed_sequence_detection():
             prepared, optimizer = _prepare(model, local, runtime)
