@@ -284,12 +284,14 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
 
 
 def loss_backend(s: Settings) -> str:
-    """Which loss head runs (lstune.memory.apply._apply_loss): Liger on CUDA with 'auto', MST tiles with
-    mini-sequence, ALST tiles, or one tile ('off')."""
+    """Which loss head runs (lstune.memory.apply._apply_loss, lstune.memory.loss.liger_applies): Liger on CUDA with
+    'auto' (not under ZeRO-3, whose partitioned head weight Liger cannot read; liger-kernel assumed installed on a
+    GPU, the `gpu` extra), MST tiles with mini-sequence, ALST tiles, or one tile ('off')."""
     if s.tiled_loss == "auto" and s.mini_sequence:
         return "mst"
     if s.tiled_loss == "auto":
-        return "liger" if s.on_cuda and s.liger else "alst"
+        zero3 = s.engine.kind == "deepspeed" and s.engine.zero_stage == 3
+        return "liger" if s.on_cuda and s.liger and not zero3 else "alst"
     return "off" if s.tiled_loss == "off" else "count"
 
 
