@@ -157,7 +157,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine) ->
     m = config.memory
     return Settings(
         seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp, world=hardware.world_size,
-        gpus_per_node=hardware.gpus, engine=engine, lora_r=config.model.lora_r, on_cuda=hardware.on_cuda,
+        engine=engine, lora_r=config.model.lora_r, on_cuda=hardware.on_cuda,
         dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence,
         checkpointing=m.checkpointing, offload_checkpoints=m.offload_checkpoints, host_mem_budget=m.host_mem_budget,
     )
@@ -232,7 +232,8 @@ def _scaled(flops: StepFlops, micro_batch: int) -> StepFlops:
 
 def step_seconds(flops: StepFlops, hardware: Cluster, sp: int, engine: Engine, params: ParamCounts) -> float:
     """One optimizer step of one micro-batch: the SP group shares the sequence's FLOPs; matmuls and attention at
-    the device's sustained rates; a host-offloaded Adam step at ~1 GFLOP/s-per-parameter host speed."""
+    the device's sustained rates; with the optimizer on the host, ~2 ns per parameter of the rank's shard for
+    DeepSpeed's CPU Adam (an order of magnitude, not measured here)."""
     d = hardware.device
     compute = (flops.hardware_matmul / (d.matmul_tflops * 1e12) + flops.hardware_attention / (d.attention_tflops * 1e12)) / sp
     host_adam = params.trainable / hardware.world_size * 2e-9 if engine.offload_optimizer else 0.0

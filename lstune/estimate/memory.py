@@ -72,7 +72,6 @@ class Settings:
     micro_batch: int
     sp: int
     world: int
-    gpus_per_node: int
     engine: Engine
     lora_r: int
     on_cuda: bool
