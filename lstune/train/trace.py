@@ -60,7 +60,6 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
                static_bytes: int | None = None) -> TraceResult:
     """Trace one steady-state training step of one rank (module doc). `static_bytes`: the rank's weights + gradients +
     optimizer state when a ZeRO engine shards them (None: the single-device engine's, as traced)."""
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lstune.memory.measure import LiveBytes
