@@ -85,12 +85,12 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         check_resume_compatible(config, resume_from, runtime.world_size)
     spec = _check_model_support(config, runtime)
     runtime.set_dims(config.parallel.sp, spec.config)
-    prediction = plan_run(config, runtime, spec.config)  # before any data or weights are loaded
-    reporter.note(prediction_note(prediction))
-    check_fits(config, prediction, runtime)
+    prediction = plan_run(config, runtime, spec.config)
+    check_fits(config, prediction, runtime)  # before any data or weights are loaded
     tokenizer, notes = _setup_tokenizer(config, spec)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, spec.config)
+    reporter.note(prediction_note(prediction))  # the predicted peak, just before the weights load
     loaded, prepared = _setup_model(config, runtime, spec, tokenizer, notes)
     for note in loaded.notes:
         reporter.note(note)
