@@ -93,3 +93,13 @@ def test_trace_reports_the_measured_step_beside_the_analytic_one(cli):
 def test_trace_of_a_model_that_cannot_run_on_cpu_says_so(cli):
     _assert_user_error(cli("estimate", "--model", "gemma-2-9b", "--seq-len", "1k", "--trace", *H100),  # softcapping
                        "--trace runs the step on this CPU", "Drop --trace")
+
+
+def test_train_prints_the_predicted_peak_before_loading_weights(cli, tmp_path, text_data):
+    from tests.integration.conftest import TINY
+
+    result = cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", tmp_path / "run")
+    assert result.code == 0, result.err
+    note = next(line for line in result.out.splitlines() if "estimate:" in line)
+    assert "predicted peak" in note and "fits" in note
+    assert result.out.index("estimate:") < result.out.index("engine:")
