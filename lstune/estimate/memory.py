@@ -203,23 +203,24 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
         saved = t * _saved_per_token(shape, p, s, act)
         b.add("saved activations (no checkpointing)", (shape.layers - 1) * saved,
               detail=f"{shape.layers - 1} layers × {saved / t:,.0f} B/token")
-        b.add("working set of the last layer in backward", t * _layer_per_token(shape, p, s, act) + _mlp_tile(shape, s, act))
+        for name, nbytes in _layer_parts(shape, p, s, act):
+            b.add(name, nbytes)
         b.phase = "layer backward"
         return
     offloaded = _offloaded_layers(shape, s, ckpt)
     host = offloaded * pinned_block(ckpt)
-    layer = t * _layer_per_token(shape, p, s, act) + _mlp_tile(shape, s, act)
-    loss = _loss_head(shape, s, act)
+    layer, loss = _layer_parts(shape, p, s, act), _loss_parts(shape, s, act)
     kept_fwd = shape.layers - offloaded
     kept_bwd = kept_fwd + (1 if offloaded else 0)  # one prefetched back during the layer above's backward
-    if loss + kept_fwd * ckpt >= layer + kept_bwd * ckpt:
-        b.phase, on_device, working = "loss head", kept_fwd, ("loss head (forward + backward)", loss)
+    if _total(loss) + kept_fwd * ckpt >= _total(layer) + kept_bwd * ckpt:
+        b.phase, on_device, working = "loss head", kept_fwd, loss
     else:
-        b.phase, on_device, working = "layer backward", kept_bwd, ("working set of one layer in backward", layer)
+        b.phase, on_device, working = "layer backward", kept_bwd, layer
     b.add("activation checkpoints", on_device * ckpt, host,
           f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
           + (f" in pinned blocks of {pinned_block(ckpt):,} B" if offloaded else ""))
-    b.add(*working)
+    for name, nbytes in working:
+        b.add(name, nbytes)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
 
 
@@ -244,15 +245,25 @@ def _norm_upcast(act: int) -> int:
     return 4 if act == 2 else 0
 
 
-def _layer_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> int:
-    """Bytes per token of one checkpointed layer's recompute + backward (module doc)."""
-    h = shape.hidden
+def _total(parts: list[tuple[str, int]]) -> int:
+    return sum(nbytes for _, nbytes in parts)
+
+
+def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> list[tuple[str, int]]:
+    """One checkpointed layer's recompute + backward, by part (module doc)."""
+    h, t = shape.hidden, s.local_tokens
     attention = act * (4 * h + 6 * shape.q_width + 4 * shape.kv_width) + _norm_upcast(act) * h
     fused = s.mini_sequence and s.fuse_norms and s.tiled_mlp != "off"
     mlp_norm = 0 if fused else 3 * 4 * h
     extra_norms = max(0, p.norms_per_layer - 2) - (1 if fused and p.norms_per_layer >= 4 else 0)
-    mlp = 0 if s.tiled_mlp != "off" else _mlp_per_token(shape, act)
-    return attention + mlp_norm + 4 * h * max(0, extra_norms) + mlp
+    parts = [
+        ("layer backward: attention block (q, k, v, output, gradients, input norm)", t * attention),
+        ("layer backward: norms around the MLP" + (" (fused into the tiles: none)" if fused else ""),
+         t * (mlp_norm + 4 * h * max(0, extra_norms))),
+    ]
+    if s.tiled_mlp == "off":
+        return parts + [("layer backward: MLP (untiled)", t * _mlp_per_token(shape, act))]
+    return parts + [("layer backward: one MLP tile", _mlp_tile(shape, s, act))]
 
 
 def _mlp_per_token(shape: ModelShape, act: int) -> int:
@@ -294,18 +305,15 @@ def loss_backend(s: Settings) -> str:
     return "off" if s.tiled_loss == "off" else "count"
 
 
-def _loss_head(shape: ModelShape, s: Settings, act: int) -> int:
+def _loss_parts(shape: ModelShape, s: Settings, act: int) -> list[tuple[str, int]]:
+    """The final norm and the loss head, forward + backward, by part (module doc)."""
     t, h, v = s.local_tokens, shape.hidden, shape.vocab
     final_norm = t * (_norm_upcast(act) + act) * h
-    hidden_and_grad = t * (act + 4) * h  # the head's saved input and its fp32 gradient accumulator
-    # Per logit of a tile at its peak: the fp32 logits and log-softmax's fp32 output or their fp32 gradients, and
-    # the 16-bit matmul output or gradient: 4 + 4 + act, plus ~1 B for what overlaps tile to tile (fitted on
-    # traces of Llama-3.1-8B and Qwen3-0.6B shapes, docs/estimate.md).
-    per_logit = 4 + 4 + act + 1
     backend = loss_backend(s)
     if backend == "liger":
         chunk = ceil_div(t, ceil_div(v, h))  # Liger's chunks hold about as many logits as hidden states
-        return final_norm + t * act * h + 2 * chunk * v * 4
+        return [("loss head: final norm", final_norm), ("loss head: Liger's gradient of its input", t * act * h),
+                ("loss head: one Liger chunk of logits", 2 * chunk * v * 4)]
     if backend == "mst":
         tile = ceil_div(t, ceil_div(v, h))
     elif backend == "alst":
@@ -314,7 +322,16 @@ def _loss_head(shape: ModelShape, s: Settings, act: int) -> int:
         tile = t
     else:
         tile = ceil_div(t, min(int(s.tiled_loss), t))
-    return final_norm + hidden_and_grad + tile * v * per_logit + _head_weight_grad(shape, s)
+    # Per logit of a tile at its peak: the fp32 logits and log-softmax's fp32 output or their fp32 gradients, and
+    # the 16-bit matmul output or gradient: 4 + 4 + act, plus ~1 B for what overlaps tile to tile (fitted on
+    # traces of Llama-3.1-8B and Qwen3-0.6B shapes, docs/estimate.md).
+    per_logit = 4 + 4 + act + 1
+    return [
+        ("loss head: final norm", final_norm),
+        ("loss head: its input and fp32 gradient", t * (act + 4) * h),  # the head's saved input, fp32 accumulator
+        (f"loss head: one tile of logits ({tile:,} tokens, {backend})", tile * v * per_logit),
+        ("loss head: weight gradient buffers", _head_weight_grad(shape, s)),
+    ]
 
 
 def _head_weight_grad(shape: ModelShape, s: Settings) -> int:

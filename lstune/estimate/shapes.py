@@ -8,6 +8,7 @@ by peft on the meta model, the largest layer, the norms per layer.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,7 +158,8 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     embeddings = _unique_numel([*model.get_input_embeddings().parameters(), *model.get_output_embeddings().parameters()])
     if not lora_r:
         return ParamCounts(base, base, 0, 0, largest, norms, embeddings)
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecations peft trips; noise here
         peft_model = apply_lora(model, r=lora_r, alpha=None, dropout=0.0, targets=lora_targets)
     adapters = _unique_numel(p for p in peft_model.parameters() if p.requires_grad)
     adapted = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A")) > 0)

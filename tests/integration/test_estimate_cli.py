@@ -15,7 +15,7 @@ H100 = ["--gpu", "h100-80gb", "--host-mem", "128G"]
 def test_table_verdict_and_longest_sequence(cli):
     result = cli("estimate", "--model", "llama-3.1-8b", "--seq-len", "64k", "--lora-r", "16", *H100)
     assert result.code == 0, result.err
-    for text in ("frozen parameters", "activation checkpoints", "working set of one layer", "verdict: fits",
+    for text in ("frozen parameters", "activation checkpoints", "layer backward: attention block", "verdict: fits",
                  "longest sequence that fits", "tokens/s", "residual stream bf16"):
         assert text in result.out, text
 
