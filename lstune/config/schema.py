@@ -101,11 +101,11 @@ class DataSection:
 
     title: ClassVar[str] = "Data"
 
-    source: str = _opt(
-        "builtin:passkey",
-        "Training data: a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub dataset "
-        "name, or builtin:passkey (bundled synthetic task).",
-        str,
+    source: str | None = _opt(
+        None,
+        "Training data (required): a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub "
+        "dataset name, or builtin:passkey (the bundled synthetic task the demo recipe trains on).",
+        p.parse_optional_str,
         key="data",
         metavar="SOURCE",
     )
@@ -120,9 +120,30 @@ class DataSection:
         p.parse_bool,
     )
     max_records: int | None = _opt(None, "Use only the first N records of the data.", _pos_int)
+    eval_data: str | None = _opt(
+        None, "Validation data, in the same formats as --data (evaluated every --eval-every steps and at the end).",
+        p.parse_optional_str, metavar="SOURCE",
+    )
+    eval_split: float | None = _opt(
+        None,
+        "Hold out this fraction of the training samples for validation instead of --eval-data, e.g. 0.01 "
+        "(a seeded choice in long mode; the last samples of the shuffled packed stream with --pack).",
+        partial(p.parse_float, above=0.0, below=1.0), metavar="FRACTION",
+    )
+    eval_max_samples: int | None = _opt(
+        None, "Evaluate on at most N validation samples (bounds the time of each evaluation).", _pos_int
+    )
 
     def problems(self) -> list[str]:
-        return []
+        problems = []
+        if self.eval_data is not None and self.eval_split is not None:
+            problems.append("--eval-data and --eval-split both give validation data; keep one.")
+        if self.eval_max_samples is not None and not self.has_eval():
+            problems.append("--eval-max-samples bounds validation: add --eval-data or --eval-split, or drop it.")
+        return problems
+
+    def has_eval(self) -> bool:
+        return self.eval_data is not None or self.eval_split is not None
 
 
 def valid_tile_setting(value: Any) -> bool:
@@ -326,6 +347,10 @@ class RunSection:
         "with --resume (for jobs with a time limit).",
         _pos_int,
     )
+    eval_every: int | None = _opt(
+        None, "Evaluate on the validation data every N steps (and always at the end); needs --eval-data or "
+        "--eval-split.", _pos_int,
+    )
     log_every: int = _opt(1, "Print a progress line every N steps.", _pos_int)
     skip_self_check: bool = _opt(
         False,
@@ -392,7 +417,8 @@ SECTIONS: tuple[tuple[str, type], ...] = (
 
 @dataclass
 class TrainConfig:
-    """Everything `lstune train` needs. Defaults train the embedded demo (tiny-llama on passkey data)."""
+    """Everything `lstune train` needs. Only `data.source` has no default: nothing trains on data not asked for
+    (the demo recipe, recipes/tiny-llama/4k-cpu-demo.yaml, names builtin:passkey)."""
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -423,6 +449,8 @@ class TrainConfig:
                 f"--save-every {save_every} is more than --max-steps {max_steps}: no checkpoint would be saved "
                 "before the end; lower it."
             )
+        if self.run.eval_every is not None and not self.data.has_eval():
+            problems.append("--eval-every needs validation data: add --eval-data SOURCE or --eval-split 0.01.")
         return problems
 
 

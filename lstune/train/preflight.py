@@ -38,7 +38,9 @@ def _check_model(config: TrainConfig) -> None:
 def _check_data(config: TrainConfig) -> None:
     from lstune.data.sources import check_source
 
-    check_source(config.data.source)
+    for source in (config.data.source, config.data.eval_data):
+        if source is not None:
+            check_source(source)
 
 
 def check_parallel_layout(config: TrainConfig) -> None:

@@ -88,6 +88,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     tokenizer, notes = _setup_tokenizer(config, spec)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, spec.config)
+        dataset, eval_dataset = _setup_eval_data(config, tokenizer, spec.config, dataset)
     loaded, prepared = _setup_model(config, runtime, spec, tokenizer, notes)
     for note in loaded.notes:
         reporter.note(note)
@@ -110,7 +111,8 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state))
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
     result.last_checkpoint = resume_from if resume_from is not None and resume_from.parent == output_dir else None
-    _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder)
+    evaluator = _make_evaluator(config, eval_dataset, prepared, runtime, reporter)
+    _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder, evaluator)
     reporter.end(result)
     return result
 
@@ -159,7 +161,8 @@ def _setup_tokenizer(config: TrainConfig, spec):
     )
 
 
-def _setup_data(config: TrainConfig, tokenizer, model_config):
+def _setup_data(config: TrainConfig, tokenizer, model_config, *, source: str | None = None, flag: str = "--data"):
+    """The training data, or (`source`, `flag`) other data built the same way (--max-records is --data's only)."""
     import datasets
 
     from lstune.data.dataset import build_dataset
@@ -167,16 +170,46 @@ def _setup_data(config: TrainConfig, tokenizer, model_config):
 
     datasets.disable_progress_bars()
     data = config.data
+    if data.source is None:
+        from lstune.errors import ConfigError
+
+        raise ConfigError(["no training data: set config.data.source (--data)."])
+    max_records = data.max_records if source is None else None
+    source = source or data.source
     dataset = build_dataset(
-        data.source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=data.max_records
+        source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=max_records
     )
     max_id, vocab = dataset.summary()["max_token_id"], model_config.vocab_size
     if max_id is not None and max_id >= vocab:
         raise DataError(
-            f"--data {data.source!r} has token id {max_id} (as an input id or a label), but --model {config.model.name!r} has a vocabulary of "
+            f"{flag} {source!r} has token id {max_id} (as an input id or a label), but --model {config.model.name!r} has a vocabulary of "
             f"{vocab}; pre-tokenized data must come from the model's own tokenizer."
         )
     return dataset
+
+
+def _setup_eval_data(config: TrainConfig, tokenizer, model_config, dataset):
+    """(training samples, validation samples or None): --eval-data is built like --data; --eval-split holds
+    samples of the training data out (lstune.data.split)."""
+    data = config.data
+    if data.eval_data is not None:
+        return dataset, _setup_data(config, tokenizer, model_config, source=data.eval_data, flag="--eval-data")
+    if data.eval_split is not None:
+        from lstune.data.split import split_samples
+
+        return split_samples(dataset, data.eval_split, pack=data.pack, seed=config.optim.seed)
+    return dataset, None
+
+
+def _make_evaluator(config: TrainConfig, eval_dataset, prepared, runtime: Runtime, reporter):
+    if eval_dataset is None:
+        return None
+    from lstune.train.evaluate import Evaluator
+
+    evaluator = Evaluator(eval_dataset, prepared.loss_sum, runtime, max_samples=config.data.eval_max_samples)
+    when = f"every {config.run.eval_every} steps and at the end" if config.run.eval_every else "at the end"
+    reporter.note(f"validation: {evaluator.samples} of {len(eval_dataset)} samples, {when}")
+    return evaluator
 
 
 def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
@@ -297,9 +330,11 @@ def _describe_memory(memory_plan) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, result, reporter, folder) -> None:
+def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, result, reporter, folder,
+          evaluator=None) -> None:
     from lstune.data.loader import make_dataloader
     from lstune.parallel.sp_data import SPDataAdapter
+    from lstune.train.evaluate import eval_due
     from lstune.train.guard import NonFiniteGuard
     from lstune.train.metrics import METRICS_FILE, MetricsWriter
 
@@ -323,6 +358,8 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
                 if _stop_requested(runtime, stop, result, reporter):
                     break
                 record = stepper.step(batches, state)
+                if evaluator is not None and eval_due(state.step, result.max_steps, config.run.eval_every):
+                    record.update(evaluator.run(engine.model))
                 if metrics is not None:
                     metrics.write(record)
                 result.history.append(record)

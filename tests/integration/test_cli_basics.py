@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.integration.conftest import TINY, run_subprocess
+from tests.integration.conftest import REPO, TINY, run_subprocess
 
 
 def test_help_lists_commands_and_flags(cli):
@@ -42,12 +42,24 @@ def test_presets_command_lists_real_and_tiny_models(cli):
 
 def test_dry_run_prints_resolved_config(cli, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("seq_len: 8k\nlr: 1.0e-4\n")
+    recipe.write_text("seq_len: 8k\nlr: 1.0e-4\ndata: builtin:passkey\n")
     result = cli("train", "--config", recipe, "--lr", "5e-4", "--dry-run")
     assert result.code == 0, result.err
     assert "seq_len: 8192" in result.out
     assert "lr: 0.0005" in result.out
     assert not (tmp_path / "runs").exists()
+
+
+def test_data_is_required_outside_the_demo_recipe(cli, tmp_path):
+    """Forgetting --data must not train on the bundled synthetic task without a word."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: tiny-llama\nseq_len: 8k\n")
+    for args in (("--config", recipe), ("--model", "tiny-llama")):
+        result = cli("train", *args, "--output-dir", tmp_path / "o")
+        _assert_user_error(result, "--data is required", "builtin:passkey")
+        assert not (tmp_path / "o").exists()
+    demo = cli("train", "--config", REPO / "recipes/tiny-llama/4k-cpu-demo.yaml", "--dry-run")
+    assert demo.code == 0 and "data: builtin:passkey" in demo.out
 
 
 def _assert_user_error(result, *fragments):
