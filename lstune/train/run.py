@@ -433,6 +433,20 @@ def _export(config, engine, loaded, runtime: Runtime, result: TrainResult, repor
     reporter.note(f"final model saved: {result.final_dir}")
 
 
+def _point_adapter_at_base(folder: Path, source) -> None:
+    """A LoRA adapter names its base so that AutoModelForCausalLM.from_pretrained(folder) finds it: the hub id,
+    or the local folder's absolute path (peft records the name it was given, relative or none). A preset has
+    no weights anywhere (random init): its adapter keeps no base; --merge-lora writes a loadable model."""
+    import json
+
+    config_path = folder / "adapter_config.json"
+    if not config_path.is_file() or source.kind == "preset":
+        return
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = str(Path(source.location).resolve()) if source.kind == "local" else source.location
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _export_one(result: TrainResult, name: str, engine, loaded, runtime: Runtime, folder, *, merge_lora: bool) -> Path:
     from lstune.train.atomic import atomic_dir
     from lstune.train.outputs import write_errors
@@ -442,6 +456,7 @@ def _export_one(result: TrainResult, name: str, engine, loaded, runtime: Runtime
         folder.claim(name)
         with write_errors(target, kept=result.last_checkpoint), atomic_dir(target) as tmp:
             engine.export(tmp, merge_lora=merge_lora)
+            _point_adapter_at_base(tmp, loaded.source)
             if hasattr(loaded.tokenizer, "save_pretrained"):
                 loaded.tokenizer.save_pretrained(str(tmp))
     else:
