@@ -351,7 +351,10 @@ class RunSection:
         None, "Evaluate on the validation data every N steps (and always at the end); needs --eval-data or "
         "--eval-split.", _pos_int,
     )
-    log_every: int = _opt(1, "Print a progress line every N steps.", _pos_int)
+    log_every: int = _opt(
+        1, "Print a progress line every N steps (in a terminal, N > 1 also keeps a line every N steps above the bar).",
+        _pos_int,
+    )
     skip_self_check: bool = _opt(
         False,
         "Skip the startup self-check (the prepared model's loss and input-embedding gradient against the unmodified "

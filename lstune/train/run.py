@@ -90,8 +90,9 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         dataset = _setup_data(config, tokenizer, spec.config)
         dataset, eval_dataset = _setup_eval_data(config, tokenizer, spec.config, dataset)
     loaded, prepared = _setup_model(config, runtime, spec, tokenizer, notes)
-    for note in loaded.notes:
+    for note in runtime.notes + loaded.notes:
         reporter.note(note)
+    warning = truncation_warning(dataset.summary())
     max_steps = total_steps(config, len(dataset), runtime.world_size)
     engine, engine_note = _make_engine(config, prepared.model, max_steps, runtime)
     reporter.note(engine_note)
@@ -109,6 +110,8 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         write_config_snapshot(folder, _recipe_view(config))
 
     reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state))
+    if warning:
+        reporter.note(warning)
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
     result.last_checkpoint = resume_from if resume_from is not None and resume_from.parent == output_dir else None
     evaluator = _make_evaluator(config, eval_dataset, prepared, runtime, reporter)
@@ -199,6 +202,21 @@ def _setup_eval_data(config: TrainConfig, tokenizer, model_config, dataset):
 
         return split_samples(dataset, data.eval_split, pack=data.pack, seed=config.optim.seed)
     return dataset, None
+
+
+TRUNCATION_WARN_FRACTION = 0.1
+
+
+def truncation_warning(summary: dict[str, Any]) -> str | None:
+    """A warning when cutting records to --seq-len drops a tenth or more of the data's tokens."""
+    dropped, kept = summary.get("truncated_tokens", 0), summary.get("tokens", 0)
+    if not dropped or dropped < TRUNCATION_WARN_FRACTION * (dropped + kept):
+        return None
+    return (
+        f"warning: {summary['truncated_records']} records are longer than --seq-len {summary['seq_len']}; cutting "
+        f"them drops {dropped:,} of {dropped + kept:,} tokens ({100 * dropped / (dropped + kept):.0f}%), which are "
+        "never trained on. Raise --seq-len, or use --pack to train on every token."
+    )
 
 
 def _make_evaluator(config: TrainConfig, eval_dataset, prepared, runtime: Runtime, reporter):
