@@ -50,10 +50,11 @@ def _root(
 
 
 def _register_commands() -> None:
-    from lstune.cli import presets, train
+    from lstune.cli import plot, presets, train
 
     train.register(app)
     presets.register(app)
+    plot.register(app)
 
 
 _register_commands()

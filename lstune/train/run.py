@@ -116,6 +116,8 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     result.last_checkpoint = resume_from if resume_from is not None and resume_from.parent == output_dir else None
     evaluator = _make_evaluator(config, eval_dataset, prepared, runtime, reporter)
     _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder, evaluator)
+    if folder is not None and result.history:
+        _plot(result, folder, reporter)
     reporter.end(result)
     return result
 
@@ -401,6 +403,17 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
     finally:
         if metrics is not None:
             metrics.close()
+
+
+def _plot(result: TrainResult, folder, reporter) -> None:
+    """OUTPUT_DIR/metrics.png; a run that trained is not failed by its picture (the metrics stay in metrics.jsonl)."""
+    from lstune.train.plots import PLOT_FILE, plot_run
+
+    folder.claim(PLOT_FILE)
+    try:
+        reporter.note(f"plot saved: {plot_run(result.output_dir)}")
+    except (OSError, ValueError, RuntimeError) as exc:
+        reporter.note(f"warning: the plot was not written ({exc}); `lstune plot {result.output_dir}` retries.")
 
 
 def _stop_requested(runtime: Runtime, stop, result: TrainResult, reporter) -> bool:

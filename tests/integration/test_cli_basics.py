@@ -143,3 +143,12 @@ def test_pretokenized_ids_beyond_the_vocabulary(cli, tmp_path):
     data.write_text(json.dumps({"input_ids": [5, 6, 1000, 7]}) + "\n")
     result = cli("train", *TINY, "--data", data, "--output-dir", tmp_path / "out")
     _assert_user_error(result, "token id 1000", "vocabulary of 320")
+
+
+def test_plot_command(cli, tmp_path):
+    result = cli("plot", tmp_path)
+    _assert_user_error(result, "no metrics.jsonl", "--output-dir")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "tokens_seen": 8, "tokens_per_s": 1.0,
+                                                        "peak_device_mem_bytes": 1, "host_rss_bytes": 1}) + "\n")
+    result = cli("plot", tmp_path)
+    assert result.code == 0 and (tmp_path / "metrics.png").is_file(), result.err

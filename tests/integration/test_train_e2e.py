@@ -229,6 +229,7 @@ def test_lora_final_loads_with_auto_classes_and_files_follow_the_umask(cli, tmp_
     assert adapter["base_model_name_or_path"] == str((base / "final").resolve())
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert any("lora_A" in name for name, _ in model.named_parameters())
+    assert (out / "metrics.png").is_file(), "the end-of-run plot"
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
     assert tokenizer.encode("abc") == [1, 97 + 3, 98 + 3, 99 + 3]
     for folder in ("final", "checkpoint-2"):
