@@ -99,11 +99,18 @@ class RichReporter:
         if self.con.is_terminal:
             self.progress = _progress(self.con)
             self.progress.start()
-            self.task = self.progress.add_task("train", total=plan["steps"], completed=plan["start_step"], status="", eta="-")
+            self.task = self.progress.add_task(
+                "train", total=plan["steps"], completed=plan["start_step"], status="", eta="-", phase="starting"
+            )
 
     def note(self, text: str) -> None:
         style = "yellow" if text.startswith("warning:") else "cyan"
         self.con.print(f"[{style}]lstune[/{style}]: {escape(text)}", markup=True, highlight=False)
+
+    def phase(self, text: str) -> None:
+        """Where the current step is (lstune.train.phases): shown on the bar, so a minutes-long step is watchable."""
+        if self.progress is not None:
+            self.progress.update(self.task, phase=text)
 
     def step(self, metrics: dict[str, Any]) -> None:
         eta = self.clock.eta(metrics) if self.clock is not None else None
@@ -111,8 +118,8 @@ class RichReporter:
         if self.progress is not None:
             status = (
                 f"loss {metrics['loss']:.4f}{_eval_text(metrics).replace('  ', ' · ')} · "
-                f"{metrics['tokens_per_s']:,.0f} tok/s · {metrics['step_time_s']:.2f} s/step · "
                 f"mem {human_bytes(metrics['peak_device_mem_bytes'])} · rss {human_bytes(metrics['host_rss_bytes'])} · "
+                f"{metrics['tokens_per_s']:,.0f} tok/s · {metrics['step_time_s']:.2f} s/step · "
                 f"lr {metrics['lr']:.1e} · gnorm {metrics['grad_norm']:.2f}"
             )
             self.progress.update(self.task, completed=metrics["step"], status=status, eta=human_duration(eta))
@@ -134,6 +141,7 @@ def _progress(con: Console) -> Progress:
     return Progress(
         TextColumn("[bold]train"), BarColumn(bar_width=min(30, max(10, con.width // 8))), MofNCompleteColumn(),
         TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
+        TextColumn("{task.fields[phase]}", table_column=Column(width=20, no_wrap=True, overflow="ellipsis")),
         TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
         console=con, transient=False, expand=True,
     )

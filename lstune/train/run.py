@@ -368,7 +368,8 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
     if folder is not None:
         folder.claim(METRICS_FILE)
     metrics = MetricsWriter(result.output_dir, resume_step=state.step) if runtime.is_main else None
-    stepper = Stepper(config, engine, runtime, prepared.loss_sum)
+    phases = _phase_tracker(reporter, prepared, runtime)
+    stepper = Stepper(config, engine, runtime, prepared.loss_sum, phases)
     guard = NonFiniteGuard(skip=config.run.skip_nonfinite_steps)
     try:
         with StopOnSignal() as stop:
@@ -379,6 +380,7 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
                     break
                 record = stepper.step(batches, state)
                 if evaluator is not None and eval_due(state.step, result.max_steps, config.run.eval_every):
+                    _enter(phases, "eval")
                     record.update(evaluator.run(engine.model))
                 if metrics is not None:
                     metrics.write(record)
@@ -394,15 +396,34 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
                     reporter.note(f"stopping at step {state.step} (--stop-at-step); continue with --resume")
                     break
                 if config.run.save_every and state.step % config.run.save_every == 0 and state.step < result.max_steps:
+                    _enter(phases, "checkpoint save")
                     result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
             result.steps_done = state.step
             if state.step > 0 and (result.last_checkpoint is None or result.last_checkpoint != result.output_dir / f"checkpoint-{state.step}"):
+                _enter(phases, "checkpoint save")
                 result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
             if not (result.interrupted or result.stopped_early):
+                _enter(phases, "export")
                 _export(config, engine, loaded, runtime, result, reporter, folder)
     finally:
+        if phases is not None:
+            phases.remove()
         if metrics is not None:
             metrics.close()
+
+
+def _phase_tracker(reporter, prepared, runtime: Runtime):
+    """Live phases for a reporter that shows them (the CLI's), on the main process only."""
+    if not runtime.is_main or not hasattr(reporter, "phase"):
+        return None
+    from lstune.train.phases import PhaseTracker
+
+    return PhaseTracker(reporter.phase, prepared.parts.layers)
+
+
+def _enter(phases, name: str) -> None:
+    if phases is not None:
+        phases.set(name)
 
 
 def _plot(result: TrainResult, folder, reporter) -> None:

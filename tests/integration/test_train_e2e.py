@@ -230,6 +230,9 @@ def test_lora_final_loads_with_auto_classes_and_files_follow_the_umask(cli, tmp_
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert any("lora_A" in name for name, _ in model.named_parameters())
     assert (out / "metrics.png").is_file(), "the end-of-run plot"
+    last = read_metrics(out)[-1]
+    assert all(last[key] > 0 for key in ("forward_s", "backward_s", "optimizer_s")), last
+    assert last["forward_s"] + last["backward_s"] + last["optimizer_s"] <= last["step_time_s"]
     tokenizer = AutoTokenizer.from_pretrained(out / "final")
     assert tokenizer.encode("abc") == [1, 97 + 3, 98 + 3, 99 + 3]
     for folder in ("final", "checkpoint-2"):

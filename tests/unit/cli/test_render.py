@@ -24,6 +24,7 @@ def _run(width: int, terminal: bool, log_every: int = 1, steps: int = 3) -> str:
     reporter = RichReporter(con, log_every=log_every)
     reporter.start(PLAN)
     for step in range(1, steps + 1):
+        reporter.phase("forward layer 2/4")
         reporter.step(_metrics(step, **({"eval_loss": 2.25, "eval_ppl": 9.49, "eval_time_s": 0.0} if step == 2 else {})))
     reporter.end(None)
     return re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue())
@@ -36,6 +37,9 @@ def test_terminal_bar_keeps_count_elapsed_and_eta_at_every_width(width):
     assert "3/60" in last and "eta 0:28:30" in last, last  # 57 steps left × 30 s
     assert re.search(r"\d:\d\d:\d\d", last.split("3/60")[1])  # elapsed time after the count
     assert len(last.rstrip()) <= width
+    assert "forward layer 2/4" in last
+    if width >= 100:
+        assert "mem 3.0 GiB" in last, "device memory stays on the display"
     if width >= 200:
         assert "loss 2.5000" in last and "mem 3.0 GiB" in last
 
