@@ -50,9 +50,10 @@ def _root(
 
 
 def _register_commands() -> None:
-    from lstune.cli import plot, presets, train
+    from lstune.cli import data, plot, presets, train
 
     train.register(app)
+    data.register(app)
     presets.register(app)
     plot.register(app)
 

@@ -181,3 +181,25 @@ def print_summary(result) -> None:
     console().print(table)
     if result.interrupted and result.last_checkpoint:
         console().print(f"resume with: lstune train --output-dir {result.output_dir} --resume ...(same flags)", markup=False)
+
+
+def print_data_preview(preview) -> None:
+    """Counts first, then the first sample: trained tokens bold, the others dim inside ⟦ ⟧ (visible in a pipe too)."""
+    from rich.text import Text
+
+    con = console()
+    s = preview.summary
+    con.print(f"[bold]data[/bold]: {escape(s['note'])}")
+    con.print(f"records {s['records']:,} · samples {s['samples']:,} · tokens {s['tokens']:,} · padding "
+              f"{s['padding_tokens']:,} · truncated records {s['truncated_records']:,} (tokens dropped "
+              f"{s['truncated_tokens']:,}) · skipped records {s['skipped_documents']:,}", markup=False)
+    if preview.eval_summary is not None:
+        con.print(f"[bold]validation[/bold]: {escape(preview.eval_summary['note'])}")
+    if not preview.shown_tokens:
+        return
+    con.print(f"\n[bold]first sample[/bold]: {preview.sample_tokens:,} tokens, {preview.sample_trained:,} carry a loss; "
+              f"showing the first {preview.shown_tokens:,} (⟦dim⟧ = no loss)")
+    text = Text()
+    for chunk, trained in preview.runs:
+        text.append(chunk, style="bold") if trained else text.append(f"⟦{chunk}⟧", style="dim")
+    con.print(text)

@@ -32,10 +32,10 @@ class SampleView:
         return self.base[int(self.indices[index])]
 
     def summary(self) -> dict[str, Any]:
+        """The whole data's counts (records, samples, tokens before the split) and this part's `split_samples`."""
         summary = self.base.summary()
-        total = summary["samples"]
-        summary["samples"] = len(self)
-        summary["note"] = f"{summary['note']}; {len(self)} of the {total} samples used for {self.role}"
+        summary["split_samples"] = len(self)
+        summary["note"] = f"{summary['note']}; {len(self)} of the {summary['samples']} samples used for {self.role}"
         return summary
 
 

@@ -152,3 +152,20 @@ def test_plot_command(cli, tmp_path):
                                                         "peak_device_mem_bytes": 1, "host_rss_bytes": 1}) + "\n")
     result = cli("plot", tmp_path)
     assert result.code == 0 and (tmp_path / "metrics.png").is_file(), result.err
+
+
+def test_data_preview_shows_counts_and_the_loss_mask(cli, tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    row = {"messages": [{"role": "user", "content": "What is the passkey?"}, {"role": "assistant", "content": "It is 4821."}]}
+    chat.write_text((json.dumps(row) + "\n") * 3)
+    result = cli("data", "--model", "tiny-llama", "--seq-len", "256", "--data", chat)
+    assert result.code == 0, result.err
+    assert "records 3 · samples 3" in result.out
+    # Only the assistant's answer (and its end token) carries a loss: 11 bytes + </s>.
+    assert "12 carry a loss" in result.out
+    assert "What is the passkey?</s><|assistant|>\n⟧It is 4821.</s>" in result.out
+    long_text = tmp_path / "long.jsonl"
+    long_text.write_text(json.dumps({"text": "x" * 1000}) + "\n")
+    result = cli("data", "--model", "tiny-llama", "--seq-len", "256", "--data", long_text, "--no-preview")
+    assert "truncated records 1 (tokens dropped 746)" in result.out and "first sample" not in result.out
+    _assert_user_error(cli("data", "--model", "tiny-llama"), "--data is required")
