@@ -351,6 +351,12 @@ class RunSection:
         None, "Evaluate on the validation data every N steps (and always at the end); needs --eval-data or "
         "--eval-split.", _pos_int,
     )
+    report_to: Any = _opt(
+        "none",
+        "Experiment trackers for the config and every metric: comma-separated tensorboard, wandb, mlflow, or none "
+        "(each an optional extra: pip install 'lstune[tensorboard]').",
+        p.parse_str_list, accepts_list=True, metavar="TRACKERS",
+    )
     log_every: int = _opt(
         1, "Print a progress line every N steps (in a terminal, N > 1 also keeps a line every N steps above the bar).",
         _pos_int,
@@ -374,8 +380,15 @@ class RunSection:
         p.parse_bool,
     )
 
+    def trackers(self) -> list[str]:
+        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        return [n for n in names if n != "none"]
+
     def problems(self) -> list[str]:
         problems = []
+        unknown = [n for n in self.trackers() if n not in ("tensorboard", "wandb", "mlflow")]
+        if unknown:
+            problems.append(f"--report-to {', '.join(unknown)}: use tensorboard, wandb, mlflow or none (comma-separated).")
         if self.resume and self.overwrite:
             problems.append(
                 "--resume and --overwrite contradict each other; resume keeps the run, overwrite erases it. Pick one."

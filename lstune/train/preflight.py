@@ -20,7 +20,9 @@ def preflight_problems(config: TrainConfig) -> list[str]:
             check(config)
         except UserError as exc:
             problems.extend(exc.problems)
-    return problems
+    from lstune.train.tracking import missing_trackers
+
+    return problems + missing_trackers(config.run.trackers())
 
 
 def preflight(config: TrainConfig) -> None:

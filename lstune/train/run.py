@@ -368,6 +368,7 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
     if folder is not None:
         folder.claim(METRICS_FILE)
     metrics = MetricsWriter(result.output_dir, resume_step=state.step) if runtime.is_main else None
+    trackers = _start_trackers(config, result.output_dir, folder) if runtime.is_main else None
     phases = _phase_tracker(reporter, prepared, runtime)
     stepper = Stepper(config, engine, runtime, prepared.loss_sum, phases)
     guard = NonFiniteGuard(skip=config.run.skip_nonfinite_steps)
@@ -384,6 +385,8 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
                     record.update(evaluator.run(engine.model))
                 if metrics is not None:
                     metrics.write(record)
+                if trackers is not None:
+                    trackers.log(record)
                 result.history.append(record)
                 reporter.step(record)
                 note = guard.check(record, result.last_checkpoint)
@@ -408,8 +411,22 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
     finally:
         if phases is not None:
             phases.remove()
+        if trackers is not None:
+            trackers.close()
         if metrics is not None:
             metrics.close()
+
+
+def _start_trackers(config: TrainConfig, output_dir: Path, folder):
+    """--report-to: the trackers, with the run's config; None when none is asked for."""
+    names = config.run.trackers()
+    if not names:
+        return None
+    from lstune.train.tracking import Trackers, folders
+
+    for name in folders(names):
+        folder.claim(name)
+    return Trackers(names, output_dir, _recipe_view(config))
 
 
 def _phase_tracker(reporter, prepared, runtime: Runtime):
