@@ -146,6 +146,12 @@ class DataSection:
         return self.eval_data is not None or self.eval_split is not None
 
 
+def _parse_trackers(value: Any) -> Any:
+    """'none' (the default, kept as written so a resolved config reads back the same) or a list of names."""
+    names = p.parse_str_list(value)
+    return "none" if names == ["none"] else names
+
+
 def valid_tile_setting(value: Any) -> bool:
     if isinstance(value, bool):
         return False
@@ -355,7 +361,7 @@ class RunSection:
         "none",
         "Experiment trackers for the config and every metric: comma-separated tensorboard, wandb, mlflow, or none "
         "(each an optional extra: pip install 'lstune[tensorboard]').",
-        p.parse_str_list, accepts_list=True, metavar="TRACKERS",
+        _parse_trackers, accepts_list=True, metavar="TRACKERS",
     )
     log_every: int = _opt(
         1, "Print a progress line every N steps (in a terminal, N > 1 also keeps a line every N steps above the bar).",
