@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 import typer
+from rich.markup import escape
 
 from lstune.config import parse
 from lstune.config.schema import FLAT_FIELDS, SECTIONS, field_default, flag_name
@@ -43,8 +44,10 @@ def section_parameters(sections: Iterable[str] | None = None) -> list[inspect.Pa
             continue
         default = field_default(f)
         shown = f.metadata["show"](default) if "show" in f.metadata else default
-        common = dict(help=f"{f.metadata['help']} [default: {shown}]", rich_help_panel=SECTIONS_TITLES[section],
-                      show_default=False)
+        # Escaped: typer renders help as rich markup, which would swallow "[default: 4k]" and "[seq, vocab]".
+        # No default (None) is said by the help text itself ("required", "default: one epoch", ...).
+        text = f.metadata["help"] if default is None else f"{f.metadata['help']} [default: {shown}]"
+        common = dict(help=escape(text), rich_help_panel=SECTIONS_TITLES[section], show_default=False)
         flag = flag_name(key)
         if _is_switch(f):
             params.append(_param(key, Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", **common)))

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from lstune.config.parse import format_length
@@ -39,12 +39,43 @@ def print_config(config) -> None:
     console().print(yaml.safe_dump(view, sort_keys=False).rstrip(), markup=False)
 
 
-def _step_line(m: dict[str, Any]) -> str:
+def human_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}"
+
+
+def _eval_text(m: dict[str, Any]) -> str:
+    return f"  eval_loss {m['eval_loss']:.4f}  eval_ppl {m['eval_ppl']:.4g}" if "eval_loss" in m else ""
+
+
+def _step_line(m: dict[str, Any], total: int | None = None, eta: float | None = None) -> str:
+    """One step as a log line (cluster jobs): its place in the run and the time left come first."""
+    where = f"step {m['step']:>5}/{total}" if total else f"step {m['step']:>5}"
     return (
-        f"step {m['step']:>5}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
-        f"{m['tokens_per_s']:,.0f} tok/s  {m['step_time_s']:.2f} s/step  "
+        f"{where}  eta {human_duration(eta)}  loss {m['loss']:.4f}{_eval_text(m)}  lr {m['lr']:.2e}  "
+        f"grad_norm {m['grad_norm']:.3f}  {m['tokens_per_s']:,.0f} tok/s  {m['step_time_s']:.2f} s/step  "
         f"peak mem {human_bytes(m['peak_device_mem_bytes'])}  rss {human_bytes(m['host_rss_bytes'])}"
     )
+
+
+class StepClock:
+    """The run's ETA from measured step times: the mean of the recent steps (eval time included) × steps left."""
+
+    def __init__(self, total: int, start_step: int, window: int = 20):
+        self.total, self.window = total, window
+        self.times: list[float] = []
+        self.last_step = start_step
+
+    def eta(self, m: dict[str, Any]) -> float:
+        steps = max(1, m["step"] - self.last_step)
+        self.last_step = m["step"]
+        self.times.append((m["step_time_s"] + m.get("eval_time_s", 0.0)) / steps)
+        recent = self.times[-self.window:]
+        return sum(recent) / len(recent) * max(0, self.total - m["step"])
 
 
 class RichReporter:
@@ -55,6 +86,7 @@ class RichReporter:
         self.log_every = log_every
         self.progress: Progress | None = None
         self.task = None
+        self.clock: StepClock | None = None
 
     def start(self, plan: dict[str, Any]) -> None:
         table = Table(show_header=False, box=None, pad_edge=False)
@@ -63,31 +95,56 @@ class RichReporter:
         for key, value in plan.items():
             table.add_row(key.replace("_", " "), _format_plan_value(key, value))
         self.con.print(table)
+        self.clock = StepClock(plan["steps"], plan["start_step"])
         if self.con.is_terminal:
-            self.progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-                TimeElapsedColumn(), TimeRemainingColumn(), console=self.con, transient=False,
-            )
+            self.progress = _progress(self.con)
             self.progress.start()
-            self.task = self.progress.add_task("train", total=plan["steps"], completed=plan["start_step"], status="")
+            self.task = self.progress.add_task(
+                "train", total=plan["steps"], completed=plan["start_step"], status="", eta="-", phase="starting"
+            )
 
     def note(self, text: str) -> None:
-        self.con.print(f"[cyan]lstune[/cyan]: {escape(text)}", markup=True, highlight=False)
+        style = "yellow" if text.startswith("warning:") else "cyan"
+        self.con.print(f"[{style}]lstune[/{style}]: {escape(text)}", markup=True, highlight=False)
+
+    def phase(self, text: str) -> None:
+        """Where the current step is (lstune.train.phases): shown on the bar, so a minutes-long step is watchable."""
+        if self.progress is not None:
+            self.progress.update(self.task, phase=text)
 
     def step(self, metrics: dict[str, Any]) -> None:
+        eta = self.clock.eta(metrics) if self.clock is not None else None
+        total = self.clock.total if self.clock is not None else None
         if self.progress is not None:
             status = (
-                f"loss {metrics['loss']:.4f} · {metrics['tokens_per_s']:,.0f} tok/s · "
-                f"{metrics['step_time_s']:.2f} s/step · lr {metrics['lr']:.1e} · gnorm {metrics['grad_norm']:.2f} · "
-                f"mem {human_bytes(metrics['peak_device_mem_bytes'])} · rss {human_bytes(metrics['host_rss_bytes'])}"
+                f"loss {metrics['loss']:.4f}{_eval_text(metrics).replace('  ', ' · ')} · "
+                f"mem {human_bytes(metrics['peak_device_mem_bytes'])} · rss {human_bytes(metrics['host_rss_bytes'])} · "
+                f"{metrics['tokens_per_s']:,.0f} tok/s · {metrics['step_time_s']:.2f} s/step · "
+                f"lr {metrics['lr']:.1e} · gnorm {metrics['grad_norm']:.2f}"
             )
-            self.progress.update(self.task, completed=metrics["step"], status=status)
-        if metrics["step"] % self.log_every == 0 and self.progress is None:
-            self.con.print(_step_line(metrics), markup=False)
+            self.progress.update(self.task, completed=metrics["step"], status=status, eta=human_duration(eta))
+        # In a terminal the bar shows every step; --log-every N > 1 also keeps a line every N steps above it.
+        keep_line = self.progress is None or self.log_every > 1
+        if keep_line and metrics["step"] % self.log_every == 0:
+            self.con.print(_step_line(metrics, total, eta), markup=False, soft_wrap=True)
 
     def end(self, result: Any) -> None:
         if self.progress is not None:
             self.progress.stop()
+
+
+def _progress(con: Console) -> Progress:
+    """The bar, step count, elapsed time and ETA first, at fixed widths, so that they survive 80 columns;
+    the metrics take what is left and are cut with an ellipsis (the log line and metrics.jsonl keep them all)."""
+    from rich.table import Column
+
+    return Progress(
+        TextColumn("[bold]train"), BarColumn(bar_width=min(30, max(10, con.width // 8))), MofNCompleteColumn(),
+        TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
+        TextColumn("{task.fields[phase]}", table_column=Column(width=20, no_wrap=True, overflow="ellipsis")),
+        TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
+        console=con, transient=False, expand=True,
+    )
 
 
 def _format_plan_value(key: str, value: Any) -> str:
@@ -124,3 +181,25 @@ def print_summary(result) -> None:
     console().print(table)
     if result.interrupted and result.last_checkpoint:
         console().print(f"resume with: lstune train --output-dir {result.output_dir} --resume ...(same flags)", markup=False)
+
+
+def print_data_preview(preview) -> None:
+    """Counts first, then the first sample: trained tokens bold, the others dim inside ⟦ ⟧ (visible in a pipe too)."""
+    from rich.text import Text
+
+    con = console()
+    s = preview.summary
+    con.print(f"[bold]data[/bold]: {escape(s['note'])}")
+    con.print(f"records {s['records']:,} · samples {s['samples']:,} · tokens {s['tokens']:,} · padding "
+              f"{s['padding_tokens']:,} · truncated records {s['truncated_records']:,} (tokens dropped "
+              f"{s['truncated_tokens']:,}) · skipped records {s['skipped_documents']:,}", markup=False)
+    if preview.eval_summary is not None:
+        con.print(f"[bold]validation[/bold]: {escape(preview.eval_summary['note'])}")
+    if not preview.shown_tokens:
+        return
+    con.print(f"\n[bold]first sample[/bold]: {preview.sample_tokens:,} tokens, {preview.sample_trained:,} carry a loss; "
+              f"showing the first {preview.shown_tokens:,} (⟦dim⟧ = no loss)")
+    text = Text()
+    for chunk, trained in preview.runs:
+        text.append(chunk, style="bold") if trained else text.append(f"⟦{chunk}⟧", style="dim")
+    con.print(text)

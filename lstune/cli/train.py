@@ -12,7 +12,7 @@ from lstune.cli.options import config_parameter, given_flags, section_parameters
 HELP = (
     "Fine-tune a causal LM on long sequences.\n\n"
     "Flags override the recipe given with --config; every config problem is reported at once, before any "
-    "model or data is loaded. Defaults train the embedded demo: the tiny-llama preset on bundled passkey data."
+    "model or data is loaded. The demo: lstune train --config recipes/tiny-llama/4k-cpu-demo.yaml."
 )
 
 
@@ -42,7 +42,7 @@ def _train_command(**kwargs: Any) -> int:
     flags = given_flags(kwargs)
     recipe = read_recipe(config_path) if config_path else {}
     name = str(config_path) if config_path else "the recipe"
-    config = build_config(recipe, flags, recipe_name=name, checks=preflight_problems)
+    config = build_config(recipe, flags, recipe_name=name, checks=lambda c: _data_given(c) + preflight_problems(c))
     if dry_run:
         print_config(config)
         return 0
@@ -60,6 +60,17 @@ def _train_command(**kwargs: Any) -> int:
     if result.is_main:
         print_summary(result)
     return 130 if result.interrupted else 0
+
+
+MISSING_DATA = (
+    "--data is required: a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder or a hub dataset (or "
+    "builtin:passkey, the bundled synthetic task: lstune train --config recipes/tiny-llama/4k-cpu-demo.yaml)."
+)
+
+
+def _data_given(config) -> list[str]:
+    """No silent default: a run without --data (or `data:` in its recipe) would train on something not asked for."""
+    return [MISSING_DATA] if config.data.source is None else []
 
 
 def _relaunch_argv(ctx: typer.Context, flags: dict[str, Any], config_path) -> list[str]:

@@ -101,11 +101,11 @@ class DataSection:
 
     title: ClassVar[str] = "Data"
 
-    source: str = _opt(
-        "builtin:passkey",
-        "Training data: a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub dataset "
-        "name, or builtin:passkey (bundled synthetic task).",
-        str,
+    source: str | None = _opt(
+        None,
+        "Training data (required): a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub "
+        "dataset name, or builtin:passkey (the bundled synthetic task the demo recipe trains on).",
+        p.parse_optional_str,
         key="data",
         metavar="SOURCE",
     )
@@ -120,9 +120,36 @@ class DataSection:
         p.parse_bool,
     )
     max_records: int | None = _opt(None, "Use only the first N records of the data.", _pos_int)
+    eval_data: str | None = _opt(
+        None, "Validation data, in the same formats as --data (evaluated every --eval-every steps and at the end).",
+        p.parse_optional_str, metavar="SOURCE",
+    )
+    eval_split: float | None = _opt(
+        None,
+        "Hold out this fraction of the training samples for validation instead of --eval-data, e.g. 0.01 "
+        "(a seeded choice in long mode; the last samples of the shuffled packed stream with --pack).",
+        partial(p.parse_float, above=0.0, below=1.0), metavar="FRACTION",
+    )
+    eval_max_samples: int | None = _opt(
+        None, "Evaluate on at most N validation samples (bounds the time of each evaluation).", _pos_int
+    )
 
     def problems(self) -> list[str]:
-        return []
+        problems = []
+        if self.eval_data is not None and self.eval_split is not None:
+            problems.append("--eval-data and --eval-split both give validation data; keep one.")
+        if self.eval_max_samples is not None and not self.has_eval():
+            problems.append("--eval-max-samples bounds validation: add --eval-data or --eval-split, or drop it.")
+        return problems
+
+    def has_eval(self) -> bool:
+        return self.eval_data is not None or self.eval_split is not None
+
+
+def _parse_trackers(value: Any) -> Any:
+    """'none' (the default, kept as written so a resolved config reads back the same) or a list of names."""
+    names = p.parse_str_list(value)
+    return "none" if names == ["none"] else names
 
 
 def valid_tile_setting(value: Any) -> bool:
@@ -326,7 +353,20 @@ class RunSection:
         "with --resume (for jobs with a time limit).",
         _pos_int,
     )
-    log_every: int = _opt(1, "Print a progress line every N steps.", _pos_int)
+    eval_every: int | None = _opt(
+        None, "Evaluate on the validation data every N steps (and always at the end); needs --eval-data or "
+        "--eval-split.", _pos_int,
+    )
+    report_to: Any = _opt(
+        "none",
+        "Experiment trackers for the config and every metric: comma-separated tensorboard, wandb, mlflow, or none "
+        "(each an optional extra: pip install 'lstune[tensorboard]').",
+        _parse_trackers, accepts_list=True, metavar="TRACKERS",
+    )
+    log_every: int = _opt(
+        1, "Print a progress line every N steps (in a terminal, N > 1 also keeps a line every N steps above the bar).",
+        _pos_int,
+    )
     skip_self_check: bool = _opt(
         False,
         "Skip the startup self-check (the prepared model's loss and input-embedding gradient against the unmodified "
@@ -351,8 +391,15 @@ class RunSection:
         p.parse_bool,
     )
 
+    def trackers(self) -> list[str]:
+        names = [self.report_to] if isinstance(self.report_to, str) else list(self.report_to)
+        return [n for n in names if n != "none"]
+
     def problems(self) -> list[str]:
         problems = []
+        unknown = [n for n in self.trackers() if n not in ("tensorboard", "wandb", "mlflow")]
+        if unknown:
+            problems.append(f"--report-to {', '.join(unknown)}: use tensorboard, wandb, mlflow or none (comma-separated).")
         if self.resume and self.overwrite:
             problems.append(
                 "--resume and --overwrite contradict each other; resume keeps the run, overwrite erases it. Pick one."
@@ -397,7 +444,8 @@ SECTIONS: tuple[tuple[str, type], ...] = (
 
 @dataclass
 class TrainConfig:
-    """Everything `lstune train` needs. Defaults train the embedded demo (tiny-llama on passkey data)."""
+    """Everything `lstune train` needs. Only `data.source` has no default: nothing trains on data not asked for
+    (the demo recipe, recipes/tiny-llama/4k-cpu-demo.yaml, names builtin:passkey)."""
 
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -428,6 +476,8 @@ class TrainConfig:
                 f"--save-every {save_every} is more than --max-steps {max_steps}: no checkpoint would be saved "
                 "before the end; lower it."
             )
+        if self.run.eval_every is not None and not self.data.has_eval():
+            problems.append("--eval-every needs validation data: add --eval-data SOURCE or --eval-split 0.01.")
         return problems
 
 

@@ -122,7 +122,34 @@ class ByteTokenizer:
             "byte_offset": self.byte_offset,
         }
         path.write_text(json.dumps(config, indent=2) + "\n")
+        self.as_hf().save_pretrained(str(directory))
         return (str(path),)
+
+    def as_hf(self):
+        """The same tokenizer as a transformers fast tokenizer, so a saved model folder loads with AutoTokenizer.
+
+        Byte-level BPE with no merges: every UTF-8 byte is one token, id = byte + `byte_offset`, after a bos,
+        exactly as `encode` does."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+        from transformers import PreTrainedTokenizerFast
+
+        specials = [self.pad_token, self.bos_token, self.eos_token]
+        byte_chars = pre_tokenizers.ByteLevel.alphabet()
+        # ByteLevel's alphabet is a set; order it by the byte each character stands for.
+        to_byte = {v: k for k, v in _bytes_to_unicode().items()}
+        vocab = {token: i for i, token in enumerate(specials)}
+        vocab.update({c: to_byte[c] + self.byte_offset for c in byte_chars})
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{self.bos_token} $A", pair=f"{self.bos_token} $A $B", special_tokens=[(self.bos_token, self.bos_token_id)],
+        )
+        tok.add_special_tokens(specials)
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tok, pad_token=self.pad_token, bos_token=self.bos_token, eos_token=self.eos_token,
+            chat_template=self.chat_template,
+        )
 
     @classmethod
     def saved_in(cls, directory: str | Path) -> bool:
@@ -192,3 +219,15 @@ def is_empty_tokenizer(tokenizer) -> bool:
         return len(tokenizer) <= 1 or not tokenizer("lstune probe text", add_special_tokens=False)["input_ids"]
     except (TypeError, ValueError, KeyError):
         return False
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which the `tokenizers` ByteLevel pre-tokenizer uses."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))

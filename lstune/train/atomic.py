@@ -19,6 +19,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
         yield tmp
+        apply_umask(tmp)
         _fsync_tree(tmp)
         old = None
         if target.exists():
@@ -31,6 +32,23 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give a tree lstune wrote the modes the user's umask asks for: temp folders (0700) and some writers
+    (safetensors: 0600) create private files, which would hide the outputs from the user's group."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for path in Path(root).rglob("*"):
+        if path.is_symlink():
+            continue
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
 
 
 def _fsync_tree(root: Path) -> None:

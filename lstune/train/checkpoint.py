@@ -73,6 +73,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from lstune.train.atomic import apply_umask
 from lstune.errors import CheckpointError
 from lstune.parallel.comm import Communicator
 
@@ -304,6 +305,7 @@ class _Save:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        apply_umask(self.tmp)
         _fsync_dir(self.tmp)
         self._rename_into_place()
         _prune(self.output_dir, self.final, keep_last)

@@ -20,7 +20,9 @@ def preflight_problems(config: TrainConfig) -> list[str]:
             check(config)
         except UserError as exc:
             problems.extend(exc.problems)
-    return problems
+    from lstune.train.tracking import missing_trackers
+
+    return problems + missing_trackers(config.run.trackers())
 
 
 def preflight(config: TrainConfig) -> None:
@@ -38,7 +40,9 @@ def _check_model(config: TrainConfig) -> None:
 def _check_data(config: TrainConfig) -> None:
     from lstune.data.sources import check_source
 
-    check_source(config.data.source)
+    for source in (config.data.source, config.data.eval_data):
+        if source is not None:
+            check_source(source)
 
 
 def check_parallel_layout(config: TrainConfig) -> None:

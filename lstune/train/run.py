@@ -90,10 +90,12 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     tokenizer, notes = _setup_tokenizer(config, spec)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, spec.config)
+        dataset, eval_dataset = _setup_eval_data(config, tokenizer, spec.config, dataset)
     reporter.note(prediction_note(prediction))  # the predicted peak, just before the weights load
     loaded, prepared = _setup_model(config, runtime, spec, tokenizer, notes)
-    for note in loaded.notes:
+    for note in runtime.notes + loaded.notes:
         reporter.note(note)
+    warning = truncation_warning(dataset.summary())
     max_steps = total_steps(config, len(dataset), runtime.world_size)
     engine, engine_note = _make_engine(config, prepared.model, max_steps, runtime, prediction)
     reporter.note(engine_note)
@@ -111,9 +113,14 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         write_config_snapshot(folder, _recipe_view(config))
 
     reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state))
+    if warning:
+        reporter.note(warning)
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
     result.last_checkpoint = resume_from if resume_from is not None and resume_from.parent == output_dir else None
-    _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder)
+    evaluator = _make_evaluator(config, eval_dataset, prepared, runtime, reporter)
+    _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder, evaluator)
+    if folder is not None and result.history:
+        _plot(result, folder, reporter)
     reporter.end(result)
     return result
 
@@ -162,7 +169,8 @@ def _setup_tokenizer(config: TrainConfig, spec):
     )
 
 
-def _setup_data(config: TrainConfig, tokenizer, model_config):
+def _setup_data(config: TrainConfig, tokenizer, model_config, *, source: str | None = None, flag: str = "--data"):
+    """The training data, or (`source`, `flag`) other data built the same way (--max-records is --data's only)."""
     import datasets
 
     from lstune.data.dataset import build_dataset
@@ -170,16 +178,61 @@ def _setup_data(config: TrainConfig, tokenizer, model_config):
 
     datasets.disable_progress_bars()
     data = config.data
+    if data.source is None:
+        from lstune.errors import ConfigError
+
+        raise ConfigError(["no training data: set config.data.source (--data)."])
+    max_records = data.max_records if source is None else None
+    source = source or data.source
     dataset = build_dataset(
-        data.source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=data.max_records
+        source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=max_records
     )
     max_id, vocab = dataset.summary()["max_token_id"], model_config.vocab_size
     if max_id is not None and max_id >= vocab:
         raise DataError(
-            f"--data {data.source!r} has token id {max_id} (as an input id or a label), but --model {config.model.name!r} has a vocabulary of "
+            f"{flag} {source!r} has token id {max_id} (as an input id or a label), but --model {config.model.name!r} has a vocabulary of "
             f"{vocab}; pre-tokenized data must come from the model's own tokenizer."
         )
     return dataset
+
+
+def _setup_eval_data(config: TrainConfig, tokenizer, model_config, dataset):
+    """(training samples, validation samples or None): --eval-data is built like --data; --eval-split holds
+    samples of the training data out (lstune.data.split)."""
+    data = config.data
+    if data.eval_data is not None:
+        return dataset, _setup_data(config, tokenizer, model_config, source=data.eval_data, flag="--eval-data")
+    if data.eval_split is not None:
+        from lstune.data.split import split_samples
+
+        return split_samples(dataset, data.eval_split, pack=data.pack, seed=config.optim.seed)
+    return dataset, None
+
+
+TRUNCATION_WARN_FRACTION = 0.1
+
+
+def truncation_warning(summary: dict[str, Any]) -> str | None:
+    """A warning when cutting records to --seq-len drops a tenth or more of the data's tokens."""
+    dropped, kept = summary.get("truncated_tokens", 0), summary.get("tokens", 0)
+    if not dropped or dropped < TRUNCATION_WARN_FRACTION * (dropped + kept):
+        return None
+    return (
+        f"warning: {summary['truncated_records']} records are longer than --seq-len {summary['seq_len']}; cutting "
+        f"them drops {dropped:,} of {dropped + kept:,} tokens ({100 * dropped / (dropped + kept):.0f}%), which are "
+        "never trained on. Raise --seq-len, or use --pack to train on every token."
+    )
+
+
+def _make_evaluator(config: TrainConfig, eval_dataset, prepared, runtime: Runtime, reporter):
+    if eval_dataset is None:
+        return None
+    from lstune.train.evaluate import Evaluator
+
+    evaluator = Evaluator(eval_dataset, prepared.loss_sum, runtime, max_samples=config.data.eval_max_samples)
+    when = f"every {config.run.eval_every} steps and at the end" if config.run.eval_every else "at the end"
+    reporter.note(f"validation: {evaluator.samples} of {len(eval_dataset)} samples, {when}")
+    return evaluator
 
 
 def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
@@ -300,9 +353,11 @@ def _describe_memory(memory_plan) -> str:
     return ", ".join(p for p in parts if p)
 
 
-def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, result, reporter, folder) -> None:
+def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, result, reporter, folder,
+          evaluator=None) -> None:
     from lstune.data.loader import make_dataloader
     from lstune.parallel.sp_data import SPDataAdapter
+    from lstune.train.evaluate import eval_due
     from lstune.train.guard import NonFiniteGuard
     from lstune.train.metrics import METRICS_FILE, MetricsWriter
 
@@ -316,7 +371,9 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
     if folder is not None:
         folder.claim(METRICS_FILE)
     metrics = MetricsWriter(result.output_dir, resume_step=state.step) if runtime.is_main else None
-    stepper = Stepper(config, engine, runtime, prepared.loss_sum)
+    trackers = _start_trackers(config, result.output_dir, folder) if runtime.is_main else None
+    phases = _phase_tracker(reporter, prepared, runtime)
+    stepper = Stepper(config, engine, runtime, prepared.loss_sum, phases)
     guard = NonFiniteGuard(skip=config.run.skip_nonfinite_steps)
     try:
         with StopOnSignal() as stop:
@@ -326,8 +383,13 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
                 if _stop_requested(runtime, stop, result, reporter):
                     break
                 record = stepper.step(batches, state)
+                if evaluator is not None and eval_due(state.step, result.max_steps, config.run.eval_every):
+                    _enter(phases, "eval")
+                    record.update(evaluator.run(engine.model))
                 if metrics is not None:
                     metrics.write(record)
+                if trackers is not None:
+                    trackers.log(record)
                 result.history.append(record)
                 reporter.step(record)
                 note = guard.check(record, result.last_checkpoint)
@@ -340,15 +402,59 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
                     reporter.note(f"stopping at step {state.step} (--stop-at-step); continue with --resume")
                     break
                 if config.run.save_every and state.step % config.run.save_every == 0 and state.step < result.max_steps:
+                    _enter(phases, "checkpoint save")
                     result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
             result.steps_done = state.step
             if state.step > 0 and (result.last_checkpoint is None or result.last_checkpoint != result.output_dir / f"checkpoint-{state.step}"):
+                _enter(phases, "checkpoint save")
                 result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
             if not (result.interrupted or result.stopped_early):
+                _enter(phases, "export")
                 _export(config, engine, loaded, runtime, result, reporter, folder)
     finally:
+        if phases is not None:
+            phases.remove()
+        if trackers is not None:
+            trackers.close()
         if metrics is not None:
             metrics.close()
+
+
+def _start_trackers(config: TrainConfig, output_dir: Path, folder):
+    """--report-to: the trackers, with the run's config; None when none is asked for."""
+    names = config.run.trackers()
+    if not names:
+        return None
+    from lstune.train.tracking import Trackers, folders
+
+    for name in folders(names):
+        folder.claim(name)
+    return Trackers(names, output_dir, _recipe_view(config))
+
+
+def _phase_tracker(reporter, prepared, runtime: Runtime):
+    """Live phases for a reporter that shows them (the CLI's), on the main process only."""
+    if not runtime.is_main or not hasattr(reporter, "phase"):
+        return None
+    from lstune.train.phases import PhaseTracker
+
+    return PhaseTracker(reporter.phase, prepared.parts.layers)
+
+
+def _enter(phases, name: str) -> None:
+    if phases is not None:
+        phases.set(name)
+
+
+def _plot(result: TrainResult, folder, reporter) -> None:
+    """OUTPUT_DIR/metrics.png; a run that trained is not failed by its picture (the metrics stay in metrics.jsonl)."""
+    from lstune.train.plots import PLOT_FILE, plot_run
+
+    folder.claim(PLOT_FILE)
+    try:
+        reporter.note(f"plot saved: {plot_run(result.output_dir)}")
+    except (OSError, ValueError, RuntimeError) as exc:
+        reporter.note(f"warning: the plot was not written ({exc}); `lstune plot {result.output_dir}` retries.")
 
 
 def _stop_requested(runtime: Runtime, stop, result: TrainResult, reporter) -> bool:
@@ -399,6 +505,20 @@ def _export(config, engine, loaded, runtime: Runtime, result: TrainResult, repor
     reporter.note(f"final model saved: {result.final_dir}")
 
 
+def _point_adapter_at_base(folder: Path, source) -> None:
+    """A LoRA adapter names its base so that AutoModelForCausalLM.from_pretrained(folder) finds it: the hub id,
+    or the local folder's absolute path (peft records the name it was given, relative or none). A preset has
+    no weights anywhere (random init): its adapter keeps no base; --merge-lora writes a loadable model."""
+    import json
+
+    config_path = folder / "adapter_config.json"
+    if not config_path.is_file() or source.kind == "preset":
+        return
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = str(Path(source.location).resolve()) if source.kind == "local" else source.location
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _export_one(result: TrainResult, name: str, engine, loaded, runtime: Runtime, folder, *, merge_lora: bool) -> Path:
     from lstune.train.atomic import atomic_dir
     from lstune.train.outputs import write_errors
@@ -408,6 +528,7 @@ def _export_one(result: TrainResult, name: str, engine, loaded, runtime: Runtime
         folder.claim(name)
         with write_errors(target, kept=result.last_checkpoint), atomic_dir(target) as tmp:
             engine.export(tmp, merge_lora=merge_lora)
+            _point_adapter_at_base(tmp, loaded.source)
             if hasattr(loaded.tokenizer, "save_pretrained"):
                 loaded.tokenizer.save_pretrained(str(tmp))
     else:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 
@@ -21,6 +21,7 @@ class Runtime:
     autocast_dtype: Any  # torch.bfloat16 or None (fp32)
     launch: Any = None  # lstune.parallel.launch.LaunchEnv, None for a plain single process
     dims: Any = None  # lstune.parallel.dims.ParallelDims, set by `set_dims`
+    notes: list = field(default_factory=list)  # what the user should know about the setup (threads chosen)
 
     @property
     def distributed(self) -> bool:
@@ -111,6 +112,26 @@ def start_runtime(dtype: str) -> Runtime:
         index = launch.local_rank if launch else torch.cuda.current_device()
         torch.cuda.set_device(index)
         return Runtime(torch.device("cuda", index), None if dtype == "fp32" else torch.bfloat16, launch)
-    return Runtime(torch.device("cpu"), torch.bfloat16 if dtype == "bf16" else None, launch)
+    runtime = Runtime(torch.device("cpu"), torch.bfloat16 if dtype == "bf16" else None, launch)
+    runtime.notes.append(set_cpu_threads(launch.local_world_size if launch else 1))
+    return runtime
+
+
+def set_cpu_threads(local_processes: int) -> str:
+    """One share of this machine's cores per local process, unless OMP_NUM_THREADS says otherwise.
+
+    torch's default (every core in each process) oversubscribes the cores as soon as two processes share
+    a machine, and a CPU run then spends its time switching threads (10-20× slower measured on 2 busy cores)."""
+    import torch
+
+    chosen = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if chosen.isdigit() and int(chosen) > 0:
+        torch.set_num_threads(int(chosen))
+        return f"CPU threads per process: {chosen} (OMP_NUM_THREADS)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, local_processes))
+    torch.set_num_threads(threads)
+    return (f"CPU threads per process: {threads} ({cores} cores ÷ {local_processes} local process"
+            f"{'es' if local_processes != 1 else ''}; set OMP_NUM_THREADS to choose)")
 
 

@@ -8,6 +8,7 @@ and SP = N equals SP = 1.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ class RunState:
 class Stepper:
     """Runs optimizer steps of `engine` with `loss_sum(batch, model)` (a PreparedModel's loss head)."""
 
-    def __init__(self, config, engine, runtime, loss_sum: Callable[..., tuple[Any, Any]]):
+    def __init__(self, config, engine, runtime, loss_sum: Callable[..., tuple[Any, Any]], phases=None):
+        self.phases = phases  # a lstune.train.phases.PhaseTracker, or None
         self.config = config
         self.engine = engine
         self.runtime = runtime
@@ -34,8 +36,6 @@ class Stepper:
         self.samples_per_step = config.optim.micro_batch_size * config.optim.grad_accum * runtime.world_size
 
     def step(self, batches: Iterator[dict], state: RunState) -> dict[str, Any]:
-        import torch
-
         from lstune.parallel.loss import global_token_count, local_objective
         from lstune.train.metrics import host_rss_bytes, peak_device_mem_bytes, reset_peak
 
@@ -45,18 +45,20 @@ class Stepper:
         window = [next(batches) for _ in range(self.micro_batches)]
         n_global = global_token_count(window)
         local_loss = 0.0
+        times = {"forward_s": 0.0, "backward_s": 0.0}
         for batch in window:
             batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-            with self._autocast():
+            with self._phase("forward", times, device), self._autocast():
                 loss_sum, _ = self.loss_sum(batch, self.engine.model)
-            self.engine.backward(local_objective(loss_sum, n_global))
+            with self._phase("backward", times, device):
+                self.engine.backward(local_objective(loss_sum, n_global))
             local_loss += float(loss_sum.detach())
         local_tokens = sum(int(b["input_ids"].numel()) for b in window)
         loss_total, tokens = self.runtime.sum([local_loss, float(local_tokens)])
         loss = loss_total / n_global if n_global else float("nan")
-        stats = self._update(loss)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        times["optimizer_s"] = 0.0
+        with self._phase("optimizer", times, device):
+            stats = self._update(loss)
         elapsed = time.perf_counter() - start
 
         tokens = int(tokens)
@@ -76,7 +78,21 @@ class Stepper:
             "peak_device_mem_bytes": peak_device_mem_bytes(device),
             "host_rss_bytes": host_rss_bytes(),
             "tokens_seen": state.tokens_seen,
+            **times,
         }
+
+    @contextlib.contextmanager
+    def _phase(self, name: str, times: dict[str, float], device):
+        """Time a phase of the step into `times[name + "_s"]` (synchronised on CUDA, whose calls return early)."""
+        import torch
+
+        if self.phases is not None:
+            self.phases.set(name)
+        begin = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times[f"{name}_s"] += time.perf_counter() - begin
 
     def _update(self, loss: float) -> dict[str, Any]:
         """The optimizer step, unless the loss is not finite: then an engine that can skip does, and one

@@ -60,4 +60,5 @@ def text_data(tmp_path) -> Path:
     return path
 
 
-TINY = ["--model", "tiny-llama", "--seq-len", "256", "--lr", "1e-3", "--warmup-steps", "0"]
+# The bundled task as data; a test giving its own --data after TINY overrides it (the last value wins).
+TINY = ["--model", "tiny-llama", "--seq-len", "256", "--lr", "1e-3", "--warmup-steps", "0", "--data", "builtin:passkey"]

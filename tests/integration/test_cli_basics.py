@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.integration.conftest import TINY, run_subprocess
+from tests.integration.conftest import REPO, TINY, run_subprocess
 
 
 def test_help_lists_commands_and_flags(cli):
@@ -42,12 +42,24 @@ def test_presets_command_lists_real_and_tiny_models(cli):
 
 def test_dry_run_prints_resolved_config(cli, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("seq_len: 8k\nlr: 1.0e-4\n")
+    recipe.write_text("seq_len: 8k\nlr: 1.0e-4\ndata: builtin:passkey\n")
     result = cli("train", "--config", recipe, "--lr", "5e-4", "--dry-run")
     assert result.code == 0, result.err
     assert "seq_len: 8192" in result.out
     assert "lr: 0.0005" in result.out
     assert not (tmp_path / "runs").exists()
+
+
+def test_data_is_required_outside_the_demo_recipe(cli, tmp_path):
+    """Forgetting --data must not train on the bundled synthetic task without a word."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: tiny-llama\nseq_len: 8k\n")
+    for args in (("--config", recipe), ("--model", "tiny-llama")):
+        result = cli("train", *args, "--output-dir", tmp_path / "o")
+        _assert_user_error(result, "--data is required", "builtin:passkey")
+        assert not (tmp_path / "o").exists()
+    demo = cli("train", "--config", REPO / "recipes/tiny-llama/4k-cpu-demo.yaml", "--dry-run")
+    assert demo.code == 0 and "data: builtin:passkey" in demo.out
 
 
 def _assert_user_error(result, *fragments):
@@ -131,3 +143,29 @@ def test_pretokenized_ids_beyond_the_vocabulary(cli, tmp_path):
     data.write_text(json.dumps({"input_ids": [5, 6, 1000, 7]}) + "\n")
     result = cli("train", *TINY, "--data", data, "--output-dir", tmp_path / "out")
     _assert_user_error(result, "token id 1000", "vocabulary of 320")
+
+
+def test_plot_command(cli, tmp_path):
+    result = cli("plot", tmp_path)
+    _assert_user_error(result, "no metrics.jsonl", "--output-dir")
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "tokens_seen": 8, "tokens_per_s": 1.0,
+                                                        "peak_device_mem_bytes": 1, "host_rss_bytes": 1}) + "\n")
+    result = cli("plot", tmp_path)
+    assert result.code == 0 and (tmp_path / "metrics.png").is_file(), result.err
+
+
+def test_data_preview_shows_counts_and_the_loss_mask(cli, tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    row = {"messages": [{"role": "user", "content": "What is the passkey?"}, {"role": "assistant", "content": "It is 4821."}]}
+    chat.write_text((json.dumps(row) + "\n") * 3)
+    result = cli("data", "--model", "tiny-llama", "--seq-len", "256", "--data", chat)
+    assert result.code == 0, result.err
+    assert "records 3 · samples 3" in result.out
+    # Only the assistant's answer (and its end token) carries a loss: 11 bytes + </s>.
+    assert "12 carry a loss" in result.out
+    assert "What is the passkey?</s><|assistant|>\n⟧It is 4821.</s>" in result.out
+    long_text = tmp_path / "long.jsonl"
+    long_text.write_text(json.dumps({"text": "x" * 1000}) + "\n")
+    result = cli("data", "--model", "tiny-llama", "--seq-len", "256", "--data", long_text, "--no-preview")
+    assert "truncated records 1 (tokens dropped 746)" in result.out and "first sample" not in result.out
+    _assert_user_error(cli("data", "--model", "tiny-llama"), "--data is required")

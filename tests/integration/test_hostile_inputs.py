@@ -121,7 +121,7 @@ def test_oversized_recipe(cli, tmp_path, user_files):
 
 @pytest.mark.parametrize("flag, value", [("--micro-batch-size", "1000000000"), ("--seq-len", "1099511627776")])
 def test_impossible_sizes(cli, tmp_path, user_files, flag, value):
-    result = cli("train", "--model", "tiny-llama", "--seq-len", "256", flag, value, "--output-dir", tmp_path / "o")
+    result = cli("train", *TINY, flag, value, "--output-dir", tmp_path / "o")
     refused(result, "predicted not to fit", "GiB", "--force")
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
 

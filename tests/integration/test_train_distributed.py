@@ -15,13 +15,17 @@ def _train(*args, timeout=400):
 
 def test_sp2_over_two_processes_equals_one_process(tmp_path, text_data):
     """SP=2 on 2 processes sees 2 samples per step: the same numbers as 1 process accumulating 2."""
-    common = ["--data", text_data, "--max-steps", "3"]
+    common = ["--data", text_data, "--max-steps", "3", "--eval-split", "0.25", "--eval-every", "2"]
     _train(*common, "--gpus", "2", "--sp", "2", "--output-dir", tmp_path / "sp2")
     _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
     sp2, one = read_metrics(tmp_path / "sp2"), read_metrics(tmp_path / "one")
     assert [m["label_tokens"] for m in sp2] == [m["label_tokens"] for m in one]
     assert [m["loss"] for m in sp2] == pytest.approx([m["loss"] for m in one], rel=1e-5)
     assert [m["grad_norm"] for m in sp2] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+    # Validation (3 held-out samples, at steps 2 and 3): the exact global mean under SP as on one process.
+    evals = lambda ms: [(m["step"], m["eval_tokens"], m["eval_loss"]) for m in ms if "eval_loss" in m]  # noqa: E731
+    assert [e[:2] for e in evals(sp2)] == [e[:2] for e in evals(one)] and [e[0] for e in evals(one)] == [2, 3]
+    assert [e[2] for e in evals(sp2)] == pytest.approx([e[2] for e in evals(one)], rel=1e-5)
 
 
 def test_zero3_sp_resume_equals_uninterrupted_and_export_reloads(tmp_path, text_data):
@@ -48,11 +52,14 @@ def test_invalid_sp_degree_is_refused_before_launch(tmp_path, text_data):
 
 def test_lora_with_tiling_under_zero3_and_sp_equals_one_process(tmp_path, text_data):
     """Every technique composed: LoRA + tiled MLP + tiled loss + offloaded checkpoints, ZeRO-3, SP=2."""
+    # 3 validation samples on 2 processes under ZeRO-3: one rank runs a blank sample to keep the gathers in step.
     common = ["--data", text_data, "--max-steps", "2", "--lora-r", "4", "--tiled-mlp", "3", "--tiled-loss", "3",
-              "--offload-checkpoints"]
+              "--offload-checkpoints", "--eval-data", text_data, "--eval-max-samples", "3"]
     _train(*common, "--gpus", "2", "--sp", "2", "--zero-stage", "3", "--output-dir", tmp_path / "sp2")
     _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
     sp2, one = read_metrics(tmp_path / "sp2"), read_metrics(tmp_path / "one")
     assert [m["loss"] for m in sp2] == pytest.approx([m["loss"] for m in one], rel=1e-5)
     assert [m["grad_norm"] for m in sp2] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+    assert "eval_loss" not in sp2[0] and sp2[1]["eval_tokens"] == one[1]["eval_tokens"] > 0
+    assert sp2[1]["eval_loss"] == pytest.approx(one[1]["eval_loss"], rel=1e-5)
     assert (tmp_path / "sp2" / "final" / "adapter_config.json").exists()

@@ -205,3 +205,37 @@ def test_training_continues_from_a_final_model_folder(cli, tmp_path, text_data):
     assert "(local)" in result.out
     assert "no tokenizer shipped" not in result.out  # the byte tokenizer saved with the model is found
     assert "randomly initialised" not in result.out
+
+
+def test_lora_final_loads_with_auto_classes_and_files_follow_the_umask(cli, tmp_path, text_data):
+    """final/ of a LoRA run on a local model names its base by absolute path (AutoModelForCausalLM loads the
+    adapter on it), its byte tokenizer loads with AutoTokenizer, and every file has the user's umask."""
+    import os
+    import stat
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path / "base"
+    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", base).code == 0
+    out = tmp_path / "lora"
+    previous = os.umask(0o027)
+    try:
+        result = cli("train", *TINY, "--model", base / "final", "--data", text_data, "--max-steps", "2",
+                     "--lora-r", "4", "--save-every", "1", "--output-dir", out)
+    finally:
+        os.umask(previous)
+    assert result.code == 0, result.err
+    adapter = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((base / "final").resolve())
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+    assert (out / "metrics.png").is_file(), "the end-of-run plot"
+    last = read_metrics(out)[-1]
+    assert all(last[key] > 0 for key in ("forward_s", "backward_s", "optimizer_s")), last
+    assert last["forward_s"] + last["backward_s"] + last["optimizer_s"] <= last["step_time_s"]
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    assert tokenizer.encode("abc") == [1, 97 + 3, 98 + 3, 99 + 3]
+    for folder in ("final", "checkpoint-2"):
+        for path in [out / folder, *(out / folder).rglob("*")]:
+            mode = stat.S_IMODE(path.stat().st_mode)
+            assert mode == (0o750 if path.is_dir() else 0o640), (path, oct(mode))

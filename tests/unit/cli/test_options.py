@@ -24,6 +24,14 @@ def cli_help():
     return result.output
 
 
+def test_help_shows_defaults_and_brackets_grouped_by_section(cli_help):
+    flat = " ".join(cli_help.replace("│", " ").split())
+    assert "(k = 1024). [default: 4k]" in flat and "never the full [seq, vocab] logits" in flat
+    assert "[default: auto]" in flat and "[default: None]" not in flat
+    panels = [title for title in ("Model", "Data", "Memory", "Parallelism", "Optimisation", "Run") if f"─ {title} ─" in cli_help]
+    assert len(panels) == 6
+
+
 def test_sections_choose_the_options():
     names = [p.name for p in section_parameters(["memory"])]
     assert names == ["tiled_mlp", "tiled_loss", "mini_sequence", "checkpointing", "offload_checkpoints",

@@ -1,0 +1,62 @@
+"""What a run will train on, before any weights load: `lstune data --preview`.
+
+Builds the tokenizer and the samples exactly as `train` does (same code: lstune.train.run's data setup)
+and returns the counts and the first sample, each token marked with whether it carries a loss. Token j
+is trained when the label at j - 1 (which predicts j) is not ignored: labels come pre-shifted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+IGNORE = -100
+
+
+@dataclass
+class DataPreview:
+    summary: dict[str, Any]
+    runs: list[tuple[str, bool]] = field(default_factory=list)  # (decoded text, carries a loss), in order
+    sample_tokens: int = 0
+    sample_trained: int = 0
+    shown_tokens: int = 0
+    eval_summary: dict[str, Any] | None = None
+
+
+def preview_data(config, max_tokens: int = 400) -> DataPreview:
+    """Counts of samples / tokens / truncated / dropped, and the first sample's first `max_tokens` tokens
+    decoded in runs of trained and not-trained tokens."""
+    from lstune.models.loading import resolve_model
+    from lstune.train.run import _setup_data, _setup_eval_data, _setup_tokenizer
+
+    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    tokenizer, _ = _setup_tokenizer(config, spec)
+    dataset = _setup_data(config, tokenizer, spec.config)
+    train, held = _setup_eval_data(config, tokenizer, spec.config, dataset)
+    sample = train[0]
+    ids, labels = sample["input_ids"].tolist(), sample["shift_labels"].tolist()
+    trained = [False] + [label != IGNORE for label in labels[:-1]]
+    real = len(ids) - _trailing_padding(labels, sample["position_ids"].tolist(), train.summary()["mode"])
+    shown = min(real, max_tokens)
+    preview = DataPreview(
+        summary=train.summary(), sample_tokens=real, sample_trained=sum(trained[:real]), shown_tokens=shown,
+        eval_summary=held.summary() if held is not None else None,
+    )
+    start = 0
+    for j in range(1, shown + 1):
+        if j == shown or trained[j] != trained[start]:
+            preview.runs.append((tokenizer.decode(ids[start:j]), trained[start]))
+            start = j
+    return preview
+
+
+def _trailing_padding(labels: list[int], positions: list[int], mode: str) -> int:
+    """Tokens of padding at the end of a long-mode sample (ignored labels after the document's last token)."""
+    if mode != "long":
+        return 0
+    n = 0
+    for label in reversed(labels):
+        if label != IGNORE:
+            break
+        n += 1
+    return max(0, n - 1)  # the document's own last token has an ignored label too

@@ -1,0 +1,117 @@
+"""Validation loss: the plain HF model's exact mean over the same samples, whatever techniques are applied,
+in long and packed mode; train mode restored; blank samples count nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lstune.config.load import build_config
+from lstune.models.presets import build_model
+from lstune.train.evaluate import Evaluator, eval_due
+from lstune.train.prepare import prepare_model
+from lstune.train.runtime import Runtime
+from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch
+
+CPU = Runtime(torch.device("cpu"), None)
+
+
+def _samples() -> list[dict]:
+    """Samples as a dataset yields them (1-D), of different label counts: long documents and a packed row."""
+    rows = [long_batch(96, seed=s, ignore_every=3 + s) for s in range(3)] + [packed_batch([40, 30, 26], seed=5)]
+    return [{k: v[0] for k, v in row.items()} for row in rows]
+
+
+def _reference(model, samples) -> float:
+    sums, counts = zip(*(hf_loss_sum(model, {k: v[None] for k, v in s.items()}) for s in samples))
+    return float(sum(sums) / sum(counts))
+
+
+@pytest.mark.parametrize("flags", [
+    {},
+    {"tiled_mlp": "3", "tiled_loss": "4", "offload_checkpoints": True},
+    {"mini_sequence": True, "checkpointing": "off"},
+])
+def test_eval_loss_equals_plain_hf_on_the_same_samples(flags):
+    model = build_model("tiny-llama", attn_implementation="sdpa")
+    samples = _samples()
+    with torch.no_grad():
+        expected = _reference(model, samples)
+    prepared = prepare_model(model, build_config({}, {"seq_len": "96", **flags}), CPU)
+    assert prepared.model.training
+    result = Evaluator(samples, prepared.loss_sum, CPU).run(prepared.model)
+    assert result["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["eval_ppl"] == pytest.approx(math.exp(expected), rel=1e-5)
+    assert result["eval_tokens"] == sum(int((s["shift_labels"] != -100).sum()) for s in samples)
+    assert result["eval_samples"] == 4
+    assert prepared.model.training, "evaluation must give the model back in train mode"
+
+
+def test_eval_runs_lora_in_eval_mode_dropout_off():
+    model = build_model("tiny-llama", attn_implementation="sdpa")
+    samples = _samples()
+    config = build_config({}, {"seq_len": "96", "lora_r": "4", "lora_dropout": "0.5", "tiled_loss": "3"})
+    prepared = prepare_model(model, config, CPU)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in prepared.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)  # a trained adapter: its dropout now changes the output in train mode
+    result = Evaluator(samples, prepared.loss_sum, CPU).run(prepared.model)
+    prepared.undo()
+    prepared.model.eval()
+    with torch.no_grad():
+        expected = _reference(prepared.model, samples)
+    assert result["eval_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_max_samples_takes_the_first_samples_and_builds_no_graph():
+    model = build_model("tiny-llama", attn_implementation="sdpa")
+    samples = _samples()
+    with torch.no_grad():
+        expected = _reference(model, samples[:2])
+    prepared = prepare_model(model, build_config({}, {"seq_len": "96"}), CPU)
+    evaluator = Evaluator(samples, prepared.loss_sum, CPU, max_samples=2)
+    result = evaluator.run(prepared.model)
+    assert result["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert result["eval_samples"] == 2
+    assert all(p.grad is None for p in prepared.model.parameters())
+
+
+class _Ranks:
+    """A runtime of `world` processes seen from `rank`, with sums done by the test."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world_size, self.sp, self.device, self.autocast_dtype = rank, world, 1, torch.device("cpu"), None
+        self.seen = []
+
+    def sum(self, values):
+        self.seen.append(values)
+        return values
+
+
+def test_ranks_split_the_samples_and_pad_the_short_share_with_blank_samples():
+    """3 samples on 2 ranks: rank 0 takes samples 0 and 2, rank 1 sample 1 and a blank one; every sample
+    counts once and both ranks run 2 forwards (ZeRO-3 gathers weights in each)."""
+    samples = _samples()[:3]
+
+    def loss_sum(batch, model):
+        n = (batch["shift_labels"] != -100).sum()
+        return n.float(), n
+
+    forwards, tokens = [], 0.0
+    for rank in range(2):
+        runtime = _Ranks(rank, 2)
+        evaluator = Evaluator(samples, loss_sum, runtime)
+        forwards.append(len(list(evaluator._batches())))
+        evaluator.run(torch.nn.Linear(1, 1))
+        tokens += runtime.seen[0][1]
+    assert forwards == [2, 2]
+    assert tokens == sum(int((s["shift_labels"] != -100).sum()) for s in samples)
+
+
+def test_eval_is_due_every_n_steps_and_at_the_end():
+    assert [s for s in range(1, 8) if eval_due(s, 7, 3)] == [3, 6, 7]
+    assert [s for s in range(1, 8) if eval_due(s, 7, None)] == [7]
