@@ -136,6 +136,16 @@ def parse_auto_int(value: Any, *, words: tuple[str, ...] = ("auto",)) -> str | i
         raise ValueError(f"is not {' or '.join(words)} or a positive whole number") from None
 
 
+def parse_auto_float(value: Any, *, minimum: float) -> str | float:
+    """'auto' or a finite number >= `minimum`."""
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_float(value, minimum=minimum)
+    except ValueError as exc:
+        raise ValueError(f"is not auto or a number ({exc})") from None
+
+
 def parse_auto_off_int(value: Any) -> str | int:
     """'auto', 'off' or a positive whole number (a tile count)."""
     return parse_auto_int(value, words=("auto", "off"))

@@ -70,6 +70,24 @@ class ModelSection:
     trust_remote_code: bool = _opt(
         False, "Allow model code from the hub repository (only for models you trust).", p.parse_bool
     )
+    rope_scaling: str = _opt(
+        "none",
+        "Extend the model's positions (RoPE scaling, saved in the final model's config): none, linear, dynamic, "
+        "yarn or llama3.",
+        partial(p.parse_choice, choices=("none", "linear", "dynamic", "yarn", "llama3")),
+    )
+    rope_factor: Any = _opt(
+        "auto",
+        "RoPE scaling factor (>= 1); 'auto' = --seq-len / the model's original positions.",
+        partial(p.parse_auto_float, minimum=1.0),
+        metavar="auto|F",
+    )
+    original_max_position_embeddings: int | None = _opt(
+        None,
+        "The context the model was pretrained at, which --rope-scaling extends (default: from the model's config).",
+        _pos_int,
+        metavar="N",
+    )
     lora_r: int = _opt(0, "LoRA rank; 0 = full fine-tune.", _nonneg_int)
     lora_alpha: int | None = _opt(None, "LoRA alpha (default: 2 × rank).", _pos_int)
     lora_dropout: float = _opt(0.0, "LoRA dropout.", partial(p.parse_float, minimum=0.0, maximum=0.99))
@@ -84,15 +102,21 @@ class ModelSection:
     )
 
     def problems(self) -> list[str]:
-        if self.lora_r:
-            return []
         # Compared with the defaults (not "was it given"), so a resolved config written by lstune, which
         # lists every key, is itself a valid recipe.
-        return [
-            f"{flag_name(f.name)} needs LoRA; add --lora-r 16 (or another rank), or drop it."
-            for f in fields(self)
-            if f.name in _LORA_ONLY and getattr(self, f.name) != f.default
+        changed = [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+        problems = [
+            f"{flag_name(name)} needs LoRA; add --lora-r 16 (or another rank), or drop it."
+            for name in changed
+            if name in _LORA_ONLY and not self.lora_r
         ]
+        if self.rope_scaling == "none":
+            problems += [
+                f"{flag_name(name)} sets RoPE scaling; add --rope-scaling yarn (or linear, dynamic, llama3), or drop it."
+                for name in changed
+                if name in ("rope_factor", "original_max_position_embeddings")
+            ]
+        return problems
 
 
 @dataclass

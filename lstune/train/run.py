@@ -84,6 +84,8 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         check_resume_compatible(config, resume_from, runtime.world_size)
     spec = _check_model_support(config, runtime)
     runtime.set_dims(config.parallel.sp, spec.config)
+    for note in _adapt_positions(config, spec, runtime):
+        reporter.note(note)
     check_sizes(config, spec.config, runtime)
     tokenizer, notes = _setup_tokenizer(config, spec)
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
@@ -146,6 +148,22 @@ def _check_model_support(config: TrainConfig, runtime: Runtime):
         device=runtime.device.type,
     )
     return spec
+
+
+def _adapt_positions(config: TrainConfig, spec, runtime: Runtime) -> list[str]:
+    """--rope-scaling written into the model's config before it is built (lstune.models.rope); without it, a
+    warning when --seq-len passes the model's positions."""
+    from lstune.models.rope import apply_rope_scaling, positions_warning
+
+    model = config.model
+    scaling = apply_rope_scaling(
+        spec.config, model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,
+        original=model.original_max_position_embeddings, sp=runtime.sp, model_name=model.name,
+    )
+    if scaling is not None:
+        return [scaling.note()]
+    warning = positions_warning(spec.config, config.data.seq_len, model.name)
+    return [warning] if warning else []
 
 
 def _setup_tokenizer(config: TrainConfig, spec):
@@ -244,6 +262,7 @@ def _resume(engine, checkpoint: Path) -> tuple[RunState, dict]:
 # samples per step, the objective); a change is allowed but said.
 _RESUME_SENSITIVE = (
     "model", "data", "seq_len", "pack", "max_records", "seed", "micro_batch_size", "grad_accum", "gpus", "sp",
+    "rope_scaling", "rope_factor", "original_max_position_embeddings",
     "lr", "schedule", "max_steps", "warmup_steps",
 )
 
