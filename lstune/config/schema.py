@@ -144,6 +144,13 @@ class DataSection:
         p.parse_bool,
     )
     max_records: int | None = _opt(None, "Use only the first N records of the data.", _pos_int)
+    chat_template: str | None = _opt(
+        None,
+        "Chat template for chat records (messages, Alpaca, ShareGPT), replacing the tokenizer's: a Jinja file, or "
+        "chatml or llama3.",
+        p.parse_optional_str,
+        metavar="FILE|NAME",
+    )
 
     def problems(self) -> list[str]:
         return []

@@ -269,7 +269,9 @@ def _percent(part: int, whole: int) -> str:
 
 def _no_usable_tokens_message(info: dict, seq_len: int) -> str:
     what = {"text": "every text is empty", "messages": "no conversation has an assistant turn",
-            "input_ids": "every record is empty or has all labels -100"}[info["kind"]]
+            "input_ids": "every record is empty or has all labels -100",
+            "prompt_completion": "every completion is empty", "alpaca": "no record has an output",
+            "sharegpt": "no conversation has a gpt turn"}.get(info["kind"], "no record has a target")
     return (f"data source {info['source']}: {info['records']} records but no token to train on ({what}, or "
             f"no target within the first {seq_len} tokens). Check the data, or use a longer sequence "
             "length or packing.")

@@ -37,8 +37,10 @@ def _check_model(config: TrainConfig) -> None:
 
 def _check_data(config: TrainConfig) -> None:
     from lstune.data.sources import check_source
+    from lstune.data.templates import check_chat_template
 
     check_source(config.data.source)
+    check_chat_template(config.data.chat_template)
 
 
 def check_parallel_layout(config: TrainConfig) -> None:

@@ -78,6 +78,7 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
 
 
 def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path | None, folder) -> TrainResult:
+    from lstune.data.templates import set_chat_template
     from lstune.train.preflight import check_resume_compatible, check_sizes
 
     if resume_from is not None:
@@ -88,6 +89,8 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         reporter.note(note)
     check_sizes(config, spec.config, runtime)
     tokenizer, notes = _setup_tokenizer(config, spec)
+    template_note = set_chat_template(tokenizer, config.data.chat_template)
+    notes += [template_note] if template_note else []
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, spec.config)
     loaded, prepared = _setup_model(config, runtime, spec, tokenizer, notes)
@@ -261,7 +264,7 @@ def _resume(engine, checkpoint: Path) -> tuple[RunState, dict]:
 # Settings whose change makes a resumed run differ from continuing the old one (the data stream, the
 # samples per step, the objective); a change is allowed but said.
 _RESUME_SENSITIVE = (
-    "model", "data", "seq_len", "pack", "max_records", "seed", "micro_batch_size", "grad_accum", "gpus", "sp",
+    "model", "data", "seq_len", "pack", "max_records", "chat_template", "seed", "micro_batch_size", "grad_accum", "gpus", "sp",
     "rope_scaling", "rope_factor", "original_max_position_embeddings",
     "lr", "schedule", "max_steps", "warmup_steps",
 )
