@@ -125,13 +125,16 @@ class DataSection:
 
     title: ClassVar[str] = "Data"
 
-    source: str = _opt(
+    source: Any = _opt(
         "builtin:passkey",
         "Training data: a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub dataset "
-        "name, or builtin:passkey (bundled synthetic task).",
-        str,
+        "name, or builtin:passkey (bundled synthetic task). Repeat it for a mixture, each SOURCE:WEIGHT "
+        "(--data a.jsonl:0.7 --data b/:0.3).",
+        p.parse_data_sources,
         key="data",
         metavar="SOURCE",
+        accepts_list=True,
+        multiple=True,
     )
     seq_len: int = _opt(
         4096, f"Tokens per sample; {p.LENGTH_HINT} (k = 1024).", p.parse_length, metavar="LENGTH",
@@ -143,7 +146,7 @@ class DataSection:
         "crosses documents) instead of one padded/truncated sample per record.",
         p.parse_bool,
     )
-    max_records: int | None = _opt(None, "Use only the first N records of the data.", _pos_int)
+    max_records: int | None = _opt(None, "Use only the first N records of the data (of each source).", _pos_int)
     chat_template: str | None = _opt(
         None,
         "Chat template for chat records (messages, Alpaca, ShareGPT), replacing the tokenizer's: a Jinja file, or "
@@ -153,6 +156,17 @@ class DataSection:
     )
 
     def problems(self) -> list[str]:
+        entries = self.source if isinstance(self.source, list) else [self.source]
+        try:
+            weights = [p.split_weight(entry)[1] for entry in entries]
+        except ValueError as exc:
+            return [f"--data {exc}."]
+        if len(entries) == 1 and weights[0] is not None:
+            return [f"--data {entries[0]!r} has a weight but is the only source; weights mix several --data "
+                    "sources: add another, or drop the weight."]
+        if any(w is None for w in weights) and any(w is not None for w in weights):
+            return ["--data: give every source of a mixture a weight (a.jsonl:0.7 --data b/:0.3), or none "
+                    "(each source then counts by its size)."]
         return []
 
 

@@ -36,10 +36,13 @@ def _check_model(config: TrainConfig) -> None:
 
 
 def _check_data(config: TrainConfig) -> None:
-    from lstune.data.sources import check_source
+    from lstune.data.sources import check_source, mixture_entries
     from lstune.data.templates import check_chat_template
 
-    check_source(config.data.source)
+    if config.data.problems():
+        return  # a malformed --data is reported by its section
+    for source, _ in mixture_entries(config.data.source):
+        check_source(source)
     check_chat_template(config.data.chat_template)
 
 

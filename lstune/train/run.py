@@ -116,6 +116,9 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
     result.last_checkpoint = resume_from if resume_from is not None and resume_from.parent == output_dir else None
     _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder)
+    mixture = _mixture_note(config, dataset, state.consumed_samples)
+    if mixture:
+        reporter.note(mixture)
     reporter.end(result)
     return result
 
@@ -368,6 +371,18 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
     finally:
         if metrics is not None:
             metrics.close()
+
+
+def _mixture_note(config: TrainConfig, dataset, consumed: int) -> str | None:
+    """With several --data sources: the share of each among the samples this run has trained on so far."""
+    from lstune.data.loader import StreamSampler
+    from lstune.data.mixture import MixtureDataset, realised_shares
+
+    if not isinstance(dataset, MixtureDataset) or consumed == 0:
+        return None
+    shares = realised_shares(dataset, StreamSampler(len(dataset), seed=config.optim.seed), consumed)
+    return f"data mixture realised over {consumed} samples: " + ", ".join(
+        f"{name} {100 * share:.1f}%" for name, share in shares.items())
 
 
 def _stop_requested(runtime: Runtime, stop, result: TrainResult, reporter) -> bool:

@@ -118,3 +118,13 @@ def test_rope_settings():
     assert "--rope-scaling 'ntk' is not one of none, linear, dynamic, yarn, llama3" in text
     with pytest.raises(ConfigError, match="--rope-factor sets RoPE scaling; add --rope-scaling yarn"):
         build_config({}, {"rope_factor": "2"})
+
+
+def test_data_sources():
+    assert build_config({}, {"data": ["builtin:passkey"]}).data.source == "builtin:passkey"
+    assert build_config({"data": ["builtin:passkey:2", "builtin:passkey:1"]}, {}).data.source == [
+        "builtin:passkey:2", "builtin:passkey:1"]
+    with pytest.raises(ConfigError, match="has a weight but is the only source"):
+        build_config({}, {"data": ["builtin:passkey:0.5"]})
+    with pytest.raises(ConfigError, match="must be a data source, or a list of them"):
+        build_config({"data": ["builtin:passkey", 3]}, {})
