@@ -1,6 +1,6 @@
 """Apply the single-device memory techniques to a loaded model, in a fixed order, reversibly.
 
-Order (DESIGN.md): LoRA (peft, before this) → attention backend → **tiled MLP / mini-sequence →
+Order (docs/memory.md): LoRA (peft, before this) → attention backend → **tiled MLP / mini-sequence →
 loss head → checkpointing + offload** → engine. Tiling goes first so the checkpointed layer
 recomputes the tiled block; checkpointing wraps last so its hooks see the layer input only.
 
