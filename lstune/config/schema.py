@@ -100,6 +100,12 @@ class ModelSection:
     merge_lora: bool = _opt(
         False, "With LoRA: also write the merged full model to OUTPUT_DIR/final-merged.", p.parse_bool
     )
+    load_in_4bit: bool = _opt(
+        False,
+        "QLoRA: load the frozen base in 4 bits (bitsandbytes NF4, double quantization, bf16 compute; "
+        "`pip install 'lstune[qlora]'`). Needs --lora-r and pretrained weights.",
+        p.parse_bool,
+    )
 
     def problems(self) -> list[str]:
         # Compared with the defaults (not "was it given"), so a resolved config written by lstune, which
@@ -110,6 +116,12 @@ class ModelSection:
             for name in changed
             if name in _LORA_ONLY and not self.lora_r
         ]
+        if self.load_in_4bit and not self.lora_r:
+            problems.append("--load-in-4bit quantizes the frozen base of a LoRA run (QLoRA): add --lora-r 16 (or "
+                            "another rank), or drop --load-in-4bit.")
+        if self.load_in_4bit and self.merge_lora:
+            problems.append("--merge-lora with --load-in-4bit would merge the adapter into a 4-bit base, rounding it "
+                            "again; drop --merge-lora and merge the saved adapter into the full-precision model.")
         if self.rope_scaling == "none":
             problems += [
                 f"{flag_name(name)} sets RoPE scaling; add --rope-scaling yarn (or linear, dynamic, llama3), or drop it."
@@ -462,6 +474,10 @@ class TrainConfig:
     def problems(self) -> list[str]:
         """Every section's problems, then the rules that span two sections."""
         problems = [problem for name, _ in SECTIONS for problem in getattr(self, name).problems()]
+        parallel = self.parallel
+        if self.model.load_in_4bit and (parallel.gpus != 1 or parallel.hostfile or parallel.zero_stage not in ("auto", "0")):
+            problems.append("--load-in-4bit runs in one process with plain AdamW: DeepSpeed ZeRO cannot shard 4-bit "
+                            "weights. Drop --gpus / --hostfile / --zero-stage, or drop --load-in-4bit.")
         save_every, max_steps = self.run.save_every, self.optim.max_steps
         if save_every is not None and max_steps is not None and save_every > max_steps:
             problems.append(

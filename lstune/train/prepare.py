@@ -61,9 +61,12 @@ def adapt_model(model, spec: ModelSection, runtime):
     """Steps 1-2: device and dtype, then LoRA; returns the model to train (peft-wrapped with LoRA)."""
     import torch
 
-    if runtime.device.type == "cuda" and spec.lora_r and spec.dtype != "fp32":
-        model = model.to(dtype=torch.bfloat16)
-    model = model.to(runtime.device)
+    # A 4-bit base (--load-in-4bit) was quantized onto its device, in its dtypes, as it loaded: transformers
+    # refuses to cast it.
+    if not getattr(model, "is_loaded_in_4bit", False):
+        if runtime.device.type == "cuda" and spec.lora_r and spec.dtype != "fp32":
+            model = model.to(dtype=torch.bfloat16)
+        model = model.to(runtime.device)
     if spec.lora_r:
         model = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout, targets=spec.lora_targets)
         log.info("LoRA r=%d applied", spec.lora_r)

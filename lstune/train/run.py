@@ -216,6 +216,9 @@ def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
         seed=config.optim.seed,
         tokenizer=tokenizer,
         notes=notes,
+        load_in_4bit=config.model.load_in_4bit,
+        device=runtime.device,
+        param_dtype=_base_dtype(config, runtime),
     )
     if config.run.skip_self_check:
         loaded.notes.append("self-check skipped (--skip-self-check)")
@@ -226,6 +229,16 @@ def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
     prepared = prepare_model(loaded.model, config, runtime)
     loaded.model = prepared.model
     return loaded, prepared
+
+
+def _base_dtype(config: TrainConfig, runtime: Runtime):
+    """A 4-bit base on CUDA keeps its unquantized parts (embeddings, norms, head) in bf16, as the LoRA path casts the
+    whole base to; everything else loads in fp32 (and is cast, if at all, in lstune.train.prepare)."""
+    import torch
+
+    if config.model.load_in_4bit and runtime.device.type == "cuda" and config.model.dtype != "fp32":
+        return torch.bfloat16
+    return None
 
 
 def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> int:
