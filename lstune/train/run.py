@@ -281,7 +281,7 @@ def _resume(engine, checkpoint: Path) -> tuple[RunState, dict]:
 # samples per step, the objective); a change is allowed but said.
 _RESUME_SENSITIVE = (
     "model", "data", "seq_len", "pack", "max_records", "chat_template", "seed", "micro_batch_size", "grad_accum", "gpus", "sp",
-    "rope_scaling", "rope_factor", "original_max_position_embeddings",
+    "rope_scaling", "rope_factor", "original_max_position_embeddings", "load_in_4bit",
     "lr", "schedule", "max_steps", "warmup_steps",
 )
 
