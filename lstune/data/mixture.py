@@ -64,7 +64,7 @@ class MixtureDataset(torch.utils.data.Dataset):
         shares = []
         for name, count, weight, part in zip(self.names, self.counts, self.weights or [None] * len(self.parts), parts):
             asked = f", weight {weight:g}" if weight is not None else ""
-            shares.append(f"{name} {100 * count / total:.1f}% ({count} of {part['samples']} samples{asked})")
+            shares.append(f"{name} {100 * count / total:.1f}% ({count} slots for its {part['samples']} samples{asked})")
         note = (f"mixture of {len(parts)} sources, {total} samples per mixture epoch: " + "; ".join(shares) + ". "
                 + " | ".join(f"{name}: {part['note']}" for name, part in zip(self.names, parts)))
         return {

@@ -65,8 +65,8 @@ def test_summary_reports_shares_and_parts(sources, byte_tok):
     summary = build_dataset([f"{a}:0.7", f"{b}:0.3"], byte_tok, SEQ).summary()
     assert summary["samples"] == 16
     assert [s["slots"] for s in summary["sources"]] == [11, 5]
-    assert f"{a} 68.8% (11 of 10 samples, weight 0.7)" in summary["note"]
-    assert f"{b} 31.2% (5 of 3 samples, weight 0.3)" in summary["note"]
+    assert f"{a} 68.8% (11 slots for its 10 samples, weight 0.7)" in summary["note"]
+    assert f"{b} 31.2% (5 slots for its 3 samples, weight 0.3)" in summary["note"]
     assert summary["max_token_id"] == max(ord("b"), ord("9")) + 3
 
 
