@@ -51,6 +51,9 @@ def section_parameters(sections: Iterable[str] | None = None) -> list[inspect.Pa
         flag = flag_name(key)
         if _is_switch(f):
             params.append(_param(key, Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", **common)))
+        elif f.metadata.get("multiple"):  # repeatable; typer gives [] when absent
+            option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
+            params.append(_param(key, Optional[list[str]], option))
         else:
             option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
             params.append(_param(key, Optional[str], option))
@@ -62,7 +65,8 @@ SECTIONS_TITLES = {name: section_type.title for name, section_type in SECTIONS}
 
 def given_flags(kwargs: dict[str, Any]) -> dict[str, Any]:
     """The config options among a command's keyword arguments (None = not given)."""
-    return {key: value for key, value in kwargs.items() if key in FLAT_FIELDS}
+    return {key: (value or None) if isinstance(value, list) else value
+            for key, value in kwargs.items() if key in FLAT_FIELDS}
 
 
 def to_argv(flags: dict[str, Any], config_path: Path | None = None) -> list[str]:
@@ -75,6 +79,8 @@ def to_argv(flags: dict[str, Any], config_path: Path | None = None) -> list[str]
         flag = flag_name(key)
         if _is_switch(f):
             argv.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, list):
+            argv += [part for item in value for part in (flag, str(item))]
         else:
             argv += [flag, str(value)]
     return argv

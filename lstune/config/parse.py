@@ -136,6 +136,41 @@ def parse_auto_int(value: Any, *, words: tuple[str, ...] = ("auto",)) -> str | i
         raise ValueError(f"is not {' or '.join(words)} or a positive whole number") from None
 
 
+_WEIGHT_RE = re.compile(r"^(?P<source>.+):(?P<weight>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)$")
+
+
+def split_weight(entry: str) -> tuple[str, float | None]:
+    """'SOURCE:WEIGHT' -> (SOURCE, weight); a source without a numeric tail (`builtin:passkey`) has none."""
+    match = _WEIGHT_RE.match(entry.strip())
+    if not match:
+        return entry.strip(), None
+    weight = float(match.group("weight"))
+    if not (math.isfinite(weight) and weight > 0):
+        raise ValueError(f"entry {entry.strip()!r} has the weight {match.group('weight')}; a mixture weight is a number "
+                         "> 0, e.g. a.jsonl:0.7")
+    return match.group("source"), weight
+
+
+def parse_data_sources(value: Any) -> str | list[str]:
+    """One data source, or several (a list, each `SOURCE` or `SOURCE:WEIGHT`): a mixture."""
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not items or not all(isinstance(v, str) and v.strip() for v in items):
+        raise ValueError("must be a data source, or a list of them (e.g. [a.jsonl:0.7, b/:0.3])")
+    for item in items:
+        split_weight(item)
+    return items[0].strip() if len(items) == 1 else [v.strip() for v in items]
+
+
+def parse_auto_float(value: Any, *, minimum: float) -> str | float:
+    """'auto' or a finite number >= `minimum`."""
+    if str(value).strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_float(value, minimum=minimum)
+    except ValueError as exc:
+        raise ValueError(f"is not auto or a number ({exc})") from None
+
+
 def parse_auto_off_int(value: Any) -> str | int:
     """'auto', 'off' or a positive whole number (a tile count)."""
     return parse_auto_int(value, words=("auto", "off"))

@@ -70,6 +70,24 @@ class ModelSection:
     trust_remote_code: bool = _opt(
         False, "Allow model code from the hub repository (only for models you trust).", p.parse_bool
     )
+    rope_scaling: str = _opt(
+        "none",
+        "Extend the model's positions (RoPE scaling, saved in the final model's config): none, linear, dynamic, "
+        "yarn or llama3.",
+        partial(p.parse_choice, choices=("none", "linear", "dynamic", "yarn", "llama3")),
+    )
+    rope_factor: Any = _opt(
+        "auto",
+        "RoPE scaling factor (>= 1); 'auto' = --seq-len / the model's original positions.",
+        partial(p.parse_auto_float, minimum=1.0),
+        metavar="auto|F",
+    )
+    original_max_position_embeddings: int | None = _opt(
+        None,
+        "The context the model was pretrained at, which --rope-scaling extends (default: from the model's config).",
+        _pos_int,
+        metavar="N",
+    )
     lora_r: int = _opt(0, "LoRA rank; 0 = full fine-tune.", _nonneg_int)
     lora_alpha: int | None = _opt(None, "LoRA alpha (default: 2 × rank).", _pos_int)
     lora_dropout: float = _opt(0.0, "LoRA dropout.", partial(p.parse_float, minimum=0.0, maximum=0.99))
@@ -82,17 +100,35 @@ class ModelSection:
     merge_lora: bool = _opt(
         False, "With LoRA: also write the merged full model to OUTPUT_DIR/final-merged.", p.parse_bool
     )
+    load_in_4bit: bool = _opt(
+        False,
+        "QLoRA: load the frozen base in 4 bits (bitsandbytes NF4, double quantization, bf16 compute; "
+        "`pip install 'lstune[qlora]'`). Needs --lora-r and pretrained weights.",
+        p.parse_bool,
+    )
 
     def problems(self) -> list[str]:
-        if self.lora_r:
-            return []
         # Compared with the defaults (not "was it given"), so a resolved config written by lstune, which
         # lists every key, is itself a valid recipe.
-        return [
-            f"{flag_name(f.name)} needs LoRA; add --lora-r 16 (or another rank), or drop it."
-            for f in fields(self)
-            if f.name in _LORA_ONLY and getattr(self, f.name) != f.default
+        changed = [f.name for f in fields(self) if getattr(self, f.name) != f.default]
+        problems = [
+            f"{flag_name(name)} needs LoRA; add --lora-r 16 (or another rank), or drop it."
+            for name in changed
+            if name in _LORA_ONLY and not self.lora_r
         ]
+        if self.load_in_4bit and not self.lora_r:
+            problems.append("--load-in-4bit quantizes the frozen base of a LoRA run (QLoRA): add --lora-r 16 (or "
+                            "another rank), or drop --load-in-4bit.")
+        if self.load_in_4bit and self.merge_lora:
+            problems.append("--merge-lora with --load-in-4bit would merge the adapter into a 4-bit base, rounding it "
+                            "again; drop --merge-lora and merge the saved adapter into the full-precision model.")
+        if self.rope_scaling == "none":
+            problems += [
+                f"{flag_name(name)} sets RoPE scaling; add --rope-scaling yarn (or linear, dynamic, llama3), or drop it."
+                for name in changed
+                if name in ("rope_factor", "original_max_position_embeddings")
+            ]
+        return problems
 
 
 @dataclass
@@ -101,13 +137,16 @@ class DataSection:
 
     title: ClassVar[str] = "Data"
 
-    source: str | None = _opt(
+    source: Any = _opt(
         None,
         "Training data (required): a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub "
-        "dataset name, or builtin:passkey (the bundled synthetic task the demo recipe trains on).",
-        p.parse_optional_str,
+        "dataset name, or builtin:passkey (the bundled synthetic task the demo recipe trains on). Repeat it for "
+        "a mixture, each SOURCE:WEIGHT (--data a.jsonl:0.7 --data b/:0.3).",
+        p.parse_data_sources,
         key="data",
         metavar="SOURCE",
+        accepts_list=True,
+        multiple=True,
     )
     seq_len: int = _opt(
         4096, f"Tokens per sample; {p.LENGTH_HINT} (k = 1024).", p.parse_length, metavar="LENGTH",
@@ -119,7 +158,14 @@ class DataSection:
         "crosses documents) instead of one padded/truncated sample per record.",
         p.parse_bool,
     )
-    max_records: int | None = _opt(None, "Use only the first N records of the data.", _pos_int)
+    max_records: int | None = _opt(None, "Use only the first N records of the data (of each source).", _pos_int)
+    chat_template: str | None = _opt(
+        None,
+        "Chat template for chat records (messages, Alpaca, ShareGPT), replacing the tokenizer's: a Jinja file, or "
+        "chatml or llama3.",
+        p.parse_optional_str,
+        metavar="FILE|NAME",
+    )
     eval_data: str | None = _opt(
         None, "Validation data, in the same formats as --data (evaluated every --eval-every steps and at the end).",
         p.parse_optional_str, metavar="SOURCE",
@@ -135,13 +181,28 @@ class DataSection:
     )
 
     def problems(self) -> list[str]:
-        problems = []
+        problems = self._mixture_problems()
         if self.eval_data is not None and self.eval_split is not None:
             problems.append("--eval-data and --eval-split both give validation data; keep one.")
         if self.eval_max_samples is not None and not self.has_eval():
             problems.append("--eval-max-samples bounds validation: add --eval-data or --eval-split, or drop it.")
         return problems
 
+    def _mixture_problems(self) -> list[str]:
+        if self.source is None:
+            return []  # a missing --data is reported where it is required (the commands that read data)
+        entries = self.source if isinstance(self.source, list) else [self.source]
+        try:
+            weights = [p.split_weight(entry)[1] for entry in entries]
+        except ValueError as exc:
+            return [f"--data {exc}."]
+        if len(entries) == 1 and weights[0] is not None:
+            return [f"--data {entries[0]!r} has a weight but is the only source; weights mix several --data "
+                    "sources: add another, or drop the weight."]
+        if any(w is None for w in weights) and any(w is not None for w in weights):
+            return ["--data: give every source of a mixture a weight (a.jsonl:0.7 --data b/:0.3), or none "
+                    "(each source then counts by its size)."]
+        return []
     def has_eval(self) -> bool:
         return self.eval_data is not None or self.eval_split is not None
 
@@ -470,6 +531,10 @@ class TrainConfig:
     def problems(self) -> list[str]:
         """Every section's problems, then the rules that span two sections."""
         problems = [problem for name, _ in SECTIONS for problem in getattr(self, name).problems()]
+        parallel = self.parallel
+        if self.model.load_in_4bit and (parallel.gpus != 1 or parallel.hostfile or parallel.zero_stage not in ("auto", "0")):
+            problems.append("--load-in-4bit runs in one process with plain AdamW: DeepSpeed ZeRO cannot shard 4-bit "
+                            "weights. Drop --gpus / --hostfile / --zero-stage, or drop --load-in-4bit.")
         save_every, max_steps = self.run.save_every, self.optim.max_steps
         if save_every is not None and max_steps is not None and save_every > max_steps:
             problems.append(

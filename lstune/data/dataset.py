@@ -174,19 +174,35 @@ class _PackedLayout:
 
 
 def build_dataset(
-    source: str,
+    source: str | list[str],
     tokenizer: Any,
     seq_len: int,
     *,
     pack: bool = False,
     seed: int = 0,
     max_records: int | None = None,
-) -> LongContextDataset:
+):
     """Read `source`, tokenize it (cached by `datasets`), and lay it out as `seq_len`-token samples.
 
     `seed` orders the documents before packing (unused in long mode); `max_records` keeps only the
-    first records of the source. Raises DataError for anything the user must fix.
+    first records of the source. Several sources (a list, each `SOURCE:WEIGHT` or all unweighted) give
+    a `MixtureDataset` (lstune.data.mixture). Raises DataError for anything the user must fix.
     """
+    from lstune.data.mixture import MixtureDataset
+    from lstune.data.sources import mixture_entries
+
+    entries = mixture_entries(source)
+    if len(entries) == 1:
+        return _build_one(entries[0][0], tokenizer, seq_len, pack=pack, seed=seed, max_records=max_records)
+    parts = [_build_one(name, tokenizer, seq_len, pack=pack, seed=seed, max_records=max_records)
+             for name, _ in entries]
+    weights = [w for _, w in entries]
+    return MixtureDataset(parts, [name for name, _ in entries], None if weights[0] is None else weights, seed)
+
+
+def _build_one(
+    source: str, tokenizer: Any, seq_len: int, *, pack: bool, seed: int, max_records: int | None
+) -> LongContextDataset:
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     records = load_records(source, max_records=max_records)
@@ -269,7 +285,9 @@ def _percent(part: int, whole: int) -> str:
 
 def _no_usable_tokens_message(info: dict, seq_len: int) -> str:
     what = {"text": "every text is empty", "messages": "no conversation has an assistant turn",
-            "input_ids": "every record is empty or has all labels -100"}[info["kind"]]
+            "input_ids": "every record is empty or has all labels -100",
+            "prompt_completion": "every completion is empty", "alpaca": "no record has an output",
+            "sharegpt": "no conversation has a gpt turn"}.get(info["kind"], "no record has a target")
     return (f"data source {info['source']}: {info['records']} records but no token to train on ({what}, or "
             f"no target within the first {seq_len} tokens). Check the data, or use a longer sequence "
             "length or packing.")

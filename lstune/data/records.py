@@ -8,6 +8,18 @@ A record kind is detected from the columns (the first match wins):
 - `input_ids` (pre-tokenized), optional `labels` (HF convention: aligned, -100 ignored, not
   yet shifted) and optional `attention_mask` (positions with 0 are dropped as padding).
 
+The formats other tools read map onto those three:
+
+- `prompt` + `completion` (TRL's prompt-completion): strings become an `input_ids` + `labels` document,
+  the prompt tokenized as a text (bos if the tokenizer adds one), the completion after it with eos, loss on
+  the completion only (prompt and completion are tokenized apart, as TRL does, so the loss boundary falls
+  exactly between them); lists of {role, content} become `messages` with the loss on the completion's
+  assistant turns only.
+- Alpaca, `instruction` + `output` (optional `input`, `system`): `messages` [system], user =
+  instruction and input joined by a newline (LLaMA-Factory's mapping), assistant = output.
+- ShareGPT, `conversations` of {from, value} (optional `system`): `messages`, with from human -> user,
+  gpt -> assistant, system -> system (and user/assistant as they are).
+
 Each record becomes one document stored as `input_ids` and `shift_labels` (int32), where
 `shift_labels[t] = label[t + 1]` and the document's last token gets -100: labels are shifted
 once on the full document, so the loss never predicts the next document's first token and any
@@ -26,13 +38,22 @@ import numpy as np
 from lstune.errors import DataError
 
 IGNORE = -100
-KIND_FIELDS = {"text": ("text",), "messages": ("messages",), "input_ids": ("input_ids",)}
-OPTIONAL_FIELDS = {"input_ids": ("labels", "attention_mask")}
+KIND_FIELDS = {
+    "text": ("text",),
+    "messages": ("messages",),
+    "input_ids": ("input_ids",),
+    "prompt_completion": ("prompt", "completion"),
+    "alpaca": ("instruction", "output"),
+    "sharegpt": ("conversations",),
+}
+OPTIONAL_FIELDS = {"input_ids": ("labels", "attention_mask"), "alpaca": ("input", "system"), "sharegpt": ("system",)}
+CHAT_KINDS = ("messages", "alpaca", "sharegpt")  # rendered with the chat template
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 @dataclass(frozen=True)
 class RecordKind:
-    name: str  # "text" | "messages" | "input_ids"
+    name: str  # a key of KIND_FIELDS
     fields: tuple[str, ...]  # the columns read, in the summary as "fields used"
 
 
@@ -44,29 +65,36 @@ def detect_kind(columns: Sequence[str]) -> RecordKind:
             return RecordKind(name, required + optional)
     raise DataError(
         f"the records have columns {sorted(columns)} but none lstune can train on. Give each record a "
-        "'text' field (plain text), a 'messages' field (list of {role, content} chat turns), or "
-        "'input_ids' (pre-tokenized, with optional 'labels'); rename the column if it has another name."
+        "'text' field (plain text), a 'messages' field (list of {role, content} chat turns), "
+        "'input_ids' (pre-tokenized, with optional 'labels'), 'prompt' + 'completion', Alpaca's 'instruction' + "
+        "'output' (+ 'input'), or ShareGPT's 'conversations' ({from, value} turns); rename the column if it has "
+        "another name."
     )
 
 
 def check_tokenizer(kind: RecordKind, tokenizer: Any) -> None:
     """Fail before tokenizing anything if `tokenizer` cannot handle this kind."""
-    if kind.name == "messages" and not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            "the records are chat 'messages' but the tokenizer has no chat template. Use a model whose "
-            "tokenizer has one (an instruct/chat model, or lstune's byte tokenizer), or give the records a "
-            "'text' field with the conversation already rendered."
-        )
+    if kind.name in CHAT_KINDS and not getattr(tokenizer, "chat_template", None):
+        raise DataError(_no_template_message(f"chat records ({', '.join(repr(f) for f in kind.fields)})"))
+
+
+def _no_template_message(what: str) -> str:
+    return (f"the records are {what} but the tokenizer has no chat template. Give one with --chat-template "
+            "(a Jinja file, or chatml / llama3), use a model whose tokenizer has one (an instruct/chat model), or "
+            "give the records a 'text' field with the conversation already rendered.")
 
 
 def tokenize_batch(batch: Mapping[str, list], indices: list[int], *, kind: str, tokenizer: Any) -> dict:
     """`datasets.map(batched=True, with_indices=True)` function: records -> documents (see DOC_COLUMNS)."""
     if kind == "text":
         docs = _text_documents(batch["text"], tokenizer)
-    elif kind == "messages":
-        docs = [_chat_document(m, tokenizer, i) for m, i in zip(batch["messages"], indices)]
-    else:
+    elif kind == "input_ids":
         docs = [_pretokenized_document(batch, row, i) for row, i in enumerate(indices)]
+    elif kind == "prompt_completion":
+        docs = _prompt_completion_documents(batch["prompt"], batch["completion"], indices, tokenizer)
+    else:
+        to_messages = {"messages": _messages, "alpaca": _alpaca_messages, "sharegpt": _sharegpt_messages}[kind]
+        docs = [_chat_document(to_messages(batch, row, i), tokenizer, i) for row, i in enumerate(indices)]
     return _document_columns(docs)
 
 
@@ -153,7 +181,75 @@ def _pretokenized_document(batch: Mapping[str, list], row: int, index: int) -> t
     return ids_T[keep_T], labels_T[keep_T]
 
 
-def _chat_document(messages: Any, tokenizer: Any, index: int) -> tuple[np.ndarray, np.ndarray]:
+def _messages(batch: Mapping[str, list], row: int, index: int) -> Any:
+    return batch["messages"][row]
+
+
+def _alpaca_messages(batch: Mapping[str, list], row: int, index: int) -> list[dict]:
+    instruction, output = batch["instruction"][row], batch["output"][row]
+    extra = batch["input"][row] if "input" in batch else None
+    system = batch["system"][row] if "system" in batch else None
+    for name, value in (("instruction", instruction), ("output", output), ("input", extra), ("system", system)):
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"record {index}: Alpaca's '{name}' must be a string, not {type(value).__name__}.")
+    if instruction is None or output is None:
+        raise DataError(f"record {index}: Alpaca records need 'instruction' and 'output' strings.")
+    messages = [{"role": "system", "content": system}] if system else []
+    user = instruction + "\n" + extra if extra else instruction
+    return messages + [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def _sharegpt_messages(batch: Mapping[str, list], row: int, index: int) -> list[dict]:
+    turns = batch["conversations"][row]
+    if not isinstance(turns, list) or not all(isinstance(t, Mapping) and "from" in t and "value" in t for t in turns):
+        raise DataError(f"record {index}: ShareGPT 'conversations' must be a list of {{from, value}} objects.")
+    system = batch["system"][row] if "system" in batch else None
+    messages = [{"role": "system", "content": system}] if system else []
+    for turn in turns:
+        role = SHAREGPT_ROLES.get(turn["from"])
+        if role is None:
+            raise DataError(
+                f"record {index}: a ShareGPT turn is from {turn['from']!r}; lstune maps "
+                f"{', '.join(SHAREGPT_ROLES)}. Rename that speaker, or convert the records to 'messages'."
+            )
+        messages.append({"role": role, "content": turn["value"]})
+    return messages
+
+
+def _prompt_completion_documents(
+    prompts: list, completions: list, indices: list[int], tokenizer: Any
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    docs: list = [None] * len(prompts)
+    plain = []
+    for row, (prompt, completion, index) in enumerate(zip(prompts, completions, indices)):
+        if isinstance(prompt, str) and isinstance(completion, str):
+            plain.append(row)
+        elif isinstance(prompt, list) and isinstance(completion, list):
+            if not getattr(tokenizer, "chat_template", None):
+                raise DataError(_no_template_message("conversational 'prompt' + 'completion' (lists of messages)"))
+            docs[row] = _chat_document(prompt + completion, tokenizer, index, first_trained=len(prompt))
+        else:
+            raise DataError(
+                f"record {index}: 'prompt' and 'completion' must both be strings, or both lists of {{role, "
+                f"content}} messages; got {type(prompt).__name__} and {type(completion).__name__}."
+            )
+    if plain:
+        prompt_ids = tokenizer([prompts[r] for r in plain], add_special_tokens=True, verbose=False)["input_ids"]
+        completion_ids = tokenizer([completions[r] for r in plain], add_special_tokens=False, verbose=False)["input_ids"]
+        eos = tokenizer.eos_token_id
+        for row, p_ids, c_ids in zip(plain, prompt_ids, completion_ids):
+            if eos is not None and (not c_ids or c_ids[-1] != eos):
+                c_ids = [*c_ids, eos]
+            ids_T = np.asarray([*p_ids, *c_ids], dtype=np.int64)
+            labels_T = ids_T.copy()
+            labels_T[: len(p_ids)] = IGNORE
+            docs[row] = (ids_T, labels_T)
+    return docs
+
+
+def _chat_document(
+    messages: Any, tokenizer: Any, index: int, first_trained: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Ids of the rendered conversation and labels that keep only the assistant turns.
 
     HF's `return_assistant_tokens_mask` needs `{% generation %}` markers that most templates
@@ -161,14 +257,15 @@ def _chat_document(messages: Any, tokenizer: Any, index: int) -> tuple[np.ndarra
     messages[:i] with the generation prompt ends, and ends where rendering messages[:i+1] ends.
     Both renderings must be token prefixes of the whole conversation (prefix stability);
     templates that rewrite earlier turns (e.g. strip past reasoning) are refused. Cost: 1 + 2 x
-    (assistant turns) renderings per conversation.
+    (assistant turns) renderings per conversation. Only turns from `first_trained` on are trained
+    (a prompt's own assistant turns are context).
     """
     if not isinstance(messages, list) or not all(isinstance(m, Mapping) and "role" in m for m in messages):
         raise DataError(f"record {index}: 'messages' must be a list of {{role, content}} objects.")
     ids_T = _render(tokenizer, messages, False, index)
     labels_T = np.full_like(ids_T, IGNORE)
     for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if message["role"] != "assistant" or turn < first_trained:
             continue
         start = _prefix_length(tokenizer, messages[:turn], True, ids_T, index)
         end = _prefix_length(tokenizer, messages[: turn + 1], False, ids_T, index)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lstune.config.parse import split_weight
 from lstune.errors import DataError
 
 if TYPE_CHECKING:
@@ -35,6 +36,12 @@ class Records:
 
     dataset: Dataset
     origin: str
+
+
+def mixture_entries(source: str | list[str]) -> list[tuple[str, float | None]]:
+    """(source, weight or None) for each entry of `--data` (one for a single source, never weighted)."""
+    entries = source if isinstance(source, list) else [source]
+    return [split_weight(entry) if len(entries) > 1 else (entry, None) for entry in entries]
 
 
 def check_source(source: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -96,8 +97,12 @@ class ByteTokenizer:
     ) -> list[int] | str:
         """The built-in chat format (see `chat_template`): ids, or their text when `tokenize=False`.
 
-        HF-only options (tools, return_dict, ...) are accepted and have no effect here.
+        HF-only options (tools, return_dict, ...) are accepted and have no effect here. A template set on the
+        instance (`--chat-template`) is rendered with transformers' Jinja renderer instead, its special-token
+        strings (<s>, </s>, <pad>) becoming their ids.
         """
+        if self.chat_template != type(self).chat_template:
+            return self._apply_custom_template(messages, tokenize, add_generation_prompt)
         pieces = [np.array([self.bos_token_id], dtype=np.int64)]
         for message in messages:
             header = self._encode_np(f"<|{message['role']}|>\n", add_special_tokens=False)
@@ -107,6 +112,20 @@ class ByteTokenizer:
             pieces.append(self._encode_np("<|assistant|>\n", add_special_tokens=False))
         ids = np.concatenate(pieces).tolist()
         return ids if tokenize else self.decode(ids)
+
+    def _apply_custom_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> list[int] | str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template(
+            [list(messages)], chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token,
+        )
+        if not tokenize:
+            return rendered[0]
+        specials = {self.bos_token: self.bos_token_id, self.eos_token: self.eos_token_id, self.pad_token: self.pad_token_id}
+        pieces = re.split("(" + "|".join(re.escape(s) for s in specials) + ")", rendered[0])
+        ids = [[specials[p]] if p in specials else self.encode(p, add_special_tokens=False) for p in pieces if p]
+        return [i for piece in ids for i in piece]
 
     def save_pretrained(self, save_directory: str | Path) -> tuple[str]:
         """Write `lstune_tokenizer.json` so a saved model folder records which tokenizer it uses."""

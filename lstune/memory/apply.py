@@ -1,6 +1,6 @@
 """Apply the single-device memory techniques to a loaded model, in a fixed order, reversibly.
 
-Order (DESIGN.md): LoRA (peft, before this) → attention backend → **tiled MLP / mini-sequence →
+Order (docs/memory.md): LoRA (peft, before this) → attention backend → **tiled MLP / mini-sequence →
 loss head → checkpointing + offload** → engine. Tiling goes first so the checkpointed layer
 recomputes the tiled block; checkpointing wraps last so its hooks see the layer input only.
 
@@ -240,7 +240,8 @@ def _apply_checkpointing(model, plan: MemoryPlan, checkpointing: bool, offload: 
 def _offload_decision(parts: ModelParts, seq_len: int, budget: int | None) -> tuple[bool, str]:
     """Offload only when the copy hides under a layer's forward (MEMO Eq. 1) — on CUDA; always on CPU (tests)."""
     layers, config = parts.layers, parts.text_config
-    param = next(layers[0].parameters())
+    # The hidden state's dtype: a floating weight's (a 4-bit base also holds uint8 packed weights).
+    param = next(p for p in layers[0].parameters() if p.is_floating_point())
     per_layer = seq_len * config.hidden_size * param.element_size()
     host = per_layer * (len(layers) - 1)
     fits = min(len(layers) - 1, budget // per_layer) if budget is not None else None

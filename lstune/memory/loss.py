@@ -15,7 +15,7 @@ Steps (generic path, `tiling.sequence_tiled` with `reduce="sum"`):
    Under ZeRO-3 a tied weight is marked shared, so ZeRO reduces its gradient once, after the input
    embedding's gradient is added (see tiling.py).
 The head returns (sum, count); the caller divides by the token count of the whole accumulation
-window (MST Alg. 2's per-chunk mean is only right when chunks have equal label counts: DIGEST.md).
+window (MST Alg. 2's per-chunk mean is only right when chunks have equal label counts).
 
 Tile sizes: `auto` keeps one tile's fp32 logits at about 1 GiB (ALST: tile_len = 2^28 / vocab
 tokens); mini-sequence mode uses MST's M = vocab / hidden tiles; an int is a tile count; every

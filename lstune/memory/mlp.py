@@ -192,9 +192,11 @@ def _is_per_token(block: "nn.Module", hidden: int) -> bool:
 @torch.no_grad()
 def _probe_block(block: "nn.Module", hidden: int, *, tokens: int):
     """The block's output (eval mode) on the first `tokens` of a fixed random sequence."""
-    param = next(block.parameters())
+    # A floating weight gives the input's dtype (a 4-bit block's packed weights are uint8; its LoRA is not).
+    param = next((p for p in block.parameters() if p.is_floating_point()), next(block.parameters()))
+    dtype = param.dtype if param.is_floating_point() else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, 6, hidden, generator=gen)[:, :tokens].to(device=param.device, dtype=param.dtype)
+    x = torch.randn(1, 6, hidden, generator=gen)[:, :tokens].to(device=param.device, dtype=dtype)
     with eval_mode(block):
         return block(x.contiguous())
 

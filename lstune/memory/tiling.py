@@ -23,7 +23,7 @@ tile by tile (ALST Sec. 3.1 "TiledCompute"; MST Alg. 1-4):
      (`shared_params`: an LM head tied to the input embedding) stay not-ready on every tile and are
      reduced with that later gradient, once.
    Either way each tile's contribution is scaled by the upstream gradient exactly once (MST Alg. 4
-   scales the running sum repeatedly: see DIGEST.md), so `loss_sum / tokens` stays exact.
+   scales the running sum repeatedly, over-weighting early tiles), so `loss_sum / tokens` stays exact.
 
 Why two routes: the `.grad` route is the only one ZeRO-3 allows, and the returned route is better
 everywhere else at the same compute (the same matmuls per tile): it sums 16-bit weights' tiles in

@@ -1,6 +1,6 @@
 """lstune's attention backend: per-document causal attention with no attention mask, for any HF causal LM.
 
-Why (ALST, paper 004 Sec. 3.4): transformers builds a `[bs, 1, seq, seq]` mask for eager/SDPA attention and, for
+Why (ALST Sec. 3.4): transformers builds a `[bs, 1, seq, seq]` mask for eager/SDPA attention and, for
 packed batches, for every backend but FlashAttention. At 125K tokens that mask is 29 GiB in bf16 and it grows with
 seq². lstune never lets HF build it: causality comes from `is_causal`, packed-document boundaries from `position_ids`
 (a position that does not continue its predecessor by +1, i.e. a reset to 0, starts a new document; the rule
@@ -713,7 +713,7 @@ def use_lstune_attention(model: PreTrainedModel, *, backend: str = "auto") -> At
     """Make `model` run lstune's per-document causal attention (see module doc); `.undo()` restores it.
 
     `backend` is "auto" or one of BACKENDS; an unavailable one is refused now, the rest is decided per call from the
-    tensors' device and dtype. Applied after LoRA and before the memory techniques (DESIGN: order of application).
+    tensors' device and dtype. Applied after LoRA and before the memory techniques (the order of application in docs/memory.md).
     """
     _check_backend_name(backend)
     if backend != "auto":

@@ -3,7 +3,7 @@
 The memory techniques need four things from a model: its decoder layers, the per-token MLP (or MoE
 block) inside each layer, the final norm and the output embedding. Looking them up by class name
 would break on every new architecture, so each is found from the module tree and the config
-(STYLE.md rule 7). Wrappers are looked through: peft (`get_peft_model`), DeepSpeed / DDP engines
+(so a new architecture needs no code change). Wrappers are looked through: peft (`get_peft_model`), DeepSpeed / DDP engines
 (`.module`).
 
 A small table of attribute names (`_MLP_NAMES`) is kept only to break ties in layers that hold more

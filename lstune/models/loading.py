@@ -107,11 +107,14 @@ def load_model(
     seed: int = 0,
     tokenizer: Any = None,
     notes: list[str] | None = None,
+    load_in_4bit: bool = False,
+    device: Any = None,
 ) -> LoadedModel:
     """Load the model of `spec` (from `resolve_model`; a name is resolved here). `init` auto = random for
     presets, pretrained otherwise. The tokenizer (lstune.data.tokenizer.load_model_tokenizer) is the
     caller's, loaded first so a data problem is reported before minutes of weight loading; it is kept
-    with the model for export."""
+    with the model for export. `load_in_4bit` quantizes the base while it loads, onto `device`
+    (lstune.models.quant)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -129,6 +132,13 @@ def load_model(
         "attn_implementation": attn_implementation,
         "trust_remote_code": trust_remote_code,
     }
+    if load_in_4bit:
+        from lstune.models.quant import quantization_config, refuse_random_4bit, require_bitsandbytes
+
+        if random_init:
+            refuse_random_4bit(source.name)
+        require_bitsandbytes(torch.device(device or "cpu").type)
+        kwargs.update(quantization_config=quantization_config(), device_map={"": str(device or "cpu")})
     torch.manual_seed(seed)
     if random_init:
         model = AutoModelForCausalLM.from_config(config, **kwargs)
@@ -141,6 +151,10 @@ def load_model(
                 f"--model {source.name!r}: no weights could be loaded ({_first_line(exc)}). Use --init random to "
                 "train from a random initialisation, or point to a folder/hub id with weights."
             ) from None
+    if load_in_4bit:
+        from lstune.models.quant import disable_cpu_packing
+
+        disable_cpu_packing(model)
     model.config.use_cache = False
     return LoadedModel(model, tokenizer, source, notes)
 

@@ -3,8 +3,10 @@
 Three ways a run is distributed:
 
 * `lstune train --gpus N` (no launcher in the environment): `relaunch` re-runs the same command under
-  torchrun (`python -m torch.distributed.run --standalone --nproc-per-node N -m lstune ...`), one
-  process per GPU. Without CUDA it starts N CPU processes with the gloo backend and DS_ACCELERATOR=cpu
+  torchrun (`python -m torch.distributed.run --standalone --nproc-per-node N --no-python python -c ...`),
+  one process per GPU. Each process runs lstune's `__main__` from the lstune this process imported, not
+  through `python -m lstune`: that puts the working directory first on sys.path, and a folder named
+  `lstune` there would be imported instead. Without CUDA it starts N CPU processes with the gloo backend and DS_ACCELERATOR=cpu
   (for tests and demos).
 * `lstune train --gpus N --hostfile H`: several nodes through DeepSpeed's launcher
   (`python -m deepspeed.launcher.runner --hostfile H --num_gpus N --module lstune ...`), which reaches
@@ -25,6 +27,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Mapping
 
 from lstune.config.schema import ParallelSection
@@ -99,8 +102,18 @@ def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, m
         ]
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
-        "-m", module, *argv,
+        "--no-python", *module_entry(module), *argv,
     ]
+
+
+def module_entry(module: str) -> list[str]:
+    """A Python command that runs `module` as `__main__` (like `python -m`) with the folder holding this lstune
+    first on sys.path in place of the working directory, so a folder named `lstune` in the directory the user
+    runs from is never imported instead."""
+    root = str(Path(__file__).resolve().parents[2])  # the folder holding lstune/
+    code = (f"import runpy, sys; sys.path[0] = {root!r}; "
+            f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", code]
 
 
 def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> int:

@@ -1,4 +1,4 @@
-"""Ulysses sequence parallelism for any Hugging Face causal LM (ALST, paper 004 Sec. 3.2, 3.2.1, 4.2).
+"""Ulysses sequence parallelism for any Hugging Face causal LM (ALST Sec. 3.2, 3.2.1, 4.2).
 
 Outside attention every SP rank holds a contiguous 1/sp shard of the sequence; nothing there mixes
 tokens, so embeddings, norms, MLPs and the loss run on the shard unchanged. At attention the wrapper
@@ -317,7 +317,7 @@ def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None 
     attention signature. Default: the model's current attention function when it is document-aware
     (lstune's attention — apply `use_lstune_attention` first to choose its backend — or FlashAttention-2),
     otherwise lstune's attention with backend "auto". Every forward must then get its sequence shard
-    with `position_ids` (see `sp_data.SPDataAdapter`). Order (DESIGN): after LoRA and the attention
+    with `position_ids` (see `sp_data.SPDataAdapter`). Order (docs/memory.md): after LoRA and the attention
     backend, before tiled MLP / loss head / checkpointing.
     """
     from lstune.models import hf_internals

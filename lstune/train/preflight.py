@@ -38,11 +38,17 @@ def _check_model(config: TrainConfig) -> None:
 
 
 def _check_data(config: TrainConfig) -> None:
-    from lstune.data.sources import check_source
+    from lstune.data.sources import check_source, mixture_entries
+    from lstune.data.templates import check_chat_template
 
-    for source in (config.data.source, config.data.eval_data):
-        if source is not None:
+    if config.data.problems():
+        return  # a malformed --data is reported by its section
+    if config.data.source is not None:
+        for source, _ in mixture_entries(config.data.source):
             check_source(source)
+    if config.data.eval_data is not None:
+        check_source(config.data.eval_data)
+    check_chat_template(config.data.chat_template)
 
 
 def check_parallel_layout(config: TrainConfig) -> None:

@@ -62,9 +62,13 @@ def adapt_model(model, spec: ModelSection, runtime):
     """Steps 1-2: device and dtype, then LoRA; returns the model to train (peft-wrapped with LoRA)."""
     import torch
 
-    if lora_base_in_bf16(spec.lora_r, spec.dtype, runtime.device.type == "cuda"):
-        model = model.to(dtype=torch.bfloat16)
-    return add_lora(model.to(runtime.device), spec)
+    # A 4-bit base (--load-in-4bit) was quantized onto its device, in its dtypes, as it loaded: transformers
+    # refuses to cast it.
+    if not getattr(model, "is_loaded_in_4bit", False):
+        if lora_base_in_bf16(spec.lora_r, spec.dtype, runtime.device.type == "cuda"):
+            model = model.to(dtype=torch.bfloat16)
+        model = model.to(runtime.device)
+    return add_lora(model, spec)
 
 
 def add_lora(model, spec: ModelSection):

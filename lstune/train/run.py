@@ -78,6 +78,7 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
 
 
 def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path | None, folder) -> TrainResult:
+    from lstune.data.templates import set_chat_template
     from lstune.train.engine_choice import check_fits, plan_run, prediction_note
     from lstune.train.preflight import check_resume_compatible
 
@@ -85,9 +86,13 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         check_resume_compatible(config, resume_from, runtime.world_size)
     spec = _check_model_support(config, runtime)
     runtime.set_dims(config.parallel.sp, spec.config)
+    for note in _adapt_positions(config, spec, runtime):
+        reporter.note(note)
     prediction = plan_run(config, runtime, spec.config)
     check_fits(config, prediction, runtime)  # before any data or weights are loaded
     tokenizer, notes = _setup_tokenizer(config, spec)
+    template_note = set_chat_template(tokenizer, config.data.chat_template)
+    notes += [template_note] if template_note else []
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, spec.config)
         dataset, eval_dataset = _setup_eval_data(config, tokenizer, spec.config, dataset)
@@ -121,6 +126,9 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder, evaluator)
     if folder is not None and result.history:
         _plot(result, folder, reporter)
+    mixture = _mixture_note(config, dataset, state.consumed_samples)
+    if mixture:
+        reporter.note(mixture)
     reporter.end(result)
     return result
 
@@ -156,6 +164,22 @@ def _check_model_support(config: TrainConfig, runtime: Runtime):
         device=runtime.device.type,
     )
     return spec
+
+
+def _adapt_positions(config: TrainConfig, spec, runtime: Runtime) -> list[str]:
+    """--rope-scaling written into the model's config before it is built (lstune.models.rope); without it, a
+    warning when --seq-len passes the model's positions."""
+    from lstune.models.rope import apply_rope_scaling, positions_warning
+
+    model = config.model
+    scaling = apply_rope_scaling(
+        spec.config, model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,
+        original=model.original_max_position_embeddings, sp=runtime.sp, model_name=model.name,
+    )
+    if scaling is not None:
+        return [scaling.note()]
+    warning = positions_warning(spec.config, config.data.seq_len, model.name)
+    return [warning] if warning else []
 
 
 def _setup_tokenizer(config: TrainConfig, spec):
@@ -248,6 +272,9 @@ def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
         seed=config.optim.seed,
         tokenizer=tokenizer,
         notes=notes,
+        load_in_4bit=config.model.load_in_4bit,
+        device=runtime.device,
+        param_dtype=_base_dtype(config, runtime),
     )
     if config.run.skip_self_check:
         loaded.notes.append("self-check skipped (--skip-self-check)")
@@ -258,6 +285,16 @@ def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
     prepared = prepare_model(loaded.model, config, runtime)
     loaded.model = prepared.model
     return loaded, prepared
+
+
+def _base_dtype(config: TrainConfig, runtime: Runtime):
+    """A 4-bit base on CUDA keeps its unquantized parts (embeddings, norms, head) in bf16, as the LoRA path casts the
+    whole base to; everything else loads in fp32 (and is cast, if at all, in lstune.train.prepare)."""
+    import torch
+
+    if config.model.load_in_4bit and runtime.device.type == "cuda" and config.model.dtype != "fp32":
+        return torch.bfloat16
+    return None
 
 
 def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> int:
@@ -299,7 +336,8 @@ def _resume(engine, checkpoint: Path) -> tuple[RunState, dict]:
 # Settings whose change makes a resumed run differ from continuing the old one (the data stream, the
 # samples per step, the objective); a change is allowed but said.
 _RESUME_SENSITIVE = (
-    "model", "data", "seq_len", "pack", "max_records", "seed", "micro_batch_size", "grad_accum", "gpus", "sp",
+    "model", "data", "seq_len", "pack", "max_records", "chat_template", "seed", "micro_batch_size", "grad_accum", "gpus", "sp",
+    "rope_scaling", "rope_factor", "original_max_position_embeddings", "load_in_4bit",
     "lr", "schedule", "max_steps", "warmup_steps",
 )
 
@@ -455,6 +493,18 @@ def _plot(result: TrainResult, folder, reporter) -> None:
         reporter.note(f"plot saved: {plot_run(result.output_dir)}")
     except (OSError, ValueError, RuntimeError) as exc:
         reporter.note(f"warning: the plot was not written ({exc}); `lstune plot {result.output_dir}` retries.")
+
+
+def _mixture_note(config: TrainConfig, dataset, consumed: int) -> str | None:
+    """With several --data sources: the share of each among the samples this run has trained on so far."""
+    from lstune.data.loader import StreamSampler
+    from lstune.data.mixture import MixtureDataset, realised_shares
+
+    if not isinstance(dataset, MixtureDataset) or consumed == 0:
+        return None
+    shares = realised_shares(dataset, StreamSampler(len(dataset), seed=config.optim.seed), consumed)
+    return f"data mixture realised over {consumed} samples: " + ", ".join(
+        f"{name} {100 * share:.1f}%" for name, share in shares.items())
 
 
 def _stop_requested(runtime: Runtime, stop, result: TrainResult, reporter) -> bool:

@@ -92,12 +92,28 @@ def probe_model(model: Any, *, trust_remote_code: bool = False, device: Any = "c
 
     lm = unwrap_model(model)
     if sum(p.numel() for p in lm.parameters()) <= _SMALL_MODEL:
-        probe, kind = copy.deepcopy(lm).to(device=device, dtype=torch.float32), "copy"
+        # A 4-bit base (--load-in-4bit) is checked as it is: transformers refuses to cast it, and its quantized
+        # layers are part of what the check compares.
+        as_loaded = getattr(lm, "is_loaded_in_4bit", False)
+        probe = copy.deepcopy(lm) if as_loaded else copy.deepcopy(lm).to(device=device, dtype=torch.float32)
+        kind = "copy"
+        if as_loaded:
+            _fp32_compute(probe)
     else:
         probe, kind = _truncated_copy(lm.config, trust_remote_code, device), "truncated random-init copy"
     _drop_dropout(probe)
     probe.config.use_cache = False
     return probe, kind
+
+
+def _fp32_compute(model: Any) -> None:
+    """The probe's 4-bit layers compute in fp32 on their dequantized weights: the check compares lstune's techniques
+    with the plain model at fp32's tolerance, which bf16 compute's rounding would swamp."""
+    import torch
+
+    for module in model.modules():
+        if hasattr(module, "compute_type_is_set") and hasattr(module, "compute_dtype"):
+            module.compute_dtype, module.compute_type_is_set = torch.float32, True
 
 
 def _truncated_copy(config: Any, trust_remote_code: bool, device: Any) -> Any:

@@ -18,3 +18,14 @@ def test_relaunch_runs_every_rank_with_the_same_argv(tmp_path):
 
 def test_relaunch_returns_the_failing_exit_code(tmp_path):
     assert relaunch([str(tmp_path), "--fail"], 2, module="tests.distributed._launch_probe") != 0
+
+
+def test_a_folder_named_lstune_in_the_working_directory_is_not_imported(tmp_path, monkeypatch):
+    """The processes import the lstune this one runs, whatever the user's working directory holds."""
+    shadow = tmp_path / "cwd" / "lstune"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('the user folder named lstune was imported')\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    code = relaunch([str(tmp_path), "train"], 2, module="tests.distributed._launch_probe")
+    assert code == 0
+    assert all((tmp_path / f"rank{r}.json").is_file() for r in range(2))

@@ -52,6 +52,17 @@ def test_given_flags_round_trip_through_argv(tmp_path):
     assert build_config({}, {k: v for k, v in flags.items()}).to_dict()["checkpointing"] is False
 
 
+def test_repeated_data_round_trips_through_argv_and_the_cli():
+    """--data given twice reaches the relaunched processes twice; given once it stays a plain source."""
+    from typer.main import get_command
+    from lstune.cli.app import app
+
+    assert to_argv({"data": ["a.jsonl:0.7", "b/:0.3"]}) == ["--data", "a.jsonl:0.7", "--data", "b/:0.3"]
+    command = get_command(app).commands["train"]
+    ctx = command.make_context("train", ["--data", "x:1", "--data", "y:2"], resilient_parsing=True)
+    assert ctx.params["data"] == ["x:1", "y:2"]
+
+
 @pytest.mark.parametrize(
     ("root", "front"),
     [

@@ -105,3 +105,26 @@ def test_a_non_empty_output_folder_is_refused_unless_resumed_or_overwritten(tmp_
     with pytest.raises(ConfigError, match="nothing is overwritten unasked"):
         build_config({}, {"output_dir": str(tmp_path)})
     assert build_config({}, {"output_dir": str(tmp_path), "overwrite": True}).run.overwrite is True
+
+
+def test_rope_settings():
+    config = build_config({}, {"rope_scaling": "YaRN", "rope_factor": "4", "original_max_position_embeddings": "8192"})
+    assert (config.model.rope_scaling, config.model.rope_factor) == ("yarn", 4.0)
+    assert build_config({}, {"rope_scaling": "linear"}).model.rope_factor == "auto"
+    with pytest.raises(ConfigError) as info:
+        build_config({}, {"rope_factor": "0.5", "rope_scaling": "ntk"})
+    text = str(info.value)
+    assert "--rope-factor '0.5' is not auto or a number (must be at least 1.0)" in text
+    assert "--rope-scaling 'ntk' is not one of none, linear, dynamic, yarn, llama3" in text
+    with pytest.raises(ConfigError, match="--rope-factor sets RoPE scaling; add --rope-scaling yarn"):
+        build_config({}, {"rope_factor": "2"})
+
+
+def test_data_sources():
+    assert build_config({}, {"data": ["builtin:passkey"]}).data.source == "builtin:passkey"
+    assert build_config({"data": ["builtin:passkey:2", "builtin:passkey:1"]}, {}).data.source == [
+        "builtin:passkey:2", "builtin:passkey:1"]
+    with pytest.raises(ConfigError, match="has a weight but is the only source"):
+        build_config({}, {"data": ["builtin:passkey:0.5"]})
+    with pytest.raises(ConfigError, match="must be a data source, or a list of them"):
+        build_config({"data": ["builtin:passkey", 3]}, {})

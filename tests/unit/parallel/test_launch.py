@@ -50,7 +50,9 @@ def test_single_node_uses_torchrun_with_the_same_argv():
     cmd = launch_command(["train", "--gpus", "8", "--seq-len", "2M"], 8)
     assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
-    assert cmd[-7:] == ["-m", "lstune", "train", "--gpus", "8", "--seq-len", "2M"]
+    assert cmd[-5:] == ["train", "--gpus", "8", "--seq-len", "2M"]
+    entry = cmd[cmd.index("--no-python") + 1 : -5]
+    assert entry[:2] == [sys.executable, "-c"] and "run_module('lstune', run_name='__main__'" in entry[2]
 
 
 def test_hostfile_uses_the_deepspeed_launcher(tmp_path):

@@ -1,0 +1,133 @@
+"""RoPE position scaling: extend a model's context by writing transformers' own `rope_parameters`.
+
+lstune computes no rotary frequencies itself: `apply_rope_scaling` rewrites the model config's
+`rope_parameters` (transformers 5; `rope_scaling` in older configs) before the model is built, so the
+model's rotary embedding computes the scaled frequencies (and YaRN's attention factor) with transformers'
+own functions, and `final/config.json` carries them: `from_pretrained` of the saved model reproduces the
+trained positions.
+
+The scalings, each with factor F over the original (pretraining) context O:
+
+- linear (position interpolation): every frequency divided by F.
+- dynamic (NTK-aware): the base grows with the longest position in the forward; transformers reads O from
+  `max_position_embeddings`, so that stays O. Refused under sequence parallelism: each rank would see only its
+  shard's positions and compute other frequencies than the full sequence's.
+- yarn: per-frequency interpolation ramp plus an attention temperature (0.1 ln F + 1).
+- llama3: Llama-3.1's piecewise interpolation (low/high frequency factors 1 and 4, Llama-3.1's own).
+
+`auto` factor = seq_len / O (at least 1). A model already scaled can be re-scaled with its own type (the
+factor then counts from its original context); another type on top of an existing one is refused, since
+transformers composes no two scalings.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lstune.errors import ModelError
+
+SCALINGS = ("none", "linear", "dynamic", "yarn", "llama3")
+# Types whose parameters name the original context (transformers requires it for these).
+_NEEDS_ORIGINAL = ("yarn", "llama3")
+_LLAMA3_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """What `apply_rope_scaling` wrote, for the run's notes."""
+
+    kind: str
+    factor: float
+    original: int
+    max_positions: int
+
+    def note(self) -> str:
+        return (f"RoPE scaling {self.kind}, factor {self.factor:g} over {self.original:,} original positions "
+                f"(the model now declares {self.max_positions:,}; saved with the model)")
+
+
+def rope_parameters(config: Any) -> dict | None:
+    """The config's flat RoPE parameters, or None (no RoPE, or per-layer-type parameters)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params or "rope_type" not in params:
+        return None
+    return params
+
+
+def max_positions(config: Any) -> int | None:
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def positions_warning(config: Any, seq_len: int, model_name: str) -> str | None:
+    """A warning when training past the model's positions without scaling (the run goes on: the user may mean it)."""
+    limit = max_positions(config)
+    if limit is None or seq_len <= limit:
+        return None
+    params = rope_parameters(config)
+    scaled = params is not None and params.get("rope_type") not in ("default", None)
+    what = f"declares with its {params['rope_type']} scaling" if scaled else "was pretrained with"
+    return (f"warning: --seq-len {seq_len:,} is beyond the {limit:,} positions --model {model_name!r} {what}; "
+            "positions past them were never seen in training. To extend the context, add --rope-scaling yarn (or "
+            "linear, dynamic, llama3) with --rope-factor auto.")
+
+
+def apply_rope_scaling(
+    config: Any, kind: str, factor: float | str, *, seq_len: int, original: int | None = None, sp: int = 1,
+    model_name: str = "the model",
+) -> RopeScaling | None:
+    """Write the scaling into `config` (in place, before the model is built); None for `kind` "none".
+    ModelError where the model's RoPE cannot take it (no RoPE, per-layer RoPE, another scaling already)."""
+    if kind == "none":
+        return None
+    params = _scalable_parameters(config, kind, model_name)
+    if kind == "dynamic" and sp > 1:
+        raise ModelError(
+            f"--rope-scaling dynamic recomputes the frequencies from the longest position each forward sees; with "
+            f"sequence parallelism ({sp} ranks) each rank sees only its shard, so the ranks would disagree. Use "
+            "--rope-scaling yarn or linear, or --sp 1."
+        )
+    if params.get("rope_type") == "linear" and not original:
+        raise ModelError(f"--rope-scaling linear: --model {model_name!r} is already linearly scaled and its config "
+                         "keeps no original context; give --original-max-position-embeddings (its pretraining context).")
+    # dynamic keeps its original context in max_position_embeddings (see the module docstring).
+    base = original or params.get("original_max_position_embeddings") or max_positions(config)
+    if base is None:
+        raise ModelError(f"--rope-scaling: --model {model_name!r} declares no max_position_embeddings; give "
+                         "--original-max-position-embeddings (its pretraining context length).")
+    f = max(1.0, seq_len / base) if factor == "auto" else float(factor)
+    new = {key: params[key] for key in ("rope_theta", "partial_rotary_factor") if key in params}
+    new.update(rope_type=kind, factor=f)
+    if kind in _NEEDS_ORIGINAL:
+        new["original_max_position_embeddings"] = base
+    if kind == "llama3":
+        new.update({key: params.get(key, value) for key, value in _LLAMA3_DEFAULTS.items()})
+    config.rope_parameters = new
+    # dynamic reads the original context from max_position_embeddings; the others declare the extended one.
+    config.max_position_embeddings = base if kind == "dynamic" else max(seq_len, math.ceil(base * f))
+    config.validate_rope()
+    return RopeScaling(kind, f, base, config.max_position_embeddings)
+
+
+def _scalable_parameters(config: Any, kind: str, model_name: str) -> dict:
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or not params:
+        raise ModelError(f"--rope-scaling {kind}: --model {model_name!r} ({config.model_type}) has no rotary "
+                         "position embedding to scale; drop --rope-scaling.")
+    flat = rope_parameters(config)
+    if flat is None:
+        raise ModelError(
+            f"--rope-scaling {kind}: --model {model_name!r} ({config.model_type}) has RoPE parameters per layer type "
+            f"({', '.join(sorted(params))}), which lstune does not rewrite; drop --rope-scaling, or edit rope_parameters "
+            "in a copy of the model's config.json."
+        )
+    current = flat.get("rope_type", "default")
+    if current not in ("default", kind):
+        raise ModelError(
+            f"--rope-scaling {kind}: --model {model_name!r} already uses {current} RoPE scaling (factor "
+            f"{flat.get('factor')}), and transformers composes no two scalings. Use --rope-scaling {current} to set "
+            "a new factor over its original context, or drop --rope-scaling."
+        )
+    return flat
