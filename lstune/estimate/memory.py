@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lstune.estimate.shapes import ModelShape, ParamCounts, ceil_div
+from lstune.models.quant import frozen_weight_bytes
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 512 * 2**20  # the CUDA context and kernels, outside torch's allocator
@@ -84,6 +85,7 @@ class Settings:
     host_mem_budget: int | None
     liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
     fuse_norms: bool = True  # mini-sequence fuses the MLP's norms (a probe on real weights finds them)
+    load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
 
     @property
     def local_tokens(self) -> int:
@@ -165,7 +167,7 @@ def reserve_bytes(device_bytes: int, on_cuda: bool) -> int:
 def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
     d, e, world = b.dtypes, s.engine, s.world
     if e.kind == "torch":
-        b.add("frozen parameters", p.frozen * d["frozen"], detail=f"{p.frozen:,} × {_dt(d['frozen'])}")
+        _frozen(b, p, s, d["frozen"])
         b.add("trainable parameters", p.trainable * d["trainable"], detail=f"{p.trainable:,} × fp32")
         b.add("gradients", p.trainable * 4, detail=f"{p.trainable:,} × fp32")
         b.add("optimizer state", p.trainable * ADAM_BYTES, detail="Adam m, v: 2 × fp32")
@@ -187,6 +189,17 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
           f"fp32, {'sharded' if e.zero_stage >= 2 else 'replicated'}, on the {where}")
     b.add("optimizer state", 0 if e.offload_optimizer else optim, optim if e.offload_optimizer else 0,
           f"fp32 master + m + v / {world} ranks, on the {where}")
+
+
+def _frozen(b: Breakdown, p: ParamCounts, s: Settings, nbytes: int) -> None:
+    """The frozen base: in `nbytes` per parameter, or with --load-in-4bit its linear weights in NF4 (about 0.52
+    B each) and the embeddings in bf16; the few norm weights are counted as quantized (under 0.01% of a model)."""
+    if not s.load_in_4bit:
+        b.add("frozen parameters", p.frozen * nbytes, detail=f"{p.frozen:,} × {_dt(nbytes)}")
+        return
+    quantized = max(p.frozen - p.embeddings, 0)
+    b.add("frozen parameters", frozen_weight_bytes(quantized, True) + (p.frozen - quantized) * 2,
+          detail=f"{quantized:,} × NF4 (double-quantized) + {p.frozen - quantized:,} embedding × bf16")
 
 
 def _dt(nbytes: int) -> str:

@@ -62,6 +62,20 @@ def test_lora_on_one_h100_keeps_the_frozen_base_in_bf16_and_checkpoints_at_2_byt
     assert e.fits and 32768 < e.longest_seq_len < 10**6
 
 
+def test_a_4bit_base_takes_about_a_quarter_of_bf16_and_lengthens_the_longest_sequence():
+    """QLoRA (--load-in-4bit): NF4 linear weights at ~0.516 B a parameter, embeddings still bf16."""
+    hw = resolve_hardware(gpu="h100-80gb", host_mem=128 * GiB)
+    bf16 = estimate(_config(model="llama-3.1-8b", seq_len=32768, lora_r=16), hw)
+    nf4 = estimate(_config(model="llama-3.1-8b", seq_len=32768, lora_r=16, load_in_4bit=True), hw)
+    frozen_bf16, frozen_nf4 = ({i.name: i for i in e.breakdown.items}["frozen parameters"].device for e in (bf16, nf4))
+    embeddings = nf4.params.embeddings
+    quantized = nf4.params.frozen - embeddings
+    assert frozen_nf4 == pytest.approx(quantized * (0.5 + 1 / 64 + 4 / (64 * 256)) + 2 * embeddings, abs=1)
+    assert 0.3 < frozen_nf4 / frozen_bf16 < 0.4  # Llama-8B's 1 GB of bf16 embeddings stay unquantized
+    assert bf16.device_peak_bytes - nf4.device_peak_bytes == pytest.approx(frozen_bf16 - frozen_nf4, abs=1)
+    assert nf4.longest_seq_len > bf16.longest_seq_len
+
+
 def test_full_fine_tune_of_8b_on_one_gpu_needs_zero3_with_offload():
     hw = resolve_hardware(gpu="h100-80gb", host_mem=512 * GiB)
     e = estimate(_config(model="llama-3.1-8b", seq_len=16384), hw)
