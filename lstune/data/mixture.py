@@ -76,7 +76,12 @@ class MixtureDataset(torch.utils.data.Dataset):
                         zip(self.names, self.counts, self.weights or [None] * len(parts), parts)],
             "max_token_id": max(part["max_token_id"] for part in parts),
             "note": note,
+            # the sources' own counts, added up (the data preview and the truncation warning read them)
+            **{key: sum(part.get(key) or 0 for part in parts) for key in _COUNTS},
         }
+
+
+_COUNTS = ("records", "tokens", "padding_tokens", "truncated_records", "truncated_tokens", "skipped_documents")
 
 
 def _cycled_permutation(size: int, count: int, seed: int, source: int) -> np.ndarray:

@@ -30,7 +30,10 @@ def preview_data(config, max_tokens: int = 400) -> DataPreview:
     from lstune.train.run import _setup_data, _setup_eval_data, _setup_tokenizer
 
     spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    from lstune.data.templates import set_chat_template
+
     tokenizer, _ = _setup_tokenizer(config, spec)
+    set_chat_template(tokenizer, config.data.chat_template)  # as train does: the mask shown is the one trained
     dataset = _setup_data(config, tokenizer, spec.config)
     train, held = _setup_eval_data(config, tokenizer, spec.config, dataset)
     sample = train[0]

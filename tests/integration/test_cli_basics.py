@@ -169,3 +169,16 @@ def test_data_preview_shows_counts_and_the_loss_mask(cli, tmp_path):
     result = cli("data", "--model", "tiny-llama", "--seq-len", "256", "--data", long_text, "--no-preview")
     assert "truncated records 1 (tokens dropped 746)" in result.out and "first sample" not in result.out
     _assert_user_error(cli("data", "--model", "tiny-llama"), "--data is required")
+
+
+def test_data_preview_of_a_mixture_with_a_chat_template(cli, tmp_path):
+    """Several weighted sources add up their counts, and --chat-template is the template the mask is shown in."""
+    alpaca, pairs = tmp_path / "alpaca.jsonl", tmp_path / "pairs.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": f"Say {w}", "input": "", "output": w}) + "\n"
+                              for w in ("hi", "yes")))
+    pairs.write_text(json.dumps({"prompt": "Q: 2+2?", "completion": " 4"}) + "\n")
+    result = cli("data", "--model", "tiny-llama", "--seq-len", "256", "--data", f"{alpaca}:0.5", "--data",
+                 f"{pairs}:0.5", "--chat-template", "chatml")
+    assert result.code == 0, result.err
+    assert "records 3 · samples 4" in result.out
+    assert "⟦<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\n⟧hi<|im_end|>" in result.out
