@@ -60,5 +60,7 @@ def text_data(tmp_path) -> Path:
     return path
 
 
-# The bundled task as data; a test giving its own --data after TINY overrides it (the last value wins).
-TINY = ["--model", "tiny-llama", "--seq-len", "256", "--lr", "1e-3", "--warmup-steps", "0", "--data", "builtin:passkey"]
+# A tiny run's flags. --data repeats (several sources make a mixture), so a test giving its own --data starts from
+# TINY_MODEL; TINY adds the bundled task as data.
+TINY_MODEL = ["--model", "tiny-llama", "--seq-len", "256", "--lr", "1e-3", "--warmup-steps", "0"]
+TINY = [*TINY_MODEL, "--data", "builtin:passkey"]

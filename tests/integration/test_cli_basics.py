@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.integration.conftest import REPO, TINY, run_subprocess
+from tests.integration.conftest import REPO, TINY, TINY_MODEL, run_subprocess
 
 
 def test_help_lists_commands_and_flags(cli):
@@ -85,7 +85,7 @@ def test_missing_data(cli, tmp_path):
 def test_empty_data(cli, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    result = cli("train", *TINY, "--data", empty, "--output-dir", tmp_path / "out")
+    result = cli("train", *TINY_MODEL, "--data", empty, "--output-dir", tmp_path / "out")
     assert result.code == 2 and "Traceback" not in result.err
     assert "empty" in result.err.lower() or "no records" in result.err.lower(), result.err
 
@@ -93,7 +93,7 @@ def test_empty_data(cli, tmp_path):
 def test_records_without_known_fields(cli, tmp_path):
     data = tmp_path / "odd.jsonl"
     data.write_text(json.dumps({"body": "hello"}) + "\n")
-    result = cli("train", *TINY, "--data", data, "--output-dir", tmp_path / "out")
+    result = cli("train", *TINY_MODEL, "--data", data, "--output-dir", tmp_path / "out")
     _assert_user_error(result, "body")
     assert "text" in result.err and "messages" in result.err and "input_ids" in result.err
 
@@ -141,7 +141,7 @@ def test_debug_shows_the_traceback():
 def test_pretokenized_ids_beyond_the_vocabulary(cli, tmp_path):
     data = tmp_path / "ids.jsonl"
     data.write_text(json.dumps({"input_ids": [5, 6, 1000, 7]}) + "\n")
-    result = cli("train", *TINY, "--data", data, "--output-dir", tmp_path / "out")
+    result = cli("train", *TINY_MODEL, "--data", data, "--output-dir", tmp_path / "out")
     _assert_user_error(result, "token id 1000", "vocabulary of 320")
 
 

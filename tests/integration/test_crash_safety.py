@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO, TINY, read_metrics, run_subprocess
+from tests.integration.conftest import REPO, TINY, TINY_MODEL, read_metrics, run_subprocess
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -34,11 +34,11 @@ def _wait_for(predicate, timeout: float = 120) -> None:
 
 def test_lock_refuses_a_second_run_and_a_killed_runs_lock_is_taken_over(tmp_path, text_data):
     out = tmp_path / "run"
-    first = _start("train", *TINY, "--data", text_data, "--max-steps", "100000", "--save-every", "2",
+    first = _start("train", *TINY_MODEL, "--data", text_data, "--max-steps", "100000", "--save-every", "2",
                    "--output-dir", out)
     try:
         _wait_for(lambda: (out / "checkpoint-2").is_dir())
-        second = run_subprocess("train", *TINY, "--data", text_data, "--max-steps", "3", "--output-dir", out,
+        second = run_subprocess("train", *TINY_MODEL, "--data", text_data, "--max-steps", "3", "--output-dir", out,
                                 "--resume", timeout=120)
         assert second.returncode == 2, second.stderr
         assert "Traceback" not in second.stderr
@@ -48,7 +48,7 @@ def test_lock_refuses_a_second_run_and_a_killed_runs_lock_is_taken_over(tmp_path
         first.communicate(timeout=60)
     assert (out / ".lstune.lock").exists()
     steps = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
-    third = run_subprocess("train", *TINY, "--data", text_data, "--max-steps", str(steps + 1), "--output-dir", out,
+    third = run_subprocess("train", *TINY_MODEL, "--data", text_data, "--max-steps", str(steps + 1), "--output-dir", out,
                            "--resume", timeout=180)
     assert third.returncode == 0, third.stderr
     assert "taking over the lock" in (out / "lstune.log").read_text()
@@ -131,7 +131,7 @@ def test_a_nonfinite_update_is_never_applied_and_can_be_skipped():
 
 def test_sigterm_while_loading_exits_130_with_a_message(tmp_path, text_data):
     out = tmp_path / "run"
-    proc = _start("train", *TINY, "--data", text_data, "--max-steps", "3", "--output-dir", out)
+    proc = _start("train", *TINY_MODEL, "--data", text_data, "--max-steps", "3", "--output-dir", out)
     # The first line of the run's log is written while the model is being prepared: loading, not training.
     _wait_for(lambda: (out / "lstune.log").exists() and (out / "lstune.log").stat().st_size > 0, timeout=120)
     proc.send_signal(signal.SIGTERM)
@@ -170,7 +170,7 @@ def _recompute_manifest(checkpoint: Path) -> None:
 @pytest.mark.slow
 def test_a_crafted_deepspeed_checkpoint_runs_no_code_on_resume(tmp_path, text_data):
     out, marker = tmp_path / "run", tmp_path / "pwned"
-    common = [*TINY, "--data", text_data, "--zero-stage", "1", "--output-dir", out]
+    common = [*TINY_MODEL, "--data", text_data, "--zero-stage", "1", "--output-dir", out]
     first = run_subprocess("train", *common, "--max-steps", "1", timeout=300)
     assert first.returncode == 0, first.stderr
     optim = next((out / "checkpoint-1" / "deepspeed").glob("*optim_states.pt"))
@@ -200,7 +200,7 @@ def test_sigterm_during_a_save_stops_right_after_it(cli, tmp_path, text_data, mo
 
     monkeypatch.setattr(engine_module.TorchEngine, "save", save_and_get_terminated)
     out = tmp_path / "run"
-    result = cli("train", *TINY, "--data", text_data, "--max-steps", "10", "--save-every", "2", "--output-dir", out)
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "10", "--save-every", "2", "--output-dir", out)
     assert result.code == 130, result.err
     assert [m["step"] for m in read_metrics(out)] == [1, 2]  # no further step after the save
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
@@ -215,7 +215,7 @@ def test_a_really_full_disk_names_the_path(cli, tmp_path, text_data):
         pytest.skip("tmpfs cannot be mounted here")
     try:
         out = disk / "run"
-        result = cli("train", *TINY, "--data", text_data, "--max-steps", "6", "--save-every", "1", "--keep-last", "0",
+        result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "6", "--save-every", "1", "--keep-last", "0",
                      "--output-dir", out)
         assert result.code == 2 and "Traceback" not in result.err, result.err
         assert "no space left" in result.err and "could not write" in result.err

@@ -96,9 +96,9 @@ def test_trace_of_a_model_that_cannot_run_on_cpu_says_so(cli):
 
 
 def test_train_prints_the_predicted_peak_before_loading_weights(cli, tmp_path, text_data):
-    from tests.integration.conftest import TINY
+    from tests.integration.conftest import TINY_MODEL
 
-    result = cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", tmp_path / "run")
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", tmp_path / "run")
     assert result.code == 0, result.err
     note = next(line for line in result.out.splitlines() if "estimate:" in line)
     assert "predicted peak" in note and "fits" in note

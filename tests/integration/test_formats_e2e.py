@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import TINY, read_metrics
+from tests.integration.conftest import TINY, TINY_MODEL, read_metrics
 
 RECORDS = {
     "alpaca": [{"instruction": f"Repeat {i}", "input": "please", "output": f"{i} {i} {i}"} for i in range(6)],
@@ -22,7 +22,7 @@ def test_each_format_trains(cli, tmp_path, kind):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in RECORDS[kind]))
     out = tmp_path / "run"
-    result = cli("train", *TINY, "--data", data, "--max-steps", "2", "--chat-template", "chatml", "--output-dir", out)
+    result = cli("train", *TINY_MODEL, "--data", data, "--max-steps", "2", "--chat-template", "chatml", "--output-dir", out)
     assert result.code == 0, result.err
     assert "chat template: chatml" in result.out
     assert len(read_metrics(out)) == 2

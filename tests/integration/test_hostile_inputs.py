@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import TINY
+from tests.integration.conftest import TINY, TINY_MODEL
 
 
 @pytest.fixture
@@ -167,7 +167,7 @@ def _data_cases(tmp_path):
                                   "text_is_list", "text_is_mapping", "parquet_int_text", "parquet_str_ids"])
 def test_bad_data(cli, tmp_path, user_files, case):
     data, fragments = _data_cases(tmp_path)[case]
-    result = cli("train", *TINY, "--max-steps", "1", "--data", data, "--output-dir", tmp_path / "out")
+    result = cli("train", *TINY_MODEL, "--max-steps", "1", "--data", data, "--output-dir", tmp_path / "out")
     refused(result, *fragments)
     assert not (tmp_path / "out" / "checkpoint-1").exists()
 
@@ -179,15 +179,15 @@ def test_symlinked_config_is_refused_and_its_target_untouched(cli, tmp_path, tex
     out = tmp_path / "out"
     out.mkdir()
     os.symlink(user_files / "config.yaml", out / "config.yaml")
-    refused(cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
+    refused(cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
             "symbolic links", "config.yaml")
 
 
 def test_symlinked_checkpoint_is_refused(cli, tmp_path, text_data, user_files):
     out = tmp_path / "out"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out).code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out).code == 0
     os.symlink(user_files, out / "checkpoint-5")
-    refused(cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out, "--resume"),
+    refused(cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", out, "--resume"),
             "symbolic links", "checkpoint-5")
 
 
@@ -195,7 +195,7 @@ def test_foreign_file_at_lstunes_name_stops_overwrite(cli, tmp_path, text_data, 
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text("the user's own metrics\n")
-    refused(cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
+    refused(cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
             "metrics.jsonl", "did not write")
     assert (out / "metrics.jsonl").read_text() == "the user's own metrics\n"
 
@@ -203,9 +203,9 @@ def test_foreign_file_at_lstunes_name_stops_overwrite(cli, tmp_path, text_data, 
 def test_resume_into_another_runs_folder_is_refused(cli, tmp_path, text_data, user_files):
     first, other = tmp_path / "first", tmp_path / "other"
     for out in (first, other):
-        assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+        assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
     before = {p.name: p.stat().st_mtime_ns for p in other.rglob("*")}
-    refused(cli("train", *TINY, "--data", text_data, "--max-steps", "3", "--output-dir", other,
+    refused(cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "3", "--output-dir", other,
                 "--resume", first / "checkpoint-2"), "another folder", "empty or new --output-dir")
     assert {p.name: p.stat().st_mtime_ns for p in other.rglob("*")} == before
 
@@ -217,7 +217,7 @@ def test_a_second_run_into_a_locked_folder_is_refused(cli, tmp_path, text_data, 
     out.mkdir()
     lock = OutputLock(out).acquire()  # another run holds the folder
     try:
-        refused(cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
+        refused(cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite"),
                 "in use by another lstune run", f"pid {os.getpid()}")
     finally:
         lock.release()
@@ -232,7 +232,7 @@ def test_a_second_run_into_a_locked_folder_is_refused(cli, tmp_path, text_data, 
 ])
 def test_resume_with_another_model_or_lora_is_refused(cli, tmp_path, text_data, user_files, change, fragment):
     out = tmp_path / "run"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out).code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out).code == 0
     args = [a for a in TINY if a not in ("--model", "tiny-llama")]
     refused(cli("train", *args, *change, "--data", text_data, "--max-steps", "2", "--output-dir", out, "--resume"),
             fragment, "checkpoint-1")
@@ -252,7 +252,7 @@ def test_full_disk_names_the_path_and_keeps_the_previous_checkpoint(cli, tmp_pat
         real_save(self, ckpt_dir)
 
     monkeypatch.setattr(engine_module.TorchEngine, "save", save_then_fill)
-    result = cli("train", *TINY, "--data", text_data, "--max-steps", "4", "--save-every", "2", "--output-dir", out)
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "4", "--save-every", "2", "--output-dir", out)
     refused(result, "no space left", "checkpoint-4", "checkpoint-2 is intact")
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(("checkpoint", ".tmp"))) == ["checkpoint-2"]
 
@@ -260,23 +260,23 @@ def test_full_disk_names_the_path_and_keeps_the_previous_checkpoint(cli, tmp_pat
 def test_a_run_refused_for_its_data_can_be_retried_in_the_same_folder(cli, tmp_path, text_data, user_files):
     out = tmp_path / "out"
     bad = _write(tmp_path / "neg.jsonl", [{"input_ids": [5, -3, 7]}])
-    refused(cli("train", *TINY, "--max-steps", "1", "--data", bad, "--output-dir", out), "negative id")
-    result = cli("train", *TINY, "--max-steps", "1", "--data", text_data, "--output-dir", out)
+    refused(cli("train", *TINY_MODEL, "--max-steps", "1", "--data", bad, "--output-dir", out), "negative id")
+    result = cli("train", *TINY_MODEL, "--max-steps", "1", "--data", text_data, "--output-dir", out)
     assert result.code == 0, result.err
     assert (out / "final").is_dir()
 
 
 def test_overwrite_with_a_broken_new_run_keeps_the_old_one(cli, tmp_path, text_data):
     out = tmp_path / "out"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
     for name in ("final_report.txt", "config.yaml.bak", "metrics.jsonl.orig"):
         (out / name).write_text("the user's")
     (out / "finals").mkdir()
     old = sorted(p.name for p in out.iterdir())
     bad = _write(tmp_path / "neg.jsonl", [{"input_ids": [5, -3, 7]}])
-    refused(cli("train", *TINY, "--max-steps", "1", "--data", bad, "--output-dir", out, "--overwrite"), "negative id")
+    refused(cli("train", *TINY_MODEL, "--max-steps", "1", "--data", bad, "--output-dir", out, "--overwrite"), "negative id")
     assert sorted(p.name for p in out.iterdir()) == old  # the old run is intact: the new one failed its checks
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite").code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite").code == 0
     assert not (out / "checkpoint-2").exists() and (out / "checkpoint-1").is_dir()
     for name in ("final_report.txt", "config.yaml.bak", "metrics.jsonl.orig"):
         assert (out / name).read_text() == "the user's"
@@ -285,7 +285,7 @@ def test_overwrite_with_a_broken_new_run_keeps_the_old_one(cli, tmp_path, text_d
 
 def test_a_changed_lr_on_resume_takes_effect(cli, tmp_path, text_data):
     out = tmp_path / "run"
-    base = [*TINY, "--data", text_data, "--schedule", "constant", "--output-dir", out]
+    base = [*TINY_MODEL, "--data", text_data, "--schedule", "constant", "--output-dir", out]
     assert cli("train", *base, "--max-steps", "2").code == 0
     result = cli("train", *[a if a != "1e-3" else "5e-4" for a in base], "--max-steps", "3", "--resume")
     assert result.code == 0, result.err

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.integration.conftest import TINY, read_metrics
+from tests.integration.conftest import TINY_MODEL, read_metrics
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def data_flags(sources):
 
 def test_mixture_trains_and_reports_its_shares(cli, tmp_path, two_sources):
     out = tmp_path / "run"
-    result = cli("train", *TINY, *data_flags(two_sources), "--max-steps", "4", "--output-dir", out)
+    result = cli("train", *TINY_MODEL, *data_flags(two_sources), "--max-steps", "4", "--output-dir", out)
     assert result.code == 0, result.err
     assert "mixture of 2 sources" in result.out
     assert "data mixture realised over 4 samples:" in result.out
@@ -40,7 +40,7 @@ def test_mixture_trains_and_reports_its_shares(cli, tmp_path, two_sources):
 
 
 def test_mixture_resume_equals_uninterrupted(cli, tmp_path, two_sources):
-    common = [*TINY, *data_flags(two_sources), "--max-steps", "8", "--seed", "3"]
+    common = [*TINY_MODEL, *data_flags(two_sources), "--max-steps", "8", "--seed", "3"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert cli("train", *common, "--output-dir", full).code == 0
     first = cli("train", *common, "--save-every", "4", "--stop-at-step", "4", "--output-dir", part)
@@ -51,10 +51,10 @@ def test_mixture_resume_equals_uninterrupted(cli, tmp_path, two_sources):
 
 
 def test_bad_mixture_weights_are_refused(cli, tmp_path, text_data):
-    result = cli("train", *TINY, "--data", f"{text_data}:0.7", "--data", "builtin:passkey", "--output-dir",
+    result = cli("train", *TINY_MODEL, "--data", f"{text_data}:0.7", "--data", "builtin:passkey", "--output-dir",
                  tmp_path / "run")
     assert result.code == 2 and "give every source of a mixture a weight" in result.err
-    result = cli("train", *TINY, "--data", f"{text_data}:-1", "--data", "builtin:passkey:1", "--output-dir",
+    result = cli("train", *TINY_MODEL, "--data", f"{text_data}:-1", "--data", "builtin:passkey:1", "--output-dir",
                  tmp_path / "run")
     assert result.code == 2 and "has the weight -1; a mixture weight is a number > 0" in result.err
     assert "Traceback" not in result.err and not (tmp_path / "run").exists()

@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from tests.integration.conftest import TINY, read_metrics
+from tests.integration.conftest import TINY_MODEL, read_metrics
 
 
 def _module(name: str, **attrs) -> types.ModuleType:
@@ -70,7 +70,7 @@ def fake_trackers(monkeypatch):
 
 def test_every_metric_and_the_config_reach_each_tracker(cli, tmp_path, text_data, fake_trackers):
     out = tmp_path / "run"
-    result = cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--eval-split", "0.2",
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--eval-split", "0.2",
                  "--report-to", "tensorboard,wandb,mlflow", "--output-dir", out)
     assert result.code == 0, result.err
     seen, metrics = fake_trackers, read_metrics(out)
@@ -87,8 +87,8 @@ def test_every_metric_and_the_config_reach_each_tracker(cli, tmp_path, text_data
 
 def test_a_missing_tracker_package_is_a_config_error(cli, tmp_path, text_data, monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # import fails: as if not installed
-    result = cli("train", *TINY, "--data", text_data, "--report-to", "mlflow", "--output-dir", tmp_path / "o")
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--report-to", "mlflow", "--output-dir", tmp_path / "o")
     assert result.code == 2 and "Traceback" not in result.err
     assert "pip install 'lstune[mlflow]'" in result.err
-    result = cli("train", *TINY, "--data", text_data, "--report-to", "tensorbored", "--dry-run")
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--report-to", "tensorbored", "--dry-run")
     assert result.code == 2 and "tensorboard, wandb, mlflow or none" in result.err

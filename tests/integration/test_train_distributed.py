@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import TINY, read_metrics, run_subprocess
+from tests.integration.conftest import TINY, TINY_MODEL, read_metrics, run_subprocess
 
 
 def _train(*args, timeout=400):
@@ -43,7 +43,7 @@ def test_zero3_sp_resume_equals_uninterrupted_and_export_reloads(tmp_path, text_
 
 
 def test_invalid_sp_degree_is_refused_before_launch(tmp_path, text_data):
-    proc = run_subprocess("train", *TINY, "--data", text_data, "--gpus", "2", "--sp", "3",
+    proc = run_subprocess("train", *TINY_MODEL, "--data", text_data, "--gpus", "2", "--sp", "3",
                           "--output-dir", tmp_path / "o", timeout=120)
     assert proc.returncode == 2
     assert "--sp 3" in proc.stderr and "1, 2" in proc.stderr

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from tests.integration.conftest import REPO, TINY, read_metrics, run_subprocess
+from tests.integration.conftest import REPO, TINY_MODEL, read_metrics
 
 
 def test_embedded_demo_recipe_learns(cli, tmp_path):
@@ -32,7 +32,7 @@ def test_final_model_reloads_with_from_pretrained(cli, tmp_path, text_data):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    result = cli("train", *TINY, "--data", text_data, "--max-steps", "3", "--output-dir", out)
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "3", "--output-dir", out)
     assert result.code == 0, result.err
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     ckpt_model = AutoModelForCausalLM.from_pretrained(out / "checkpoint-3" / "model")
@@ -43,7 +43,7 @@ def test_final_model_reloads_with_from_pretrained(cli, tmp_path, text_data):
 
 
 def test_grad_accumulation_equals_bigger_batch(cli, tmp_path, text_data):
-    common = [*TINY, "--data", text_data, "--max-steps", "3", "--schedule", "constant"]
+    common = [*TINY_MODEL, "--data", text_data, "--max-steps", "3", "--schedule", "constant"]
     assert cli("train", *common, "--micro-batch-size", "2", "--output-dir", tmp_path / "a").code == 0
     assert cli("train", *common, "--micro-batch-size", "1", "--grad-accum", "2", "--output-dir", tmp_path / "b").code == 0
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
@@ -60,7 +60,7 @@ def test_grad_accumulation_equals_bigger_batch(cli, tmp_path, text_data):
 
 
 def test_resume_equals_uninterrupted(cli, tmp_path, text_data):
-    common = [*TINY, "--data", text_data, "--max-steps", "10", "--seed", "7"]
+    common = [*TINY_MODEL, "--data", text_data, "--max-steps", "10", "--seed", "7"]
     full = tmp_path / "full"
     assert cli("train", *common, "--save-every", "5", "--keep-last", "0", "--output-dir", full).code == 0
     assert (full / "checkpoint-5").is_dir() and (full / "checkpoint-10").is_dir()
@@ -79,7 +79,7 @@ def test_resume_equals_uninterrupted(cli, tmp_path, text_data):
 
 def test_five_step_run_resumed_for_five_more(cli, tmp_path, text_data):
     """The issue's promise, with a constant schedule so the two plans share their learning rates."""
-    common = [*TINY, "--data", text_data, "--schedule", "constant"]
+    common = [*TINY_MODEL, "--data", text_data, "--schedule", "constant"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert cli("train", *common, "--max-steps", "10", "--output-dir", full).code == 0
     assert cli("train", *common, "--max-steps", "5", "--output-dir", part).code == 0
@@ -89,28 +89,28 @@ def test_five_step_run_resumed_for_five_more(cli, tmp_path, text_data):
 
 def test_keep_last_prunes_old_checkpoints(cli, tmp_path, text_data):
     out = tmp_path / "run"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "6", "--save-every", "2", "--keep-last", "2",
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "6", "--save-every", "2", "--keep-last", "2",
                "--output-dir", out).code == 0
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4", "checkpoint-6"]
 
 
 def test_corrupt_checkpoint_is_refused(cli, tmp_path, text_data):
     out = tmp_path / "run"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
     weights = out / "checkpoint-2" / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-10] ^= 0xFF
     weights.write_bytes(bytes(data))
-    result = cli("train", *TINY, "--data", text_data, "--max-steps", "4", "--output-dir", out, "--resume")
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "4", "--output-dir", out, "--resume")
     assert result.code == 2 and "Traceback" not in result.err
     assert "checkpoint-2" in result.err and "corrupt" in result.err.lower()
 
 
 def test_overwrite_replaces_only_our_files(cli, tmp_path, text_data):
     out = tmp_path / "run"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
     (out / "notes.txt").write_text("mine")
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite").code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite").code == 0
     assert (out / "notes.txt").read_text() == "mine"
     assert len(read_metrics(out)) == 1
     assert not (out / "checkpoint-2").exists()
@@ -120,7 +120,7 @@ def test_lora_trains_adapter_and_merged_export_reloads(cli, tmp_path, text_data)
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "lora"
-    result = cli("train", *TINY, "--data", text_data, "--max-steps", "3", "--lora-r", "4", "--merge-lora",
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "3", "--lora-r", "4", "--merge-lora",
                  "--output-dir", out)
     assert result.code == 0, result.err
     assert (out / "final" / "adapter_config.json").exists()
@@ -136,7 +136,7 @@ def test_sigterm_saves_a_checkpoint_then_exits(tmp_path, text_data):
     import sys
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "lstune", "train", *TINY, "--data", str(text_data), "--max-steps", "100000",
+        [sys.executable, "-m", "lstune", "train", *TINY_MODEL, "--data", str(text_data), "--max-steps", "100000",
          "--output-dir", str(out)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -154,7 +154,7 @@ def test_sigterm_saves_a_checkpoint_then_exits(tmp_path, text_data):
 
 def test_packed_training_runs_and_counts_document_ends(cli, tmp_path, text_data):
     out = tmp_path / "packed"
-    result = cli("train", *TINY, "--data", text_data, "--pack", "--max-steps", "2", "--output-dir", out)
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--pack", "--max-steps", "2", "--output-dir", out)
     assert result.code == 0, result.err
     metrics = read_metrics(out)
     # Packed windows are full of real tokens: only document ends (and the tail's padding) are ignored.
@@ -167,7 +167,7 @@ def test_chat_data_trains_on_assistant_turns(cli, tmp_path):
             for i in range(6)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "chat"
-    result = cli("train", *TINY, "--data", data, "--max-steps", "2", "--output-dir", out)
+    result = cli("train", *TINY_MODEL, "--data", data, "--max-steps", "2", "--output-dir", out)
     assert result.code == 0, result.err
     metrics = read_metrics(out)
     assert 0 < metrics[0]["label_tokens"] < 100  # the assistant's ~40 tokens, not the prompt or padding
@@ -188,8 +188,8 @@ def test_attention_that_cannot_be_honoured_is_refused(cli, tmp_path, text_data):
 
 def test_resume_with_changed_settings_says_so(cli, tmp_path, text_data):
     out = tmp_path / "run"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
-    result = cli("train", *TINY, "--data", text_data, "--max-steps", "3", "--grad-accum", "2", "--output-dir", out,
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", out).code == 0
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "3", "--grad-accum", "2", "--output-dir", out,
                  "--resume")
     assert result.code == 0, result.err
     assert "differ from the checkpoint" in result.out and "grad_accum 1 → 2" in result.out
@@ -198,7 +198,7 @@ def test_resume_with_changed_settings_says_so(cli, tmp_path, text_data):
 
 def test_training_continues_from_a_final_model_folder(cli, tmp_path, text_data):
     first = tmp_path / "first"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "2", "--output-dir", first).code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", first).code == 0
     result = cli("train", "--model", first / "final", "--seq-len", "256", "--data", text_data, "--max-steps", "1",
                  "--output-dir", tmp_path / "second")
     assert result.code == 0, result.err
@@ -216,11 +216,11 @@ def test_lora_final_loads_with_auto_classes_and_files_follow_the_umask(cli, tmp_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = tmp_path / "base"
-    assert cli("train", *TINY, "--data", text_data, "--max-steps", "1", "--output-dir", base).code == 0
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", base).code == 0
     out = tmp_path / "lora"
     previous = os.umask(0o027)
     try:
-        result = cli("train", *TINY, "--model", base / "final", "--data", text_data, "--max-steps", "2",
+        result = cli("train", *TINY_MODEL, "--model", base / "final", "--data", text_data, "--max-steps", "2",
                      "--lora-r", "4", "--save-every", "1", "--output-dir", out)
     finally:
         os.umask(previous)
