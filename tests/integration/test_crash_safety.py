@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import REPO, TINY, TINY_MODEL, read_metrics, run_subprocess
+from tests.integration.conftest import REPO, TINY_MODEL, read_metrics, run_subprocess
 
 
 def _start(*args: str) -> subprocess.Popen:
@@ -92,7 +92,7 @@ def test_a_kill_during_pruning_leaves_no_broken_checkpoint(tmp_path):
 
 def test_nan_loss_stops_the_run_keeping_the_last_good_checkpoint(cli, tmp_path, text_data):
     out = tmp_path / "run"
-    result = cli("train", *[a for a in TINY if a not in ("--lr", "1e-3")], "--lr", "1e30", "--data", text_data,
+    result = cli("train", *[a for a in TINY_MODEL if a not in ("--lr", "1e-3")], "--lr", "1e30", "--data", text_data,
                  "--max-steps", "8", "--save-every", "1", "--output-dir", out)
     assert result.code == 2 and "Traceback" not in result.err
     assert "training diverged" in result.err and "nan" in result.err

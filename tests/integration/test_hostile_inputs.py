@@ -233,7 +233,7 @@ def test_a_second_run_into_a_locked_folder_is_refused(cli, tmp_path, text_data, 
 def test_resume_with_another_model_or_lora_is_refused(cli, tmp_path, text_data, user_files, change, fragment):
     out = tmp_path / "run"
     assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out).code == 0
-    args = [a for a in TINY if a not in ("--model", "tiny-llama")]
+    args = [a for a in TINY_MODEL if a not in ("--model", "tiny-llama")]
     refused(cli("train", *args, *change, "--data", text_data, "--max-steps", "2", "--output-dir", out, "--resume"),
             fragment, "checkpoint-1")
     assert not (out / "checkpoint-2").exists()

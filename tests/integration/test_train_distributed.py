@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.conftest import TINY, TINY_MODEL, read_metrics, run_subprocess
+from tests.integration.conftest import TINY_MODEL, read_metrics, run_subprocess
 
 
 def _train(*args, timeout=400):
-    proc = run_subprocess("train", *TINY, *args, timeout=timeout)
+    proc = run_subprocess("train", *TINY_MODEL, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
