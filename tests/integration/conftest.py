@@ -64,3 +64,17 @@ def text_data(tmp_path) -> Path:
 # TINY_MODEL; TINY adds the bundled task as data.
 TINY_MODEL = ["--model", "tiny-llama", "--seq-len", "256", "--lr", "1e-3", "--warmup-steps", "0"]
 TINY = [*TINY_MODEL, "--data", "builtin:passkey"]
+
+
+def light_help(command: str) -> str:
+    """`lstune COMMAND --help`'s output, asserting it exits 0 having imported no torch, transformers, deepspeed
+    or datasets (so it answers fast)."""
+    code = (
+        f"import sys, runpy; sys.argv = ['lstune', {command!r}, '--help'];"
+        "\ntry:\n    runpy.run_module('lstune', run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0, e.code"
+        "\nheavy = [m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules]"
+        "\nassert not heavy, heavy"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
