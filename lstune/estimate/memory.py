@@ -221,7 +221,7 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
         b.phase = "layer backward"
         return
     offloaded = _offloaded_layers(shape, s, ckpt)
-    host = offloaded * pinned_block(ckpt)
+    host = offloaded * pinned_copy_bytes(ckpt, res)
     layer, loss = _layer_parts(shape, p, s, act), _loss_parts(shape, s, act)
     kept_fwd = shape.layers - offloaded
     kept_bwd = kept_fwd + (1 if offloaded else 0)  # one prefetched back during the layer above's backward
@@ -231,17 +231,18 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
         b.phase, on_device, working = "layer backward", kept_bwd, layer
     b.add("activation checkpoints", on_device * ckpt, host,
           f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
-          + (f" in pinned blocks of {pinned_block(ckpt):,} B" if offloaded else ""))
+          + (f", {pinned_copy_bytes(ckpt, res):,} B pinned each" if offloaded else ""))
     for name, nbytes in working:
         b.add(name, nbytes)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
 
 
-def pinned_block(nbytes: int) -> int:
-    """Host bytes one pinned copy takes: torch's caching host allocator rounds every pinned allocation up to a
-    power of two (CachingHostAllocator.h, `PowerOf2Ceil`, unless PYTORCH_CUDA_ALLOC_CONF sets
-    pinned_max_round_threshold) and keeps the blocks cached for reuse."""
-    return 1 << max(0, nbytes - 1).bit_length() if nbytes > 0 else 0
+def pinned_copy_bytes(nbytes: int, element_size: int) -> int:
+    """Host bytes one offloaded checkpoint of `nbytes` takes: the offloader's pinned blocks (memory.checkpoint), each
+    rounded to a power of two by torch's caching host allocator — under one block over `nbytes`."""
+    from lstune.memory.checkpoint import host_copy_bytes  # imports torch: not for `lstune estimate`'s fast path
+
+    return host_copy_bytes(nbytes // element_size, element_size, pinned=True)
 
 
 def _offloaded_layers(shape: ModelShape, s: Settings, ckpt: int) -> int:

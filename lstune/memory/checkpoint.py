@@ -12,7 +12,7 @@ layer's checkpoint goes to (pinned, on CUDA) host memory:
 1. Forward: the checkpoint's input is saved through `torch.autograd.graph.saved_tensors_hooks`
    placed around the checkpoint call, so the hook sees exactly the tensors checkpoint keeps (its
    positional input; everything saved inside the layer is handled by checkpoint's own inner hooks).
-   The pack hook copies it to a host buffer on a side stream (`non_blocking`), and `record_stream`
+   The pack hook copies it to host blocks on a side stream (`non_blocking`), and `record_stream`
    keeps the device block from being reused until the copy is done; the device tensor is then free
    as soon as the forward no longer needs it.
 2. Backward: unpacking layer i (when autograd reaches it and checkpoint recomputes it) returns the
@@ -38,7 +38,7 @@ import contextlib
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -58,6 +58,12 @@ PCIE_BYTES_PER_S = 25e9
 SUSTAINED_FLOPS = 400e12
 # Pinned copies below ~1 MiB are dominated by their fixed ~10 us launch/sync cost.
 MIN_COPY_BYTES = 1 << 20
+# Torch's pinned-memory caching allocator rounds every request up to a power of two and keeps the block
+# cached, so one 4.1 GiB checkpoint (Llama-8B at ~270K tokens) would pin 8 GiB. A host copy is therefore held
+# in blocks of this size, a power of two that the allocator does not round; only a checkpoint's last, partly
+# filled block is rounded, so the overhead is under one block per checkpoint. 64 MiB copies still run at full
+# PCIe bandwidth.
+HOST_BLOCK_BYTES = 64 << 20
 
 
 def offload_min_tokens(
@@ -107,15 +113,38 @@ class _OnDevice:
         self.tensor = tensor
 
 
-class _HostCopy:
-    """A checkpoint living in host memory, plus its in-flight device copy when prefetched."""
+def host_block_sizes(numel: int, element_size: int) -> list[int]:
+    """Element counts of the host blocks that hold `numel` elements: full blocks, then the remainder."""
+    per_block = max(1, HOST_BLOCK_BYTES // element_size)
+    return [min(per_block, numel - start) for start in range(0, numel, per_block)]
 
-    def __init__(self, index: int, device: torch.device, host: torch.Tensor, ready):
+
+def host_copy_bytes(numel: int, element_size: int, *, pinned: bool) -> int:
+    """Host bytes a checkpoint's blocks really take: each pinned block rounded to a power of two, else exact."""
+    sizes = (n * element_size for n in host_block_sizes(numel, element_size))
+    return sum(1 << (n - 1).bit_length() if pinned else n for n in sizes)
+
+
+class _HostCopy:
+    """A checkpoint living in host memory (as `blocks`), plus its in-flight device copy when prefetched."""
+
+    def __init__(self, index: int, source: torch.Tensor, *, pinned: bool):
         self.index = index
-        self.device = device
-        self.host = host
-        self.ready = ready  # CUDA event: the device→host copy finished (None on CPU)
+        self.device = source.device
+        self.shape = source.shape
+        self.dtype = source.dtype
+        sizes = host_block_sizes(source.numel(), source.element_size())
+        self.blocks = [torch.empty(n, dtype=source.dtype, pin_memory=pinned) for n in sizes]
+        self.nbytes = host_copy_bytes(source.numel(), source.element_size(), pinned=pinned)
+        self.ready = None  # CUDA event: the device→host copy finished (None on CPU)
         self.incoming: tuple[torch.Tensor, object] | None = None  # (device tensor, CUDA event or None)
+
+    def pieces(self, flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(host block, the slice of the flat device tensor it holds), in order."""
+        start = 0
+        for block in self.blocks:
+            yield block, flat[start : start + block.numel()]
+            start += block.numel()
 
 
 class CheckpointOffloader:
@@ -149,8 +178,7 @@ class CheckpointOffloader:
             self.stats.kept += 1
             return _OnDevice(index, tensor)
         handle = self._copy_out(index, tensor)
-        nbytes = handle.host.numel() * handle.host.element_size()
-        self._track_host(handle, nbytes)
+        self._track_host(handle, handle.nbytes)
         self._latest[index] = weakref.ref(handle)
         self.stats.offloaded += 1
         return handle
@@ -166,21 +194,28 @@ class CheckpointOffloader:
     def _keep_on_device(self, index: int, tensor: torch.Tensor) -> bool:
         if index >= self.n_layers - self.keep_last:
             return True
-        nbytes = tensor.numel() * tensor.element_size()
-        return self.host_mem_budget is not None and self.stats.host_bytes + nbytes > self.host_mem_budget
+        if self.host_mem_budget is None:
+            return False
+        nbytes = host_copy_bytes(tensor.numel(), tensor.element_size(), pinned=tensor.device.type == "cuda")
+        return self.stats.host_bytes + nbytes > self.host_mem_budget
 
     def _copy_out(self, index: int, tensor: torch.Tensor) -> _HostCopy:
+        flat = tensor.detach().contiguous().view(-1)
         if tensor.device.type != "cuda":
-            return _HostCopy(index, tensor.device, tensor.detach().clone(), None)
+            handle = _HostCopy(index, tensor, pinned=False)
+            for block, piece in handle.pieces(flat):
+                block.copy_(piece)
+            return handle
+        handle = _HostCopy(index, tensor, pinned=True)
         stream = self._stream("d2h", tensor.device)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
-            host.copy_(tensor, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(stream)
-        tensor.record_stream(stream)
-        return _HostCopy(index, tensor.device, host, ready)
+            for block, piece in handle.pieces(flat):
+                block.copy_(piece, non_blocking=True)
+            handle.ready = torch.cuda.Event()
+            handle.ready.record(stream)
+        flat.record_stream(stream)
+        return handle
 
     def _prefetch(self, index: int) -> None:
         ref = self._latest.get(index)
@@ -204,12 +239,16 @@ class CheckpointOffloader:
 
     def _copy_in(self, handle: _HostCopy) -> tuple[torch.Tensor, object]:
         if handle.device.type != "cuda":
-            return handle.host.clone(), None
+            tensor = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
+            for block, piece in handle.pieces(tensor.view(-1)):
+                piece.copy_(block)
+            return tensor, None
         stream = self._stream("h2d", handle.device)
         with torch.cuda.stream(stream):
             stream.wait_event(handle.ready)
-            tensor = torch.empty(handle.host.shape, dtype=handle.host.dtype, device=handle.device)
-            tensor.copy_(handle.host, non_blocking=True)
+            tensor = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
+            for block, piece in handle.pieces(tensor.view(-1)):
+                piece.copy_(block, non_blocking=True)
             arrived = torch.cuda.Event()
             arrived.record(stream)
         return tensor, arrived

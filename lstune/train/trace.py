@@ -96,7 +96,8 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
     return TraceResult(
         seq_len=local.data.seq_len, layers=len(prepared.parts.layers), device_peak_bytes=device_peak,
         traced_peak_bytes=traced, parameter_bytes=parameter_bytes, gradient_bytes=gradient_bytes,
-        optimizer_bytes=optimizer_bytes, host_peak_bytes=_pinned_host_bytes(prepared, local, per_token),
+        optimizer_bytes=optimizer_bytes,
+        host_peak_bytes=_pinned_host_bytes(prepared, local, per_token, layer_input.get("element_size", 2)),
         checkpoint_bytes_per_token_layer=per_token, residual_dtype=layer_input.get("dtype", "?"),
         loss_backend=prepared.memory.loss_backend, seconds=time.perf_counter() - start,
     )
@@ -160,6 +161,7 @@ def _watch_layer_input(prepared) -> dict:
         if hidden is not None and "dtype" not in seen:
             seen["dtype"] = str(hidden.dtype).removeprefix("torch.")
             seen["bytes_per_token"] = hidden.shape[-1] * hidden.element_size()
+            seen["element_size"] = hidden.element_size()
 
     prepared.parts.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
     return seen
@@ -203,14 +205,15 @@ def _host_bytes(holder: dict) -> int:
     return offloader.stats.host_bytes if offloader is not None else 0
 
 
-def _pinned_host_bytes(prepared, config: TrainConfig, per_token: int) -> int:
-    from lstune.estimate.memory import pinned_block
+def _pinned_host_bytes(prepared, config: TrainConfig, per_token: int, element_size: int) -> int:
+    """The traced host copies (exact on CPU) counted as a CUDA run holds them, in pinned blocks."""
+    from lstune.estimate.memory import pinned_copy_bytes
 
     offloader = prepared.memory.offloader
     if offloader is None or not per_token:
         return 0
     per_layer = config.optim.micro_batch_size * config.data.seq_len * per_token
-    return (offloader.stats.peak_host_bytes // per_layer) * pinned_block(per_layer)
+    return (offloader.stats.peak_host_bytes // per_layer) * pinned_copy_bytes(per_layer, element_size)
 
 
 def trace_estimate(config: TrainConfig, hardware):

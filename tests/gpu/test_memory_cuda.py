@@ -132,3 +132,23 @@ def test_offload_copy_hides_under_compute():
     result = copy_overlap(65536, 4096, "cuda")
     assert result["overlapped_s"] < 0.75 * result["serial_s"], result
     assert result["hidden_fraction"] > 0.5, result
+
+
+def test_offloaded_checkpoints_pin_their_size_not_the_next_power_of_two():
+    """Five checkpoints of 1.27 GiB each (bf16, 163K tokens × 4096): one pinned allocation each would pin 2 GiB
+    (torch's host allocator rounds up to a power of two); the offloader's blocks pin under one block more."""
+    from lstune.memory.checkpoint import HOST_BLOCK_BYTES, CheckpointOffloader
+
+    stats_of = getattr(torch.cuda.memory, "host_memory_stats", None)
+    assert stats_of is not None, "this torch has no torch.cuda.memory.host_memory_stats"
+    hidden = torch.randn(1, 163_000, 4096, device="cuda", dtype=torch.bfloat16)
+    nbytes = hidden.numel() * hidden.element_size()
+    offloader = CheckpointOffloader(n_layers=6)
+    before = stats_of()["allocated_bytes.current"]
+    handles = [offloader._copy_out(i, hidden) for i in range(5)]
+    torch.cuda.synchronize()
+    pinned = stats_of()["allocated_bytes.current"] - before
+    assert 5 * nbytes <= pinned < 5 * (nbytes + HOST_BLOCK_BYTES), (pinned, nbytes)
+    back, _ = offloader._copy_in(handles[0])
+    torch.cuda.synchronize()
+    assert torch.equal(back, hidden)

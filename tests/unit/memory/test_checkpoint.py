@@ -11,7 +11,7 @@ from lstune.memory.checkpoint import offload_min_tokens
 from lstune.models.introspect import decoder_layers
 from lstune.models.presets import build_model
 from lstune.memory.measure import LiveBytes
-from tests.unit.memory._helpers import long_batch
+from tests.unit.memory._helpers import assert_grads_match, hf_loss_sum, long_batch, run_grads
 
 HIDDEN = 128  # tiny-llama
 PLAIN = dict(tiled_mlp="off", tiled_loss="off")
@@ -106,3 +106,34 @@ def test_offload_threshold_follows_memo_eq1():
     assert offload_min_tokens(15_730_944, 1024, 2048, 2, pcie_bytes_per_s=12e9) > offload_min_tokens(
         15_730_944, 1024, 2048, 2
     )
+
+
+def test_host_copies_are_power_of_two_blocks_so_the_pinned_allocator_rounds_only_the_last():
+    from lstune.memory.checkpoint import HOST_BLOCK_BYTES, host_block_sizes, host_copy_bytes
+
+    per_block = HOST_BLOCK_BYTES // 2
+    assert host_block_sizes(2 * per_block + 5, 2) == [per_block, per_block, 5]
+    assert host_block_sizes(per_block, 2) == [per_block]
+    # Llama-3.1-8B at 270K tokens: a 2.06 GiB bf16 checkpoint. One pinned allocation would take 4 GiB; blocks take
+    # its size rounded up to the next block at most.
+    nbytes = 270_000 * 4096 * 2
+    assert nbytes <= host_copy_bytes(nbytes // 2, 2, pinned=True) < nbytes + HOST_BLOCK_BYTES
+    assert host_copy_bytes(nbytes // 2, 2, pinned=False) == nbytes
+    assert host_copy_bytes(3, 4, pinned=True) == 16  # a small copy: the allocator's power of two
+
+
+def test_checkpoints_split_over_several_host_blocks_are_exact(monkeypatch):
+    from lstune.memory import checkpoint
+
+    monkeypatch.setattr(checkpoint, "HOST_BLOCK_BYTES", 1000)  # a 64 × 128 fp32 checkpoint → 33 blocks
+    batch = long_batch(64)
+    reference = build_model("tiny-llama")
+    expected, reference_grads = run_grads(reference, lambda m, b: hf_loss_sum(m, b), [batch])
+    model = build_model("tiny-llama")
+    plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=True, **PLAIN), seq_len=64)
+    loss, grads = run_grads(model, plan.loss_sum, [batch])
+    assert plan.offloader.stats.offloaded == 3
+    assert plan.offloader.stats.peak_host_bytes == 3 * 64 * HIDDEN * 4  # CPU blocks are exact
+    assert loss == pytest.approx(expected, rel=1e-6)
+    assert_grads_match(grads, reference_grads, rtol=1e-5)
+    plan.undo()
