@@ -144,10 +144,10 @@ def test_offloaded_checkpoints_pin_their_size_not_the_next_power_of_two():
     hidden = torch.randn(1, 163_000, 4096, device="cuda", dtype=torch.bfloat16)
     nbytes = hidden.numel() * hidden.element_size()
     offloader = CheckpointOffloader(n_layers=6)
-    before = stats_of()["allocated_bytes.current"]
+    before = stats_of()["active_bytes.current"]
     handles = [offloader._copy_out(i, hidden) for i in range(5)]
     torch.cuda.synchronize()
-    pinned = stats_of()["allocated_bytes.current"] - before
+    pinned = stats_of()["active_bytes.current"] - before
     assert 5 * nbytes <= pinned < 5 * (nbytes + HOST_BLOCK_BYTES), (pinned, nbytes)
     back, _ = offloader._copy_in(handles[0])
     torch.cuda.synchronize()
