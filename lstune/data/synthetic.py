@@ -59,11 +59,11 @@ def _passkey_record(rng: random.Random, n_chars: int) -> dict:
 
 
 def answer_record(record: dict) -> dict:
-    """`record` as prompt + completion: the prompt is its text up to "The pass key is ", the completion the key
-    (tokenized after the prompt with eos, the only tokens with a loss)."""
-    tail = f"{record['passkey']}."
-    assert record["text"].endswith(tail), "not a passkey record"
-    return {"prompt": record["text"][: -len(tail)], "completion": record["passkey"],
+    """`record` as prompt + completion: the prompt is its text up to "The pass key is ", the completion the key and
+    its full stop (tokenized after the prompt with eos: the text's own tokens, of which only these carry a loss)."""
+    answer = f"{record['passkey']}."
+    assert record["text"].endswith(answer), "not a passkey record"
+    return {"prompt": record["text"][: -len(answer)], "completion": answer,
             "passkey": record["passkey"], "depth": record["depth"]}
 
 

@@ -183,3 +183,16 @@ def test_sp_ranks_run_their_groups_samples_in_the_adapters_order():
 
     orders = [Evaluator(list(range(7)), None, _Rank(r))._sample_order() for r in range(4)]
     assert orders == [[0, 1, 4, 5], [0, 1, 4, 5], [2, 3, 6, 7], [2, 3, 6, 7]]
+
+
+def test_passkey_accuracy_is_judged_on_answer_records_only_and_not_when_packed():
+    from lstune.train.run import _passkey_accuracy
+
+    def judged(**flags):
+        return _passkey_accuracy(build_config({}, {"data": ["builtin:passkey"], **flags}))
+
+    assert judged(eval_data="builtin:passkey-eval") == (True, ", with passkey accuracy")
+    assert judged(data=["builtin:passkey-answer"], eval_split="0.1")[0]
+    assert not judged(eval_split="0.1")[0], "text records carry a loss on every token: no answer span to judge"
+    passkey, note = judged(eval_data="builtin:passkey-eval", pack=True)
+    assert not passkey and "--pack" in note
