@@ -205,9 +205,15 @@ def print_data_preview(preview) -> None:
         con.print(f"[bold]validation[/bold]: {escape(preview.eval_summary['note'])}")
     if not preview.shown_tokens:
         return
+    split = any(trained is None for _, trained in preview.runs)
+    which = f"{preview.shown_tokens:,}: its start and the lead-up to the first trained token" if split else \
+        f"the first {preview.shown_tokens:,}"
     con.print(f"\n[bold]first sample[/bold]: {preview.sample_tokens:,} tokens, {preview.sample_trained:,} carry a loss; "
-              f"showing the first {preview.shown_tokens:,} (⟦dim⟧ = no loss)")
+              f"showing {which} (⟦dim⟧ = no loss)")
     text = Text()
     for chunk, trained in preview.runs:
-        text.append(chunk, style="bold") if trained else text.append(f"⟦{chunk}⟧", style="dim")
+        if trained is None:
+            text.append(chunk, style="italic")
+        else:
+            text.append(chunk, style="bold") if trained else text.append(f"⟦{chunk}⟧", style="dim")
     con.print(text)
