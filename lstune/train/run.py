@@ -268,6 +268,8 @@ def _passkey_accuracy(config: TrainConfig) -> tuple[bool, str]:
 
     data = config.data
     source = data.eval_data if data.eval_data is not None else data.source
+    if source == "builtin:passkey":
+        return False, " (no passkey accuracy on text records, trained on every token: --eval-data builtin:passkey-eval)"
     if source not in ANSWER_SOURCES:
         return False, ""
     if data.pack:

@@ -193,6 +193,8 @@ def test_passkey_accuracy_is_judged_on_answer_records_only_and_not_when_packed()
 
     assert judged(eval_data="builtin:passkey-eval") == (True, ", with passkey accuracy")
     assert judged(data=["builtin:passkey-answer"], eval_split="0.1")[0]
-    assert not judged(eval_split="0.1")[0], "text records carry a loss on every token: no answer span to judge"
+    passkey, note = judged(eval_split="0.1")
+    assert not passkey and "--eval-data builtin:passkey-eval" in note, "text records: no answer span to judge"
+    assert judged(data=["x.jsonl"], eval_split="0.1") == (False, "")
     passkey, note = judged(eval_data="builtin:passkey-eval", pack=True)
     assert not passkey and "--pack" in note
