@@ -49,7 +49,10 @@ def human_duration(seconds: float | None) -> str:
 
 
 def _eval_text(m: dict[str, Any]) -> str:
-    return f"  eval_loss {m['eval_loss']:.4f}  eval_ppl {m['eval_ppl']:.4g}" if "eval_loss" in m else ""
+    if "eval_loss" not in m:
+        return ""
+    text = f"  eval_loss {m['eval_loss']:.4f}  eval_ppl {m['eval_ppl']:.4g}"
+    return text + (f"  passkey_acc {m['eval_passkey_acc']:.0%}" if "eval_passkey_acc" in m else "")
 
 
 def _step_line(m: dict[str, Any], total: int | None = None, eta: float | None = None) -> str:
@@ -171,6 +174,11 @@ def print_summary(result) -> None:
         table.add_row("mean step time", f"{mean('step_time_s'):.2f} s")
         table.add_row("peak device memory", human_bytes(max(h["peak_device_mem_bytes"] for h in history)))
         table.add_row("peak host RSS", human_bytes(max(h["host_rss_bytes"] for h in history)))
+        evals = [h for h in history if "eval_loss" in h]
+        if evals:
+            table.add_row(f"validation loss (step {evals[-1]['step']})", f"{evals[-1]['eval_loss']:.4f}")
+        if evals and "eval_passkey_acc" in evals[-1]:
+            table.add_row(f"passkey accuracy (step {evals[-1]['step']})", f"{evals[-1]['eval_passkey_acc']:.1%}")
     table.add_row("metrics", str(result.output_dir / "metrics.jsonl"))
     if result.last_checkpoint:
         table.add_row("last checkpoint", str(result.last_checkpoint))
@@ -197,9 +205,15 @@ def print_data_preview(preview) -> None:
         con.print(f"[bold]validation[/bold]: {escape(preview.eval_summary['note'])}")
     if not preview.shown_tokens:
         return
+    split = any(trained is None for _, trained in preview.runs)
+    which = f"{preview.shown_tokens:,}: its start and the lead-up to the first trained token" if split else \
+        f"the first {preview.shown_tokens:,}"
     con.print(f"\n[bold]first sample[/bold]: {preview.sample_tokens:,} tokens, {preview.sample_trained:,} carry a loss; "
-              f"showing the first {preview.shown_tokens:,} (⟦dim⟧ = no loss)")
+              f"showing {which} (⟦dim⟧ = no loss)")
     text = Text()
     for chunk, trained in preview.runs:
-        text.append(chunk, style="bold") if trained else text.append(f"⟦{chunk}⟧", style="dim")
+        if trained is None:
+            text.append(chunk, style="italic")
+        else:
+            text.append(chunk, style="bold") if trained else text.append(f"⟦{chunk}⟧", style="dim")
     con.print(text)

@@ -140,8 +140,9 @@ class DataSection:
     source: Any = _opt(
         None,
         "Training data (required): a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub "
-        "dataset name, or builtin:passkey (the bundled synthetic task the demo recipe trains on). Repeat it for "
-        "a mixture, each SOURCE:WEIGHT (--data a.jsonl:0.7 --data b/:0.3).",
+        "dataset name, or builtin:passkey (the bundled synthetic task the demo recipe trains on; "
+        "builtin:passkey-answer: its loss on the key only). Repeat it for a mixture, each SOURCE:WEIGHT "
+        "(--data a.jsonl:0.7 --data b/:0.3).",
         p.parse_data_sources,
         key="data",
         metavar="SOURCE",
@@ -167,7 +168,8 @@ class DataSection:
         metavar="FILE|NAME",
     )
     eval_data: str | None = _opt(
-        None, "Validation data, in the same formats as --data (evaluated every --eval-every steps and at the end).",
+        None, "Validation data, in the same formats as --data (evaluated every --eval-every steps and at the end); "
+        "builtin:passkey-eval (16 held-out passkey records) adds the passkey accuracy.",
         p.parse_optional_str, metavar="SOURCE",
     )
     eval_split: float | None = _opt(

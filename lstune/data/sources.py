@@ -9,6 +9,7 @@ text never has to fit in RAM.
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +21,14 @@ from lstune.errors import DataError
 if TYPE_CHECKING:
     from datasets import Dataset
 
-BUNDLED_DIR = Path(__file__).with_name("bundled")
-BUILTINS = {"passkey": BUNDLED_DIR / "passkey.jsonl"}
+# The built-in sources (lstune.data.synthetic): the bundled passkey task as text, as prompt + completion
+# (loss on the key only), and held-out answer records for validation.
+BUILTINS = ("passkey", "passkey-answer", "passkey-eval")
 # File suffix -> the `datasets` packaged builder that reads it.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 ACCEPTED = (
     "a .jsonl/.json/.parquet/.arrow file or a folder of them, a folder written by "
-    "datasets' save_to_disk, builtin:passkey, or a hub dataset name"
+    "datasets' save_to_disk, builtin:passkey (or builtin:passkey-answer, builtin:passkey-eval), or a hub dataset name"
 )
 
 
@@ -75,7 +77,18 @@ def load_records(source: str, *, max_records: int | None = None) -> Records:
 
 
 def _load_builtin(name: str) -> Records:
-    return Records(_read_files("json", [BUILTINS[name]]), f"builtin:{name}")
+    from lstune.data import synthetic
+
+    if name == "passkey":
+        return Records(_read_files("json", [synthetic.BUNDLED_PASSKEY]), "builtin:passkey")
+    if name == "passkey-answer":
+        lines = synthetic.BUNDLED_PASSKEY.read_text().splitlines()
+        records = [synthetic.answer_record(json.loads(line)) for line in lines]
+    else:
+        records = synthetic.heldout_records()
+    from datasets import Dataset
+
+    return Records(Dataset.from_list(records), f"builtin:{name}")
 
 
 def _load_local(path: Path) -> Records:

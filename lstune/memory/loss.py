@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 import torch.nn.functional as F
 
-from lstune.memory.tiling import TilePolicy, int32_safe_tiles, is_zero3_partitioned, sequence_tiled
+from lstune.memory.tiling import TilePolicy, int32_safe_tiles, is_zero3_partitioned, sequence_tiled, tile_bounds
 from lstune.models.introspect import ModelParts, decoder_body, find_parts
 
 if TYPE_CHECKING:
@@ -120,6 +120,42 @@ def causal_lm_loss_sum(
     parts = parts or find_parts(model)
     hidden_BSD = final_hidden_states(model, batch, parts=parts)
     return loss_sum_from_hidden(model, hidden_BSD, batch["shift_labels"], tiles=tiles, parts=parts)
+
+
+def causal_lm_eval_sums(
+    model: "nn.Module", batch: dict[str, torch.Tensor], *, tiles: LossTiles = "auto", parts: ModelParts | None = None,
+    misses: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`causal_lm_loss_sum`'s (sum, count), plus with `misses` the `argmax_misses` of the same forward (else None)."""
+    parts = parts or find_parts(model)
+    hidden_BSD = final_hidden_states(model, batch, parts=parts)
+    loss, count = loss_sum_from_hidden(model, hidden_BSD, batch["shift_labels"], tiles=tiles, parts=parts)
+    wrong = argmax_misses(model, hidden_BSD, batch["shift_labels"], parts=parts) if misses else None
+    return loss, count, wrong
+
+
+@torch.no_grad()
+def argmax_misses(
+    model: "nn.Module", hidden_BSD: torch.Tensor, shift_labels_BS: torch.Tensor, *, parts: ModelParts | None = None
+) -> torch.Tensor:
+    """How many labels (!= -100) are not the argmax of their logits (int64 0-d): teacher-forced greedy decoding.
+
+    Only labelled rows go through the LM head, one ALST loss tile (~1 GiB of fp32 logits) at a time, so no full
+    `[seq, vocab]` logits exist. The head runs once per tile of the local length, labelled rows or none: every
+    rank of an SP group (equal shard lengths) then calls it equally often, as ZeRO-3's gathers inside it need.
+    """
+    parts = parts or find_parts(model)
+    head = parts.output_embedding
+    transform = logit_transform(parts.text_config)
+    hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
+    labels_T = shift_labels_BS.reshape(-1).to(hidden_TD.device)
+    vocab = vocab_rows(head)
+    misses = torch.zeros((), dtype=torch.int64, device=hidden_TD.device)
+    for start, end in tile_bounds(len(labels_T), alst_loss_policy(vocab).tiles(len(labels_T), width=vocab)):
+        rows_R = (labels_T[start:end] != IGNORE_INDEX).nonzero().squeeze(1) + start
+        logits_RV = transform(head(hidden_TD[rows_R]).float())
+        misses += (logits_RV.argmax(-1) != labels_T[rows_R]).sum()
+    return misses
 
 
 def final_hidden_states(

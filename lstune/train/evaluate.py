@@ -9,6 +9,12 @@ offloaded or saved for backward.
 Every rank processes the same number of samples (ZeRO-3 gathers weights inside each forward, and a
 rank that stopped early would hang the others): rank r takes samples r, r + world, …, and a rank
 whose share runs out first takes a blank sample (every label ignored), which adds zero to both sums.
+
+Passkey accuracy (`passkey=True`, for answer-only passkey records: each sample's labels are its answer): a
+sample is right when the argmax of every labelled position is its label (teacher-forced greedy decoding;
+the LM head runs on the labelled rows only). Under SP the answer may sit on any rank's shard, so each rank
+counts its misses per global sample index and one sum over the world adds them up per sample before any
+sample is judged, exact as the loss is.
 """
 
 from __future__ import annotations
@@ -21,16 +27,19 @@ IGNORE = -100
 
 
 class Evaluator:
-    """Evaluates `dataset` (at most `max_samples` of it, in order) with `loss_sum(batch, model)`."""
+    """Evaluates `dataset` (at most `max_samples` of it, in order) with `sums(batch, model, misses=...)`, which
+    returns (loss sum, label count, argmax misses or None) like `PreparedModel.eval_sums`."""
 
-    def __init__(self, dataset: Any, loss_sum, runtime, *, max_samples: int | None = None):
+    def __init__(self, dataset: Any, sums, runtime, *, max_samples: int | None = None, passkey: bool = False):
         self.dataset = dataset
-        self.loss_sum = loss_sum
+        self.sums = sums
         self.runtime = runtime
+        self.passkey = passkey
         self.samples = min(len(dataset), max_samples) if max_samples else len(dataset)
 
     def run(self, model) -> dict[str, Any]:
-        """`eval_loss`, `eval_ppl`, `eval_tokens`, `eval_samples` and `eval_time_s`; restores train mode."""
+        """`eval_loss`, `eval_ppl`, `eval_tokens`, `eval_samples`, `eval_time_s` and with `passkey`
+        `eval_passkey_acc`; restores train mode."""
         import torch
 
         from lstune.parallel.sp_data import SPDataAdapter
@@ -38,7 +47,7 @@ class Evaluator:
         start = time.perf_counter()
         was_training = model.training
         model.eval()
-        loss_total, count = 0.0, 0
+        loss_total, count, answers = 0.0, 0, []
         try:
             with torch.no_grad():
                 batches = self._batches()
@@ -47,20 +56,46 @@ class Evaluator:
                 for batch in batches:
                     batch = {k: v.to(self.runtime.device) for k, v in batch.items()}
                     with self._autocast():
-                        loss_sum, n = self.loss_sum(batch, model)
+                        loss_sum, n, misses = self.sums(batch, model, misses=self.passkey)
                     loss_total += float(loss_sum)
                     count += int(n)
+                    answers.append((int(n), int(misses) if misses is not None else 0))
         finally:
             model.train(was_training)
         loss_total, count = self.runtime.sum([loss_total, float(count)])
         loss = loss_total / count if count else float("nan")
+        accuracy = {"eval_passkey_acc": self._accuracy(answers)} if self.passkey else {}
         return {
             "eval_loss": loss,
             "eval_ppl": math.exp(loss) if loss < 700 else float("inf"),
             "eval_tokens": int(count),
             "eval_samples": self.samples,
+            **accuracy,
             "eval_time_s": time.perf_counter() - start,
         }
+
+    def _accuracy(self, answers: list[tuple[int, int]]) -> float:
+        """The share of answered samples with no miss: (labels, misses) of each batch this rank ran, summed per
+        global sample over the world (an SP group's shards of one sample meet at its index)."""
+        order = self._sample_order()
+        width = self.runtime.world_size * math.ceil(self.samples / self.runtime.world_size)
+        totals = [0.0] * (2 * width)
+        for index, (labels, misses) in zip(order, answers):
+            totals[index] += labels
+            totals[width + index] += misses
+        totals = self.runtime.sum(totals)
+        answered = [i for i in range(width) if totals[i] > 0]
+        right = sum(1 for i in answered if totals[width + i] == 0)
+        return right / len(answered) if answered else float("nan")
+
+    def _sample_order(self) -> list[int]:
+        """The global index of each sample this rank runs, in order: its own share (see `_batches`), or under SP
+        its group's shares interleaved as `SPDataAdapter` yields them."""
+        world, rounds = self.runtime.world_size, math.ceil(self.samples / self.runtime.world_size)
+        if self.runtime.sp == 1:
+            return [i * world + self.runtime.rank for i in range(rounds)]
+        group = self.runtime.dims.sp_group_ranks(self.runtime.dims.dp_rank)
+        return [i * world + rank for i in range(rounds) for rank in group]
 
     def _batches(self) -> Iterator[dict]:
         """This rank's share, one sample per batch, padded with blank samples to the longest share."""

@@ -1,9 +1,9 @@
 """The run at a glance: OUTPUT_DIR/metrics.png from metrics.jsonl, at the end of a run or any time with
 `lstune plot OUTPUT_DIR` (also while the run goes on: it reads only whole lines).
 
-Four panels: training and validation loss against steps and against tokens seen, throughput, and
-memory (peak device memory per step and host RSS). matplotlib with its Agg backend, imported here only,
-so that no command pays for it at startup.
+Four panels: training and validation loss against steps (with validation passkey accuracy on a second axis
+when there is one) and against tokens seen, throughput, and memory (peak device memory per step and host
+RSS). matplotlib with its Agg backend, imported here only, so that no command pays for it at startup.
 """
 
 from __future__ import annotations
@@ -81,6 +81,15 @@ def draw(records: list[dict[str, Any]], *, title: str = ""):
         ax.set_ylabel("loss (nats per token)")
         ax.grid(alpha=0.3)
         ax.legend()
+    accuracy = [r for r in evals if "eval_passkey_acc" in r]
+    if accuracy:
+        # A second axis on the step panel: retrieval can stay at 0% while the loss falls on the filler.
+        acc_axis = loss_step.twinx()
+        acc_axis.plot([r["step"] for r in accuracy], [100 * r["eval_passkey_acc"] for r in accuracy], "s--",
+                      label="passkey accuracy (validation)", color="tab:red")
+        acc_axis.set_ylabel("passkey accuracy (%)")
+        acc_axis.set_ylim(-5, 105)
+        acc_axis.legend(loc="center right")
     loss_step.set_title("loss vs step")
     loss_tokens.set_title("loss vs tokens")
 

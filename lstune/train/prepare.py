@@ -45,6 +45,14 @@ class PreparedModel:
         view of the same model (DeepSpeed keeps the module itself)."""
         return self.memory.loss_sum(model if model is not None else self.model, batch)
 
+    def eval_sums(self, batch: dict, model: Any = None, *, misses: bool = False):
+        """(summed token loss, label count, labels whose argmax is wrong, or None without `misses`) of `batch`
+        from one forward, with the planned loss tiles (lstune.memory.loss.causal_lm_eval_sums)."""
+        from lstune.memory.loss import causal_lm_eval_sums
+
+        model = model if model is not None else self.model
+        return causal_lm_eval_sums(model, batch, tiles=self.memory.loss_tiles, parts=self.parts, misses=misses)
+
     def undo(self) -> None:
         """Remove the techniques in reverse order of application; the adapted model (device, LoRA) remains."""
         self.memory.undo()

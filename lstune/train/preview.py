@@ -16,7 +16,8 @@ IGNORE = -100
 @dataclass
 class DataPreview:
     summary: dict[str, Any]
-    runs: list[tuple[str, bool]] = field(default_factory=list)  # (decoded text, carries a loss), in order
+    # (decoded text, carries a loss), in order; (" … N tokens … ", None) where tokens are skipped
+    runs: list[tuple[str, bool | None]] = field(default_factory=list)
     sample_tokens: int = 0
     sample_trained: int = 0
     shown_tokens: int = 0
@@ -40,17 +41,34 @@ def preview_data(config, max_tokens: int = 400) -> DataPreview:
     ids, labels = sample["input_ids"].tolist(), sample["shift_labels"].tolist()
     trained = [False] + [label != IGNORE for label in labels[:-1]]
     real = len(ids) - _trailing_padding(labels, sample["position_ids"].tolist(), train.summary()["mode"])
-    shown = min(real, max_tokens)
+    windows = _windows(trained[:real], max_tokens)
     preview = DataPreview(
-        summary=train.summary(), sample_tokens=real, sample_trained=sum(trained[:real]), shown_tokens=shown,
-        eval_summary=held.summary() if held is not None else None,
+        summary=train.summary(), sample_tokens=real, sample_trained=sum(trained[:real]),
+        shown_tokens=sum(end - start for start, end in windows), eval_summary=held.summary() if held is not None else None,
     )
-    start = 0
-    for j in range(1, shown + 1):
-        if j == shown or trained[j] != trained[start]:
-            preview.runs.append((tokenizer.decode(ids[start:j]), trained[start]))
-            start = j
+    shown_until = 0
+    for begin, end in windows:
+        if begin > shown_until:
+            preview.runs.append((f" … {begin - shown_until:,} tokens … ", None))
+        start = begin
+        for j in range(begin + 1, end + 1):
+            if j == end or trained[j] != trained[start]:
+                preview.runs.append((tokenizer.decode(ids[start:j]), trained[start]))
+                start = j
+        shown_until = end
     return preview
+
+
+def _windows(trained: list[bool], max_tokens: int) -> list[tuple[int, int]]:
+    """The token ranges to show: the first `max_tokens`, or, when the first trained token lies past them (a long
+    prompt before its completion), the first half of that and the stretch leading into the trained tokens."""
+    n = len(trained)
+    first = trained.index(True) if True in trained else n
+    if n <= max_tokens or first < max_tokens:
+        return [(0, min(n, max_tokens))] if max_tokens else []
+    head = max_tokens // 2
+    tail_start = max(head, first - max_tokens // 4)
+    return [(0, head), (tail_start, min(n, tail_start + max_tokens - head))]
 
 
 def _trailing_padding(labels: list[int], positions: list[int], mode: str) -> int:

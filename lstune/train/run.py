@@ -253,10 +253,28 @@ def _make_evaluator(config: TrainConfig, eval_dataset, prepared, runtime: Runtim
         return None
     from lstune.train.evaluate import Evaluator
 
-    evaluator = Evaluator(eval_dataset, prepared.loss_sum, runtime, max_samples=config.data.eval_max_samples)
+    passkey, passkey_note = _passkey_accuracy(config)
+    evaluator = Evaluator(eval_dataset, prepared.eval_sums, runtime, max_samples=config.data.eval_max_samples,
+                          passkey=passkey)
     when = f"every {config.run.eval_every} steps and at the end" if config.run.eval_every else "at the end"
-    reporter.note(f"validation: {evaluator.samples} of {len(eval_dataset)} samples, {when}")
+    reporter.note(f"validation: {evaluator.samples} of {len(eval_dataset)} samples, {when}{passkey_note}")
     return evaluator
+
+
+def _passkey_accuracy(config: TrainConfig) -> tuple[bool, str]:
+    """Whether validation judges passkeys (its samples' labels are exactly their answers: one answer per sample,
+    so not with --pack), and what the validation note adds about it."""
+    from lstune.data.synthetic import ANSWER_SOURCES
+
+    data = config.data
+    source = data.eval_data if data.eval_data is not None else data.source
+    if source == "builtin:passkey":
+        return False, " (no passkey accuracy on text records, trained on every token: --eval-data builtin:passkey-eval)"
+    if source not in ANSWER_SOURCES:
+        return False, ""
+    if data.pack:
+        return False, " (no passkey accuracy with --pack: it judges one answer per sample)"
+    return True, ", with passkey accuracy"
 
 
 def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):

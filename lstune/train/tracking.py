@@ -4,7 +4,8 @@ Each tracker is an optional extra (`pip install lstune[tensorboard]`, `[wandb]`,
 when asked for; `missing_trackers` names the missing package before anything heavy loads. Where they write:
 TensorBoard event files in OUTPUT_DIR/tensorboard; W&B in OUTPUT_DIR/wandb, offline unless WANDB_MODE or
 WANDB_API_KEY says otherwise (so a job without network still records its run; `wandb sync` uploads it);
-MLflow to MLFLOW_TRACKING_URI, or a file store in OUTPUT_DIR/mlruns. Only the main process reports.
+MLflow to MLFLOW_TRACKING_URI, or a file store in OUTPUT_DIR/mlruns (MLFLOW_EXPERIMENT_NAME picks the experiment).
+Only the main process reports; a tracker that cannot start (bad URI, unreachable server) is a UserError.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lstune.errors import UserError
+
 # tracker -> (module that must import, pip extra, folder it writes in OUTPUT_DIR)
 TRACKERS = {
     "tensorboard": ("tensorboard", "tensorboard", "tensorboard"),
     "wandb": ("wandb", "wandb", "wandb"),
-    "mlflow": ("mlflow", "mlflow", "mlruns"),
+    "mlflow": ("mlflow", "mlflow", "mlruns"),  # the extra installs mlflow-skinny, the logging client
 }
 
 
@@ -49,9 +52,14 @@ class Trackers:
 
     def __init__(self, names: list[str], output_dir: Path, config: dict[str, Any]):
         self._closers, self._loggers = [], []
+        name = ""
         try:
             for name in names:
                 getattr(self, f"_start_{name}")(Path(output_dir), config)
+        except Exception as exc:
+            self.close()
+            # A tracker's own refusal (an unreachable server, a bad URI or key) is the user's to fix: its message, no traceback.
+            raise UserError(f"--report-to {name} could not start: {type(exc).__name__}: {exc}") from exc
         except BaseException:
             self.close()
             raise
@@ -93,12 +101,38 @@ class Trackers:
         self._closers.append(run.finish)
 
     def _start_mlflow(self, output_dir: Path, config: dict[str, Any]) -> None:
-        import mlflow
+        # A client bound to its URI, not mlflow's fluent API: `mlflow.set_tracking_uri` is process-global and would
+        # outlive this run (a later run in the same process would ignore MLFLOW_TRACKING_URI).
+        import time
 
-        if "MLFLOW_TRACKING_URI" not in os.environ:
-            mlflow.set_tracking_uri((output_dir / "mlruns").resolve().as_uri())
-        mlflow.start_run(run_name=output_dir.name)
-        # MLflow params are strings of bounded length.
-        mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
-        self._loggers.append(lambda values, step: mlflow.log_metrics(values, step=step))
-        self._closers.append(mlflow.end_run)
+        from mlflow.entities import Metric, Param, RunStatus
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            # MLflow 3 keeps its file store only on this opt-in (it prefers a database, which needs SQLAlchemy, not
+            # in mlflow-skinny); a folder in OUTPUT_DIR needs no server and `mlflow ui --backend-store-uri` reads it.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            uri = (output_dir / "mlruns").resolve().as_uri()
+        client = MlflowClient(tracking_uri=uri)
+        run_id = client.create_run(_mlflow_experiment(client), run_name=output_dir.name).info.run_id
+        # MLflow params are strings of bounded length, at most 100 per call.
+        params = [Param(k, str(v)[:500]) for k, v in config.items()]
+        for i in range(0, len(params), 100):
+            client.log_batch(run_id, params=params[i : i + 100])
+
+        def log(values, step):
+            now = int(time.time() * 1000)
+            client.log_batch(run_id, metrics=[Metric(k, v, now, step) for k, v in values.items()])
+
+        self._loggers.append(log)
+        self._closers.append(lambda: client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED)))
+
+
+def _mlflow_experiment(client) -> str:
+    """MLFLOW_EXPERIMENT_NAME's experiment (created if new), else MLflow's default one ("0")."""
+    name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    if not name:
+        return "0"
+    experiment = client.get_experiment_by_name(name)
+    return experiment.experiment_id if experiment is not None else client.create_experiment(name)

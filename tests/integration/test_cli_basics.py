@@ -161,6 +161,15 @@ def test_data_preview_shows_counts_and_the_loss_mask(cli, tmp_path):
     _assert_user_error(cli("data", "--model", "tiny-llama"), "--data is required")
 
 
+def test_data_preview_shows_the_trained_tokens_after_a_long_prompt(cli):
+    """The passkey answer records: 3,480 tokens of which the last 7 are trained; the preview jumps to them."""
+    result = cli("data", "--model", "tiny-llama", "--seq-len", "4k", "--data", "builtin:passkey-answer",
+                 "--preview-tokens", "200")
+    assert result.code == 0, result.err
+    assert "7 carry a loss" in result.out and "the lead-up to the first trained token" in result.out
+    assert "… 3,323 tokens" in result.out and "The pass key is ⟧60494.</s>" in result.out
+
+
 def test_data_preview_of_a_mixture_with_a_chat_template(cli, tmp_path):
     """Several weighted sources add up their counts, and --chat-template is the template the mask is shown in."""
     alpaca, pairs = tmp_path / "alpaca.jsonl", tmp_path / "pairs.jsonl"

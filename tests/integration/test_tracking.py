@@ -1,88 +1,127 @@
-"""--report-to through the real CLI: every step's metrics and the config reach each tracker; a missing package
-is a config error naming the extra to install. The trackers are fakes injected in sys.modules (tensorboard,
-wandb and mlflow are optional extras not installed for the tests; nothing touches the network)."""
+"""--report-to through the real CLI with the real packages (in the `test` extra): what each tracker stored is read
+back with its own reader and equals metrics.jsonl, with the run's config. W&B runs offline (nothing touches the
+network); MLflow writes a file store in OUTPUT_DIR. A missing package is a config error naming the extra."""
 
 from __future__ import annotations
 
-import importlib.machinery
+import json
 import sys
-import types
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.integration.conftest import TINY_MODEL, read_metrics
 
-
-def _module(name: str, **attrs) -> types.ModuleType:
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
-    module.__dict__.update(attrs)
-    return module
+STEPS = 3
 
 
-@pytest.fixture
-def fake_trackers(monkeypatch):
-    seen = {"tensorboard": [], "wandb": [], "mlflow": [], "closed": []}
-
-    class SummaryWriter:
-        def __init__(self, log_dir):
-            seen["tb_dir"] = log_dir
-
-        def add_text(self, tag, text):
-            seen["tb_config"] = text
-
-        def add_scalar(self, key, value, step):
-            seen["tensorboard"].append((step, key, value))
-
-        def flush(self):
-            pass
-
-        def close(self):
-            seen["closed"].append("tensorboard")
-
-    class Run:
-        def log(self, values, step):
-            seen["wandb"].append((step, values))
-
-        def finish(self):
-            seen["closed"].append("wandb")
-
-    def init(**kwargs):
-        seen["wandb_init"] = kwargs
-        return Run()
-
-    mlflow = _module(
-        "mlflow", set_tracking_uri=lambda uri: seen.setdefault("mlflow_uri", uri),
-        start_run=lambda run_name: seen.setdefault("mlflow_run", run_name),
-        log_params=lambda params: seen.setdefault("mlflow_params", params),
-        log_metrics=lambda values, step: seen["mlflow"].append((step, values)),
-        end_run=lambda: seen["closed"].append("mlflow"),
-    )
-    monkeypatch.setitem(sys.modules, "tensorboard", _module("tensorboard"))
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", _module("torch.utils.tensorboard", SummaryWriter=SummaryWriter))
-    monkeypatch.setitem(sys.modules, "wandb", _module("wandb", init=init))
-    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return seen
-
-
-def test_every_metric_and_the_config_reach_each_tracker(cli, tmp_path, text_data, fake_trackers):
+def _train(cli, tmp_path, text_data, tracker: str) -> tuple[Path, list[dict]]:
     out = tmp_path / "run"
-    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--eval-split", "0.2",
-                 "--report-to", "tensorboard,wandb,mlflow", "--output-dir", out)
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", STEPS, "--eval-split", "0.2",
+                 "--eval-every", "2", "--report-to", tracker, "--output-dir", out)
     assert result.code == 0, result.err
-    seen, metrics = fake_trackers, read_metrics(out)
-    assert seen["tb_dir"] == str(out / "tensorboard") and "seq_len: 256" in seen["tb_config"]
-    assert {(s, k) for s, k, _ in seen["tensorboard"]} >= {(2, "loss"), (2, "eval_loss"), (1, "tokens_per_s")}
-    assert ("loss", metrics[1]["loss"]) in [(k, v) for s, k, v in seen["tensorboard"] if s == 2]
-    assert seen["wandb_init"]["mode"] == "offline" and seen["wandb_init"]["dir"] == str(out)
-    assert seen["wandb_init"]["config"]["seq_len"] == 256
-    assert [s for s, _ in seen["wandb"]] == [1, 2] and seen["wandb"][1][1]["eval_loss"] == metrics[1]["eval_loss"]
-    assert seen["mlflow_uri"] == (out / "mlruns").resolve().as_uri() and seen["mlflow_params"]["lr"] == "0.001"
-    assert [s for s, _ in seen["mlflow"]] == [1, 2]
-    assert sorted(seen["closed"]) == ["mlflow", "tensorboard", "wandb"]
+    return out, read_metrics(out)
+
+
+def _scalars(metrics: list[dict]) -> dict[str, dict[int, float]]:
+    """key -> {step: value} of the numeric metrics (what lstune.train.tracking sends)."""
+    table: dict[str, dict[int, float]] = {}
+    for record in metrics:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                table.setdefault(key, {})[record["step"]] = float(value)
+    return table
+
+
+def test_tensorboard_event_files_hold_every_metric_of_metrics_jsonl(cli, tmp_path, text_data):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, metrics = _train(cli, tmp_path, text_data, "tensorboard")
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    expected = _scalars(metrics)
+    assert set(events.Tags()["scalars"]) == set(expected)
+    for key, by_step in expected.items():
+        # TensorBoard stores scalars as float32.
+        assert {e.step: e.value for e in events.Scalars(key)} == {s: float(np.float32(v)) for s, v in by_step.items()}, key
+    assert sorted(expected["eval_loss"]) == [2, 3] and sorted(expected["loss"]) == [1, 2, 3]
+    config = events.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "seq_len: 256" in config and "report_to:\n- tensorboard" in config
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of an offline run's `run-ID.wandb` file (what `wandb sync` uploads): a file header
+    (":W&B", magic, version), then LevelDB-log records in 32 KiB blocks — crc32c, length, type (1 full, 2 first,
+    3 middle, 4 last) — a block's tail too short for a header being padding."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, chunk, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        room = block - pos % block
+        if room < 7:
+            pos += room
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def test_wandb_runs_offline_and_its_run_file_holds_the_config_and_every_metric(cli, tmp_path, text_data, monkeypatch):
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing written in the home folder
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    out, metrics = _train(cli, tmp_path, text_data, "wandb")
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, "W&B did not run offline"
+    records = wandb_records(next(runs[0].glob("run-*.wandb")))
+    by_type: dict[str, list] = {}
+    for record in records:
+        by_type.setdefault(record.WhichOneof("record_type"), []).append(record)
+    run = by_type["run"][0].run
+    assert run.project == "lstune" and run.display_name == "run"
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["seq_len"] == 256 and config["report_to"] == ["wandb"]
+    history = {}
+    for record in by_type["history"]:
+        items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+        history[record.history.step.num] = {k: v for k, v in items.items() if not k.startswith("_")}
+    assert history == {m["step"]: {k: float(v) for k, v in m.items() if k != "step" and not isinstance(v, bool)}
+                       for m in metrics}
+    assert "exit" in by_type, "the run was not finished"
+
+
+def test_mlflow_file_store_in_the_output_dir_holds_the_config_and_every_metric(cli, tmp_path, text_data, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "")  # recorded, so that the delenv below is undone after the test
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")  # MLflow 3 refuses a file store without it: lstune opts in
+    out, metrics = _train(cli, tmp_path, text_data, "mlflow")
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    [run] = client.search_runs(experiment_ids=["0"])
+    assert run.info.run_name == "run" and run.info.status == "FINISHED"
+    assert run.data.params["seq_len"] == "256" and run.data.params["lr"] == "0.001"
+    for key, by_step in _scalars(metrics).items():
+        history = client.get_metric_history(run.info.run_id, key)
+        assert {m.step: m.value for m in history} == by_step, key
+
+
+def test_a_tracker_that_cannot_start_is_a_user_error(cli, tmp_path, text_data, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "nosuchscheme://nowhere")
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--report-to", "mlflow",
+                 "--output-dir", tmp_path / "o")
+    assert result.code == 2 and "Traceback" not in result.err
+    assert "--report-to mlflow could not start" in result.err and "nosuchscheme" in result.err
 
 
 def test_a_missing_tracker_package_is_a_config_error(cli, tmp_path, text_data, monkeypatch):

@@ -26,6 +26,11 @@ def test_embedded_demo_recipe_learns(cli, tmp_path):
     assert required <= set(metrics[0])
     assert (out / "final" / "config.json").exists()
     assert "final model" in result.out
+    # Validation on the 16 held-out passkey records every 20 steps: the answer-token loss and passkey accuracy.
+    evals = [m for m in metrics if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [20, 40, 60] and all(m["eval_samples"] == 16 for m in evals)
+    assert all(0.0 <= m["eval_passkey_acc"] <= 1.0 for m in evals)
+    assert "passkey_acc" in result.out and "passkey accuracy (step 60)" in result.out
 
 
 def test_final_model_reloads_with_from_pretrained(cli, tmp_path, text_data):

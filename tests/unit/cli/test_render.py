@@ -64,3 +64,17 @@ def test_eta_uses_recent_step_times_including_evaluation():
     assert clock.eta(_metrics(1, step_time_s=10.0)) == pytest.approx(90.0)
     assert clock.eta(_metrics(2, step_time_s=2.0, eval_time_s=2.0)) == pytest.approx(8 * 7.0)
     assert human_duration(3725) == "1:02:05"
+
+
+def test_passkey_accuracy_on_the_line_and_in_the_summary(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from lstune.cli.render import _step_line, print_summary
+
+    m = _metrics(2, eval_loss=2.25, eval_ppl=9.49, eval_passkey_acc=0.375, tokens_seen=1, eval_time_s=0.0)
+    assert "eval_loss 2.2500  eval_ppl 9.49  passkey_acc 38%" in _step_line(m, 60, 0.0)
+    result = SimpleNamespace(history=[_metrics(1), m], interrupted=False, steps_done=2, max_steps=60,
+                             output_dir=tmp_path, last_checkpoint=None, final_dir=None, merged_dir=None)
+    print_summary(result)
+    out = capsys.readouterr().out
+    assert re.search(r"passkey accuracy \(step 2\) +│ +37\.5%", out) and re.search(r"validation loss \(step 2\) +│ +2\.2500", out)

@@ -94,6 +94,10 @@ def test_max_records_keeps_the_first(tmp_path):
 def test_builtin_passkey():
     records = load_records("builtin:passkey")
     assert len(records.dataset) == 64 and "The pass key is" in records.dataset[0]["text"]
+    answers = load_records("builtin:passkey-answer").dataset
+    assert len(answers) == 64 and answers[0]["prompt"] + answers[0]["completion"] == records.dataset[0]["text"]
+    held = load_records("builtin:passkey-eval").dataset
+    assert len(held) == 16 and {"prompt", "completion"} <= set(held.column_names)
 
 
 def _file(folder, name: str, content: str) -> str:

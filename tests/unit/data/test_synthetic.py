@@ -37,3 +37,15 @@ def test_bundled_file_is_what_the_function_generates_and_small():
     records = [json.loads(line) for line in BUNDLED_PASSKEY.read_text().splitlines()]
     assert records == passkey_records(BUNDLED_RECORDS, BUNDLED_CHARS, BUNDLED_SEED)
     assert BUNDLED_PASSKEY.stat().st_size < 300_000
+
+
+def test_answer_records_split_the_text_before_the_key_and_held_out_keys_are_unseen():
+    from lstune.data.synthetic import answer_record, heldout_records
+
+    for record in passkey_records(4, 2000, seed=3):
+        answer = answer_record(record)
+        assert answer["prompt"] + answer["completion"] == record["text"]
+        assert answer["prompt"].endswith(f"{QUESTION}The pass key is ") and answer["completion"] == record["passkey"] + "."
+    bundled = {r["passkey"] for r in passkey_records(BUNDLED_RECORDS, BUNDLED_CHARS, BUNDLED_SEED)}
+    held = heldout_records()
+    assert len(held) == 16 and not bundled & {r["passkey"] for r in held}

@@ -53,3 +53,19 @@ def test_refuses_a_foreign_png_and_missing_metrics(tmp_path):
 def test_cli_imports_no_matplotlib():
     code = "import sys, lstune.cli.app; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_passkey_accuracy_gets_its_own_axis_on_the_step_panel(tmp_path):
+    from lstune.train.plots import read_metrics
+
+    _write_metrics(tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    for record in records:
+        if "eval_loss" in record:
+            record["eval_passkey_acc"] = record["step"] / 8
+    axes = draw(records).axes
+    accuracy = [ax for ax in axes if ax.get_ylabel() == "passkey accuracy (%)"]
+    assert len(accuracy) == 1 and accuracy[0].get_ylim() == (-5, 105)
+    assert list(accuracy[0].get_lines()[0].get_xdata()) == [3, 6]
+    assert list(accuracy[0].get_lines()[0].get_ydata()) == [37.5, 75.0]
+    assert len(draw(read_metrics(tmp_path / "metrics.jsonl")).axes) == 4, "no accuracy axis without accuracy"
