@@ -1,6 +1,6 @@
 """Apply the single-device memory techniques to a loaded model, in a fixed order, reversibly.
 
-Order (docs/memory.md): LoRA (peft, before this) → attention backend → **tiled MLP / mini-sequence →
+Order (docs/memory.md): LoRA (peft, before this) → attention backend → **chunked attention → tiled MLP / mini-sequence →
 loss head → checkpointing + offload** → engine. Tiling goes first so the checkpointed layer
 recomputes the tiled block; checkpointing wraps last so its hooks see the layer input only.
 
@@ -22,6 +22,7 @@ import torch
 
 from lstune.config.schema import MemorySection
 from lstune.errors import ConfigError, UserError
+from lstune.memory import attention_chunks as chunked_attn
 from lstune.memory import checkpoint as ckpt
 from lstune.memory import mlp as tiled_mlp_mod
 from lstune.memory.lora_inputs import share_lora_inputs
@@ -69,6 +70,9 @@ class MemoryPlan:
     offload: bool = False
     offload_note: str = ""
     offloader: ckpt.CheckpointOffloader | None = None
+    attn_chunks: str | int = "off"
+    attn_chunks_at_seq_len: int = 1
+    attn_chunk_stats: chunked_attn.ChunkStats | None = None
     notes: list[str] = field(default_factory=list)
     _undos: list[Undo] = field(default_factory=list, repr=False)
 
@@ -81,6 +85,7 @@ class MemoryPlan:
             "tiled_loss": {"setting": loss_policy, "tiles": self.loss_tiles_at_seq_len, "backend": self.loss_backend},
             "checkpointing": self.checkpointing,
             "offload_checkpoints": {"enabled": self.offload, "note": self.offload_note},
+            "attn_chunks": {"setting": self.attn_chunks, "chunks": self.attn_chunks_at_seq_len},
             "notes": list(self.notes),
         }
 
@@ -118,6 +123,7 @@ def apply_memory_techniques(
         check_loss_head(parts)
     try:
         plan._undos.extend(share_lora_inputs(model))
+        _apply_attention_chunks(plan, memory)
         _apply_mlp(plan, probing)
         _apply_loss(model, plan, memory.tiled_loss)
         _apply_checkpointing(
@@ -147,6 +153,19 @@ def _can_probe(lm: "nn.Module") -> bool:
 
     param = next(lm.parameters(), None)
     return param is not None and param.device.type != "meta" and not is_fake(param)
+
+
+def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection) -> None:
+    """Chunked attention (FPDT); its saved chunks go to host memory with --offload-checkpoints."""
+    plan.attn_chunks = memory.attn_chunks
+    plan.attn_chunks_at_seq_len = chunked_attn.chunk_count(memory.attn_chunks, plan.seq_len)
+    if memory.attn_chunks == "off":
+        return
+    plan.attn_chunk_stats = chunked_attn.ChunkStats()
+    offload = memory.offload_checkpoints
+    plan._undos.extend(chunked_attn.install_chunked_attention(
+        plan.parts.layers, memory.attn_chunks, offload=offload, stats=plan.attn_chunk_stats
+    ))
 
 
 def _apply_mlp(plan: MemoryPlan, probing: bool) -> None:
