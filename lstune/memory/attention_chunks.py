@@ -213,6 +213,9 @@ class _ChunkSpec:
 
 
 def _refuse_sequence_tensor(name: str, value: Any, seq: int) -> None:
+    if name == "attention_mask" and isinstance(value, torch.Tensor):
+        raise ModelError("chunked attention needs lstune's attention (--attn auto|sdpa|flex|flash_attention_2), which "
+                         "takes no [seq, seq] mask; this model got one from transformers' own attention.")
     if isinstance(value, torch.Tensor) and value.dim() and seq in value.shape:
         raise ModelError(f"the attention module takes a per-token argument {name!r} (shape {tuple(value.shape)}) "
                          "that chunked attention does not know how to cut; use --attn-chunks off for this model.")
@@ -253,7 +256,7 @@ class _ChunkSink:
         if self.calls != 1:
             raise ModelError(
                 f"{type(self.spec.owner.module).__name__} called lstune's attention function {self.calls} times for "
-                "one chunk (expected once); chunked attention needs lstune's attention (--attn auto|sdpa|flex|"
+                "one chunk (expected once): chunked attention needs lstune's attention (--attn auto|sdpa|flex|"
                 "flash_attention_2) and one attention call per module: use --attn-chunks off for this model."
             )
 
@@ -568,10 +571,12 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_B
             dq5 = store.pop(("dq", i), device)
             readiness.set(last_tile=i == chunks - 1)
             grads = _projection_backward(spec, ctx, hidden_BSD, grad_BSD, i, (dq5, dk4, dv4), want_x)
+            del dq5, dk4, dv4
             if want_x:
                 a, b = spec.bounds[i]
                 grad_x[:, a:b].copy_(grads[0])
             _accumulate(param_grads, grads[1:])
+            del grads  # else this chunk's weight gradients live on through the next chunk's backward
             store.drop_chunk(i)
     return grad_x, param_grads
 
