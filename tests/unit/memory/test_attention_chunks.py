@@ -77,12 +77,13 @@ def test_chunked_attention_matches_hf(arch, data, options):
 
 def test_softcapped_attention_is_exact_when_chunked():
     """Gemma-2 softcaps logits: no lstune backend trains that on CPU, the chunked block kernel does (exactly)."""
-    model = build_model("tiny-gemma2", seed=0, attn_logit_softcapping=0.005)
+    # Larger weights than the preset's so logits reach the cap: it changes the loss by ~3 %.
+    model = build_model("tiny-gemma2", seed=0, attn_logit_softcapping=1.0, initializer_range=0.2)
     model.train()
     batch, reference = _reference(model, "packed")
-    uncapped = build_model("tiny-gemma2", seed=0)
+    uncapped = build_model("tiny-gemma2", seed=0, initializer_range=0.2)
     uncapped.train()
-    assert abs(_reference(uncapped, "packed")[1][0] - reference[0]) > 1e-4 * reference[0]  # the cap bites
+    assert abs(_reference(uncapped, "packed")[1][0] - reference[0]) > 0.01 * reference[0]
     _compare(model, batch, reference, ALL, backend="auto")
 
 
