@@ -237,8 +237,10 @@ def _narrow(value: Any, dim: int, a: int, b: int, seq: int) -> Any:
 
 class _ChunkSink:
     """Receives chunk m's q/k/v ([B, H, n, D] — n = chunk tokens, or sp·chunk tokens under Ulysses) and, by mode:
-    "forward": keeps k/v, returns o_m merged over chunks <= m (keeps o, lse); "replay": records q_m and returns the
-    saved o_m as a grad-requiring leaf; "backward": records q/k/v (with their graph) and returns the saved o_m."""
+    "forward": keeps k/v and returns o_m merged over the stored chunks (keeps o, lse) — under Ulysses only keeps k/v
+    (rank r's chunk m queries see rank r-1's later chunks) and "attend" computes o_m once every chunk is stored;
+    "replay": records q_m and returns the saved o_m as a grad-requiring leaf; "backward": records q/k/v (with their
+    graph) and returns the saved o_m."""
 
     def __init__(self, spec: _ChunkSpec, position_ids: Tensor | None):
         self.spec = spec
@@ -248,6 +250,8 @@ class _ChunkSink:
         self.m, self.mode, self.calls = 0, "", 0
         self.leaf: Tensor | None = None
         self.captured: tuple[Tensor, ...] = ()
+        self.gathered = False  # the calls see every SP rank's chunk m (Ulysses), not one contiguous chunk
+        self.sources: dict[int, list[int]] = {}  # query chunk -> the key chunks it attends
 
     def begin(self, m: int, mode: str) -> None:
         self.m, self.mode, self.calls = m, mode, 0
@@ -275,6 +279,10 @@ class _ChunkSink:
             store.put(("doc", m), doc_Bn, offload=False)
             store.put(("k", m), key.detach())
             store.put(("v", m), value.detach())
+            if self.gathered:  # queries may see later chunks' keys: attend once all are stored ("attend" pass)
+                batch, heads, n, _ = query.shape
+                return query.new_zeros(batch, n, heads, value.shape[-1])
+        if self.mode in ("forward", "attend"):
             out5, lse = _chunk_forward(self, query, key, value)
             store.put(("o", m), out5)
             store.put(("lse", m), lse)
@@ -295,6 +303,7 @@ class _ChunkSink:
         batch, n, width = query.shape[0], query.shape[2], b - a
         if n % width:
             raise ModelError(f"chunked attention: the attention call got {n} tokens for a chunk of {width}.")
+        self.gathered = n > width
         local = torch.arange(n, device=query.device)
         index_n = (local // width) * self.spec.seq + a + local % width
         if position_ids is None:
@@ -403,23 +412,34 @@ def _merge(acc_out, acc_lse, out, lse):
 
 
 def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Chunk m's queries against the keys/values of chunks 0..m (k_m/v_m just stored), merged."""
+    """Chunk m's queries against the keys/values of every stored chunk they see (chunks 0..m, k_m/v_m just
+    stored; under Ulysses any chunk), merged; records which chunks contributed (`sink.sources`)."""
     store, m, config = sink.store, sink.m, sink.config
     device = query.device
     q5 = _to5(query, config["kv_heads"])
     index_q, doc_q = store.get(("idx", m), device), store.get(("doc", m), device)
+    stored = [i for i in range(len(sink.spec.bounds)) if ("k", i) in store.items]
     acc_out = acc_lse = None
-    for i in range(m + 1):
-        if i < m:
-            store.prefetch(("k", i + 1), device), store.prefetch(("v", i + 1), device)
+    sink.sources[m] = []
+    for n, i in enumerate(stored):
+        if n + 1 < len(stored):
+            store.prefetch(("k", stored[n + 1]), device), store.prefetch(("v", stored[n + 1]), device)
         allowed = _allowed(index_q, doc_q, store.get(("idx", i), device), store.get(("doc", i), device),
                            config["window"])
-        if not bool(allowed.any()):
+        if not _any(allowed):
             continue
+        sink.sources[m].append(i)
         k4, v4 = (key, value) if i == m else (store.get(("k", i), device), store.get(("v", i), device))
         out, lse = _block_forward(q5, k4, v4, allowed, config["scale"], config["softcap"])
         acc_out, acc_lse = _merge(acc_out, acc_lse, out, lse)
     return acc_out.to(query.dtype), acc_lse
+
+
+def _any(allowed: Tensor) -> bool:
+    """Whether a block has any allowed pair; fake tensors (memory traces) have no values: every block counts."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(allowed) or bool(allowed.any())
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -507,13 +527,19 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         ctx.spec, ctx.params = spec, () if spec.into_grad else params
         ctx.autocast = _autocast_state(hidden_BSD.device.type)
         ctx.rng = []
+        spec.sink.sources = {}
         out_BSD = None
         for m, (a, b) in enumerate(spec.bounds):
             ctx.rng.append(_RngState.capture(hidden_BSD.device))
             y_BcD = spec.run(hidden_BSD[:, a:b], m, "forward")
-            if out_BSD is None:
+            if m == 0:
                 out_BSD = y_BcD.new_empty((y_BcD.shape[0], spec.seq, *y_BcD.shape[2:]))
             out_BSD[:, a:b].copy_(y_BcD)
+        if spec.sink.gathered:  # Ulysses: the first pass only stored k/v (the per-token parts run once more)
+            for m, (a, b) in enumerate(spec.bounds):
+                with _replay_rng(ctx.rng[m], hidden_BSD.device):
+                    out_BSD[:, a:b].copy_(spec.run(hidden_BSD[:, a:b], m, "attend"))
+        ctx.sources = dict(spec.sink.sources)
         # Saved through save_for_backward (not held by ctx), so an enclosing checkpoint drops and recomputes them.
         ctx.keys = list(store.items)
         ctx.save_for_backward(hidden_BSD, *store.items.values())
@@ -565,37 +591,44 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_B
         store.put(("delta", j), (dout5.float() * o5.float()).sum(-1))
     grad_x = torch.empty_like(hidden_BSD) if want_x else None
     param_grads: list[Tensor | None] = [None] * len(ctx.params)
+    readers = {i: [j for j in range(chunks) if i in ctx.sources[j]] for i in range(chunks)}
+    # Chunk c's projections backpropagate once dk_c/dv_c (outer iteration c) and dq_c (its last key chunk) are done:
+    # right after iteration c without SP (queries only see earlier chunks), later under Ulysses.
+    ready_after = {c: max([c, *ctx.sources[c]]) for c in range(chunks)}
     with _Zero3Readiness(spec.into_grad, frozenset()) as readiness:
         for i in range(chunks):
-            dk4, dv4 = _kv_chunk_backward(spec, i, device)
-            dq5 = store.pop(("dq", i), device)
-            readiness.set(last_tile=i == chunks - 1)
-            grads = _projection_backward(spec, ctx, hidden_BSD, grad_BSD, i, (dq5, dk4, dv4), want_x)
-            del dq5, dk4, dv4
-            if want_x:
-                a, b = spec.bounds[i]
-                grad_x[:, a:b].copy_(grads[0])
-            _accumulate(param_grads, grads[1:])
-            del grads  # else this chunk's weight gradients live on through the next chunk's backward
-            store.drop_chunk(i)
+            dk4, dv4 = _kv_chunk_backward(spec, i, readers[i], device)
+            store.put(("dk", i), dk4)
+            store.put(("dv", i), dv4)
+            del dk4, dv4
+            for c in [c for c in range(chunks) if ready_after[c] == i]:
+                readiness.set(last_tile=c == chunks - 1)
+                dqkv = tuple(store.pop((name, c), device) for name in ("dq", "dk", "dv"))
+                grads = _projection_backward(spec, ctx, hidden_BSD, grad_BSD, c, dqkv, want_x)
+                del dqkv
+                if want_x:
+                    a, b = spec.bounds[c]
+                    grad_x[:, a:b].copy_(grads[0])
+                _accumulate(param_grads, grads[1:])
+                del grads  # else this chunk's weight gradients live on through the next chunk's backward
+                store.drop_chunk(c)
     return grad_x, param_grads
 
 
-def _kv_chunk_backward(spec: _ChunkSpec, i: int, device) -> tuple[Tensor, Tensor]:
-    """Outer iteration i: dk_i, dv_i over query chunks j >= i; dq_j accumulated in the store."""
+def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: list[int], device) -> tuple[Tensor, Tensor]:
+    """Outer iteration i: dk_i, dv_i over the query chunks j that attend it (j >= i without SP); dq_j accumulated
+    in the store."""
     store, config = spec.sink.store, spec.sink.config
     k4, v4 = store.get(("k", i), device), store.get(("v", i), device)
     index_k, doc_k = store.get(("idx", i), device), store.get(("doc", i), device)
     dk4 = torch.zeros(k4.shape, dtype=torch.float32, device=device)
     dv4 = torch.zeros(v4.shape, dtype=torch.float32, device=device)
-    for j in range(i, len(spec.bounds)):
-        if j + 1 < len(spec.bounds):
+    for n, j in enumerate(readers):
+        if n + 1 < len(readers):
             for name in ("q", "dout", "lse", "delta", "dq"):
-                store.prefetch((name, j + 1), device)
+                store.prefetch((name, readers[n + 1]), device)
         allowed = _allowed(store.get(("idx", j), device), store.get(("doc", j), device), index_k, doc_k,
                            config["window"])
-        if not bool(allowed.any()):
-            continue
         dq5, dk, dv = _block_backward(
             store.get(("q", j), device), k4, v4, store.get(("dout", j), device), store.get(("lse", j), device),
             store.get(("delta", j), device), allowed, config["scale"], config["softcap"],
