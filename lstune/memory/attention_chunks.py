@@ -119,19 +119,31 @@ class ChunkStats:
 
 
 def install_chunked_attention(
-    layers: nn.ModuleList, setting: str | int, *, offload: bool, stats: ChunkStats | None = None
+    layers: nn.ModuleList, setting: str | int, *, offload: bool, stats: ChunkStats | None = None,
+    fused: dict[int, tuple[str | None, str | None]] | None = None,
 ) -> list[Undo]:
-    """Make every layer's attention module run in chunks (module doc); one undo per layer."""
+    """Make every layer's attention module run in chunks (module doc); returns the undos.
+
+    `fused[i] = (pre_norm_name, post_norm_name)`: layer i's norms feeding only the attention / fed only by it (found
+    by `mlp.find_fusable_norms` from a probe) run inside each chunk instead — the layer calls them as identities —
+    so their fp32 copies (HF RMSNorm upcasts) and the normed hidden state are O(chunk), as in mini-sequence."""
+    from lstune.memory.mlp import _identity
+
     policy = chunk_policy(setting)
     if policy is None:
         return []
     undos = []
     for index, layer in enumerate(layers):
         module = getattr(layer, layer_attention(layer))
-        chunked = ChunkedAttention(module, module.forward, policy, offload=offload, stats=stats)
+        norms = [getattr(layer, name) if name else None for name in (fused or {}).get(index, (None, None))]
+        chunked = ChunkedAttention(module, module.forward, policy, offload=offload, stats=stats, norms=norms)
         undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
-    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s", len(layers), policy.describe(),
-                "offloaded to host" if offload else "on the device")
+        for norm, side in zip(norms, ("pre", "post")):
+            if norm is not None:
+                undos.append(patch_forward(norm, _identity, what=f"layer {index}: {side}-attention norm in the chunks"))
+    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused", len(layers),
+                policy.describe(), "offloaded to host" if offload else "on the device",
+                sum(n is not None for pair in (fused or {}).values() for n in pair))
     return undos
 
 
@@ -139,21 +151,37 @@ class ChunkedAttention:
     """The patched forward of one attention module: unchunked when one chunk covers the sequence."""
 
     def __init__(self, module: nn.Module, forward: Callable, policy: TilePolicy, *, offload: bool,
-                 stats: ChunkStats | None):
+                 stats: ChunkStats | None, norms: list[nn.Module | None] | None = None):
         self.module, self.forward, self.policy, self.offload = module, forward, policy, offload
         self.stats = stats if stats is not None else ChunkStats()
+        # Fused norms' own forwards, taken before their instances become identities in the layer.
+        self.pre, self.post = norms or (None, None)
+        self.pre_forward = self.pre.forward if self.pre is not None else None
+        self.post_forward = self.post.forward if self.post is not None else None
+        self.modules = [m for m in (self.pre, module, self.post) if m is not None]
+
+    def run(self, hidden_BSD: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The attention module's forward with its fused norms around it."""
+        if self.pre_forward is not None:
+            hidden_BSD = self.pre_forward(hidden_BSD)
+        result = self.forward(hidden_BSD, *args, **kwargs)
+        if self.post_forward is None:
+            return result
+        if isinstance(result, tuple):
+            return (self.post_forward(result[0]), *result[1:])
+        return self.post_forward(result)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden_BSD, rest, kwargs = _split_hidden(args, kwargs)
         seq = hidden_BSD.shape[1]
         bounds = tile_bounds(seq, self.policy.tiles(seq, width=1))
         if len(bounds) <= 1:
-            return self.forward(hidden_BSD, *rest, **kwargs)
+            return self.run(hidden_BSD, *rest, **kwargs)
         if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
             raise UserError("chunked attention is for training on whole sequences; it got a KV cache (generation): "
                             "undo the memory plan (or use --attn-chunks off) before generating.")
         spec = _ChunkSpec(self, bounds, seq, rest, kwargs)
-        trainable = tuple(p for p in self.module.parameters() if p.requires_grad)
+        trainable = tuple(p for m in self.modules for p in m.parameters() if p.requires_grad)
         if any(is_zero3_partitioned(p) for p in trainable):
             spec.into_grad = trainable
             # Partitioned weights cannot be Function inputs; an empty leaf keeps the output in the graph.
@@ -201,7 +229,7 @@ class _ChunkSpec:
                   for name, value in self.kwargs.items()}
         self.sink.begin(m, mode)
         with chunked_attention_calls(self.sink):
-            result = self.owner.forward(hidden_BcD, *self.args, **kwargs)
+            result = self.owner.run(hidden_BcD, *self.args, **kwargs)
         self.sink.end()
         if isinstance(result, tuple):
             if any(extra is not None for extra in result[1:]):

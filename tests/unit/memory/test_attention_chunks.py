@@ -191,11 +191,11 @@ def test_bad_setting_is_a_config_problem(value):
 
 def test_attention_that_bypasses_lstune_attention_is_refused():
     """HF's eager attention never reaches the chunk sink: refused instead of attending within each chunk only."""
-    model = tiny_model("llama")  # eager
-    plan = apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)
-    with pytest.raises(ModelError, match="needs lstune's attention"):
-        plan.loss_sum(model, long_batch(SEQ))
-    plan.undo()
+    for implementation in ("eager", "sdpa"):  # HF's sdpa gets no mask for causal rows: caught by the call count
+        model = tiny_model("llama", attn=implementation)
+        with pytest.raises(ModelError, match="needs lstune's attention"):
+            apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)  # its norm-fusion probe runs it
+        assert not any("forward" in vars(m) for m in model.modules())
 
 
 def test_attention_dropout_is_refused():
@@ -216,8 +216,23 @@ def test_documents_must_restart_at_position_zero():
         plan.loss_sum(model, batch)
 
 
+def test_the_norms_around_attention_run_per_chunk():
+    """The norm feeding only the attention (Llama's input norm; Gemma-3 also the one after it) runs inside each chunk:
+    its fp32 copies and the normed hidden state are O(chunk). The equivalence tests above run with it fused."""
+    for arch, pair in (("llama", ("input_layernorm", None)),
+                       ("gemma3_text", ("input_layernorm", "post_attention_layernorm"))):
+        model = tiny_model(arch)
+        use_lstune_attention(model, backend="sdpa")
+        plan = apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)
+        assert plan.attn_fused_norms == {0: pair, 1: pair}
+        assert all("forward" in vars(layer.input_layernorm) for layer in model.model.layers)
+        plan.undo()
+        assert not any("forward" in vars(layer.input_layernorm) for layer in model.model.layers)
+
+
 def test_undo_restores_the_attention_modules():
     model = tiny_model("llama")
+    use_lstune_attention(model, backend="sdpa")
     plan = apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)
     assert all("forward" in vars(layer.self_attn) for layer in model.model.layers)
     plan.undo()
