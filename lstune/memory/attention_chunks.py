@@ -127,8 +127,6 @@ def install_chunked_attention(
     `fused[i] = (pre_norm_name, post_norm_name)`: layer i's norms feeding only the attention / fed only by it (found
     by `mlp.find_fusable_norms` from a probe) run inside each chunk instead — the layer calls them as identities —
     so their fp32 copies (HF RMSNorm upcasts) and the normed hidden state are O(chunk), as in mini-sequence."""
-    from lstune.memory.mlp import _identity
-
     policy = chunk_policy(setting)
     if policy is None:
         return []
@@ -136,11 +134,12 @@ def install_chunked_attention(
     for index, layer in enumerate(layers):
         module = getattr(layer, layer_attention(layer))
         norms = [getattr(layer, name) if name else None for name in (fused or {}).get(index, (None, None))]
-        chunked = ChunkedAttention(module, module.forward, policy, offload=offload, stats=stats, norms=norms)
-        undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
         for norm, side in zip(norms, ("pre", "post")):
             if norm is not None:
-                undos.append(patch_forward(norm, _identity, what=f"layer {index}: {side}-attention norm in the chunks"))
+                what = f"layer {index}: {side}-attention norm in the chunks"
+                undos.append(patch_forward(norm, _NormInChunks(norm.forward), what=what))
+        chunked = ChunkedAttention(module, module.forward, policy, offload=offload, stats=stats, norms=norms)
+        undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
     logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused", len(layers),
                 policy.describe(), "offloaded to host" if offload else "on the device",
                 sum(n is not None for pair in (fused or {}).values() for n in pair))
@@ -154,22 +153,19 @@ class ChunkedAttention:
                  stats: ChunkStats | None, norms: list[nn.Module | None] | None = None):
         self.module, self.forward, self.policy, self.offload = module, forward, policy, offload
         self.stats = stats if stats is not None else ChunkStats()
-        # Fused norms' own forwards, taken before their instances become identities in the layer.
         self.pre, self.post = norms or (None, None)
-        self.pre_forward = self.pre.forward if self.pre is not None else None
-        self.post_forward = self.post.forward if self.post is not None else None
         self.modules = [m for m in (self.pre, module, self.post) if m is not None]
 
     def run(self, hidden_BSD: Tensor, *args: Any, **kwargs: Any) -> Any:
         """The attention module's forward with its fused norms around it."""
-        if self.pre_forward is not None:
-            hidden_BSD = self.pre_forward(hidden_BSD)
+        if self.pre is not None:
+            hidden_BSD = _NormInChunks.call(self.pre, hidden_BSD)
         result = self.forward(hidden_BSD, *args, **kwargs)
-        if self.post_forward is None:
+        if self.post is None:
             return result
         if isinstance(result, tuple):
-            return (self.post_forward(result[0]), *result[1:])
-        return self.post_forward(result)
+            return (_NormInChunks.call(self.post, result[0]), *result[1:])
+        return _NormInChunks.call(self.post, result)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden_BSD, rest, kwargs = _split_hidden(args, kwargs)
@@ -189,6 +185,26 @@ class ChunkedAttention:
         else:
             out_BSD = _ChunkedAttentionFunction.apply(spec, hidden_BSD, *trainable)
         return (out_BSD, *([None] * (spec.result_len - 1))) if spec.result_len else out_BSD
+
+
+class _NormInChunks:
+    """Forward of a norm fused into chunked attention: an identity when the layer calls it, the norm itself when a
+    chunk does. The chunk calls the module (not its saved forward), so hooks fire — ZeRO-3 gathers the weight."""
+
+    def __init__(self, forward: Callable):
+        self.forward, self.inside = forward, False
+
+    def __call__(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self.forward(hidden_states, *args, **kwargs) if self.inside else hidden_states
+
+    @staticmethod
+    def call(norm: nn.Module, hidden_states: Tensor) -> Tensor:
+        patched: _NormInChunks = vars(norm)["forward"]
+        patched.inside = True
+        try:
+            return norm(hidden_states)
+        finally:
+            patched.inside = False
 
 
 def _split_hidden(args: tuple, kwargs: dict) -> tuple[Tensor, tuple, dict]:
@@ -343,7 +359,9 @@ class _ChunkSink:
 def check_document_positions(position_ids_BS: Tensor | None) -> None:
     """Documents after a row's first must start at position 0 (lstune's packing does): chunked attention tells
     documents apart by `index - position`."""
-    if position_ids_BS is None:
+    from torch._subclasses.fake_tensor import is_fake
+
+    if position_ids_BS is None or is_fake(position_ids_BS):
         return
     starts_BS = document_starts(position_ids_BS)
     if bool((starts_BS[:, 1:] & (position_ids_BS[:, 1:] != 0)).any()):
@@ -491,8 +509,11 @@ class _ChunkStore:
         self._arriving: dict[tuple[str, int], tuple[Tensor, Any]] = {}
 
     def put(self, key: tuple[str, int], tensor: Tensor, *, offload: bool = True) -> None:
+        from torch._subclasses.fake_tensor import is_fake
+
         self._arriving.pop(key, None)
-        self.items[key] = self._to_host(tensor) if self.offload and offload else tensor
+        # Fake tensors (memory traces) stay where they are: no streams, no pinned buffers.
+        self.items[key] = self._to_host(tensor) if self.offload and offload and not is_fake(tensor) else tensor
 
     def _to_host(self, tensor: Tensor) -> Tensor:
         if not tensor.is_cuda:
