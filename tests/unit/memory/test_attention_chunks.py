@@ -104,6 +104,17 @@ def test_uneven_chunk_counts_and_more_chunks_than_documents_are_exact():
         _compare(model, batch, reference, {**ALONE, "attn_chunks": chunks})
 
 
+def test_rows_with_different_documents_are_exact():
+    """Two rows packed differently (29/24/17 and 40/30 tokens): masks are per row."""
+    first, second = packed_batch(DOCS), packed_batch([40, 30], seed=5)
+    batch = {k: torch.cat([first[k], second[k]]) for k in first}
+    model = tiny_model("mistral")
+    parts = split_documents(first, DOCS) + split_documents(second, [40, 30])
+    reference = run_grads(model, hf_loss_sum, parts)
+    _compare(model, batch, reference, ALONE)
+    _compare(model, batch, reference, ALL)
+
+
 def test_offloaded_chunks_are_exact_and_live_on_the_host():
     """With --offload-checkpoints the saved chunks take the offload path (separate host buffers on CPU)."""
     model = tiny_model("llama")
