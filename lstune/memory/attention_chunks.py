@@ -43,8 +43,11 @@ Composes with: activation checkpointing (the checkpoint's recompute runs this Fu
 through `save_for_backward`, so checkpoint's hooks drop and recompute them), tiled MLP / loss, LoRA (peft-wrapped
 projections run per chunk), ZeRO-3 (weights gathered per use by ZeRO's hooks, gradients into `.grad`), Ulysses SP
 (each local chunk is all-to-all'd by the Ulysses attention function; global indices of the gathered chunk are
-rank·S_local + chunk offset). FPDT's token reordering for SP load balance is not done (ranks' work differs
-by the causal triangle; correctness does not depend on it). Attention dropout is refused.
+rank·S_local + chunk offset). With contiguous shards, rank r's chunk m attends rank r-1's later chunks, so under
+SP the forward first stores every chunk's k/v and then attends (the per-token parts run once more), and backward
+runs chunk c's projections once dq_c is complete (after its last key chunk). FPDT's token reordering, which would
+keep gathered chunks causal-ordered (no extra pass) and balance the ranks' load, is not done. Attention dropout is
+refused.
 """
 
 from __future__ import annotations
