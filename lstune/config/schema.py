@@ -263,11 +263,20 @@ class MemorySection:
         p.parse_bytes,
         metavar="BYTES",
     )
+    attn_chunks: Any = _opt(
+        "off",
+        "Run each layer's attention block over the sequence in chunks (FPDT): 'auto' = chunks of 64K tokens "
+        "(off up to that length), 'off', or a chunk count. With --offload-checkpoints the saved chunks go to host "
+        "memory.",
+        p.parse_auto_off_int,
+        metavar="auto|off|N",
+    )
 
     def problems(self) -> list[str]:
         problems = [
             f"{flag_name(name)} must be {TILE_SETTING_HINT}, not {value!r}."
-            for name, value in (("tiled_mlp", self.tiled_mlp), ("tiled_loss", self.tiled_loss))
+            for name, value in (("tiled_mlp", self.tiled_mlp), ("tiled_loss", self.tiled_loss),
+                                ("attn_chunks", self.attn_chunks))
             if not valid_tile_setting(value)
         ]
         budget = self.host_mem_budget

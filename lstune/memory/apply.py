@@ -1,6 +1,6 @@
 """Apply the single-device memory techniques to a loaded model, in a fixed order, reversibly.
 
-Order (docs/memory.md): LoRA (peft, before this) → attention backend → **tiled MLP / mini-sequence →
+Order (docs/memory.md): LoRA (peft, before this) → attention backend → **chunked attention → tiled MLP / mini-sequence →
 loss head → checkpointing + offload** → engine. Tiling goes first so the checkpointed layer
 recomputes the tiled block; checkpointing wraps last so its hooks see the layer input only.
 
@@ -22,6 +22,7 @@ import torch
 
 from lstune.config.schema import MemorySection
 from lstune.errors import ConfigError, UserError
+from lstune.memory import attention_chunks as chunked_attn
 from lstune.memory import checkpoint as ckpt
 from lstune.memory import mlp as tiled_mlp_mod
 from lstune.memory.lora_inputs import share_lora_inputs
@@ -69,6 +70,10 @@ class MemoryPlan:
     offload: bool = False
     offload_note: str = ""
     offloader: ckpt.CheckpointOffloader | None = None
+    attn_chunks: str | int = "off"
+    attn_chunks_at_seq_len: int = 1
+    attn_chunk_stats: chunked_attn.ChunkStats | None = None
+    attn_fused_norms: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     _undos: list[Undo] = field(default_factory=list, repr=False)
 
@@ -81,6 +86,7 @@ class MemoryPlan:
             "tiled_loss": {"setting": loss_policy, "tiles": self.loss_tiles_at_seq_len, "backend": self.loss_backend},
             "checkpointing": self.checkpointing,
             "offload_checkpoints": {"enabled": self.offload, "note": self.offload_note},
+            "attn_chunks": {"setting": self.attn_chunks, "chunks": self.attn_chunks_at_seq_len},
             "notes": list(self.notes),
         }
 
@@ -118,6 +124,7 @@ def apply_memory_techniques(
         check_loss_head(parts)
     try:
         plan._undos.extend(share_lora_inputs(model))
+        _apply_attention_chunks(plan, memory, probing)
         _apply_mlp(plan, probing)
         _apply_loss(model, plan, memory.tiled_loss)
         _apply_checkpointing(
@@ -147,6 +154,50 @@ def _can_probe(lm: "nn.Module") -> bool:
 
     param = next(lm.parameters(), None)
     return param is not None and param.device.type != "meta" and not is_fake(param)
+
+
+def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bool) -> None:
+    """Chunked attention (FPDT), with the norms around each attention run per chunk when a probe confirms that is
+    exact; its saved chunks go to host memory with --offload-checkpoints."""
+    plan.attn_chunks = memory.attn_chunks
+    plan.attn_chunks_at_seq_len = chunked_attn.chunk_count(memory.attn_chunks, plan.seq_len)
+    if memory.attn_chunks == "off":
+        return
+    plan.attn_chunk_stats = chunked_attn.ChunkStats()
+    install = partial(chunked_attn.install_chunked_attention, plan.parts.layers, memory.attn_chunks,
+                      offload=memory.offload_checkpoints, stats=plan.attn_chunk_stats)
+    fused = _attention_norms(plan.parts) if probing else {}
+    if fused:
+        inputs = probe_inputs(plan.parts)
+        reference = probe_hidden_states(plan.parts, inputs)
+        undos = install(fused=fused)
+        try:
+            out = probe_hidden_states(plan.parts, inputs)
+        except BaseException:
+            run_undos(undos)
+            raise
+        tol = 1e-5 if reference.dtype == torch.float32 else 1e-2
+        if torch.allclose(out, reference, rtol=tol, atol=tol):
+            plan._undos.extend(undos)
+            plan.attn_fused_norms = fused
+            return
+        run_undos(undos)
+        logger.warning("chunked attention: running the attention norms per chunk changed the output; not fused")
+    plan._undos.extend(install())
+
+
+def _attention_norms(parts: ModelParts) -> dict[int, tuple[str | None, str | None]]:
+    """Per layer, the norms feeding only / fed only by the attention, from one recorded probe forward."""
+    from lstune.models.introspect import layer_attention
+
+    inputs = probe_inputs(parts)
+    calls = tiled_mlp_mod.record_child_calls(parts.layers, lambda: probe_hidden_states(parts, inputs))
+    fused = {}
+    for index, layer in enumerate(parts.layers):
+        pair = tiled_mlp_mod.find_fusable_norms(calls[index], layer_attention(layer))
+        if any(pair):
+            fused[index] = pair
+    return fused
 
 
 def _apply_mlp(plan: MemoryPlan, probing: bool) -> None:

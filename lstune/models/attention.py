@@ -501,11 +501,32 @@ def lstune_attention_forward(
         raise ModelError(_SINKS_MESSAGE.format(name=type(module).__name__))
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ModelError(_BIDIRECTIONAL_MESSAGE.format(name=type(module).__name__))
+    sink = _CHUNK_SINK.get()
+    if sink is not None:
+        out_BSHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
+                        softcap=softcap, dropout=dropout)
+        return out_BSHD, None
     out_BSHD = local_attention(
         query, key, value, position_ids_BS=position_ids, scaling=scaling, sliding_window=sliding_window,
         softcap=softcap, dropout=dropout, backend=backend,
     )
     return out_BSHD, None
+
+
+# Chunked attention (lstune.memory.attention_chunks, FPDT): while a decoder layer's attention module runs on one
+# chunk of the sequence, its q/k/v go to this sink instead of a kernel. The sink has `mask_positions` / `mask_seq`
+# (the whole sequence the module got, for the model-mask check) and is called like `local_attention`.
+_CHUNK_SINK: ContextVar[Any] = ContextVar("lstune_chunk_sink", default=None)
+
+
+@contextmanager
+def chunked_attention_calls(sink: Any) -> Iterator[None]:
+    """Within the block, lstune's attention function hands q/k/v (one chunk's) to `sink` and returns its output."""
+    token = _CHUNK_SINK.set(sink)
+    try:
+        yield
+    finally:
+        _CHUNK_SINK.reset(token)
 
 
 _SINKS_MESSAGE = (
@@ -637,7 +658,11 @@ def window_from_mask(
     mask: Any, position_ids_BS: Tensor | None, sliding_window: int | None, seq: int, device: Any = None
 ) -> int | None:
     """The sliding window an attention call must apply: the one in the model's mask (`ModelMask`, checked), which
-    must agree with the `sliding_window` the model passed to the attention call, if any (within the sequence)."""
+    must agree with the `sliding_window` the model passed to the attention call, if any (within the sequence).
+    Inside chunked attention the call sees one chunk; the mask is checked on the whole sequence the module got."""
+    sink = _CHUNK_SINK.get()
+    if sink is not None:
+        position_ids_BS, seq = sink.mask_positions, sink.mask_seq
     if mask is None:
         return sliding_window
     if not isinstance(mask, ModelMask):

@@ -146,6 +146,18 @@ def layer_mlp(layer: "nn.Module") -> tuple["nn.Module", str]:
     return layer, candidates[0][0]
 
 
+def layer_attention(layer: "nn.Module") -> str:
+    """The attribute name of the layer's attention module: its one child with matrices that looks like attention
+    (`head_dim` / `num_key_value_groups`, or "Attention" in the class name)."""
+    names = [name for name, child in layer.named_children() if _has_matrices(child) and _is_attention(child)]
+    if len(names) != 1:
+        raise ModelError(
+            f"cannot tell which part of {type(layer).__name__} is its attention (candidates: "
+            f"{', '.join(names) or 'none'}); chunked attention cannot apply: use --attn-chunks off."
+        )
+    return names[0]
+
+
 def mlp_names(layers: "nn.ModuleList") -> tuple[str, ...]:
     """`layer_mlp`'s attribute name for each layer."""
     return tuple(layer_mlp(layer)[1] for layer in layers)

@@ -1,0 +1,720 @@
+"""Chunked, offloaded attention (FPDT, paper 003 Sec. 4) for any Hugging Face causal LM: `--attn-chunks`.
+
+Why: with tiled MLP/loss and offloaded checkpoints, the largest term left on the device is the attention block's
+working set in backward — the full-sequence q, k, v, attention output, their gradients and the projections'
+inputs (FPDT Table 2: 3Nd + 4Nd forward, 6Nd + 8Nd backward per layer). This runs the attention block over the
+sequence in M chunks, the way a model runs prefill with a cache, so the device holds O(S/M) of it.
+
+Steps (one custom autograd Function per attention module call; model code untouched):
+
+1. Forward, chunk m = 0..M-1: the module's own forward runs on `hidden[:, chunk m]` with the chunk's position
+   embeddings / position_ids, so its per-token parts (norm if inside, q/k/v projections, q/k-norms, rotary,
+   output projection) see one chunk. lstune's attention function hands chunk m's q/k/v to this module's sink
+   (`models.attention.chunked_attention_calls`), which keeps k_m/v_m and returns chunk m's output: its queries
+   against the keys/values of chunks i <= m with online-softmax merging (o = Σ_i exp(lse_i - lse)·o_i,
+   lse = log Σ_i exp(lse_i)). Masks come from global token indices and position_ids (same document: equal
+   `index - position`; causal: `k <= q`; window: `q - k < w`), so only the diagonal block is cut by causality,
+   packed documents and sliding windows hold, and softcapping is a score map. Nothing is reordered.
+   Saved per chunk: k, v, the output o and its log-sum-exp — in pinned host memory when offloading (copied on a
+   side stream; reads for later chunks are prefetched one chunk ahead), on the device otherwise; and the
+   module's input. No per-chunk autograd graph is kept.
+2. Backward (a), per chunk: re-run the module with grad, the attention output a leaf; its gradient dO_m through
+   the output projection alone (`torch.autograd.grad` w.r.t. the leaf); q_m is recorded on the way.
+3. Backward (b), FPDT's order: outer loop over key/value chunks i, inner over query chunks j >= i. Block (j, i)'s
+   gradient is FlashAttention's backward with the merged o_j and lse_j (P = exp(S - lse_j), dV += Pᵀ dO,
+   dS = P ∘ (dO Vᵀ - rowsum(dO ∘ o_j)), dQ += dS K, dK += dSᵀ Q) — exactly the gradient of the merge. dk_i/dv_i
+   are complete after outer iteration i, and so is dq_i (its contributions come from kv chunks <= i).
+4. Backward (c), right after outer iteration i: re-run the module on chunk i with grad and backpropagate
+   (dOut_i, dq_i, dk_i, dv_i) into the chunk's input and the weights (returned once, summed over chunks; under
+   ZeRO-3 into `.grad`, as `tiling.sequence_tiled` does).
+
+Memory (one layer, S tokens, chunk c = S/M, d = hidden, hq/hkv = q/kv widths): device, without offload:
+S·(2·hkv + hq)·b saved (k, v, o) plus O(c·(d + hq + 2·hkv)) working set and O(c²·heads) score tiles; with
+offload the saved terms move to the host and the device holds O(c) plus the module's input, output and input
+gradient (3·S·d, the residual stream, not attention's). Host: S·(2·hkv + hq)·b + S·heads·4 (lse) per layer while
+it is live, plus dO and dq accumulators in backward.
+Cost: the per-token parts run three times (forward, (a), (c); four under checkpointing) instead of once (twice);
+attention FLOPs are those of causal attention over whole blocks (the diagonal block is computed in full and
+masked), plus one recompute of the scores in backward as FlashAttention does; with offload, k/v are read from the
+host (M·(M+1)/2 chunk reads per pass). The block kernel here is pure PyTorch (fp32 scores, query rows sub-tiled
+to bound the score tile): exact on CPU; on CUDA the same formulas would run as FlashAttention/flex kernels that
+return the lse (forward) and take o/lse (backward) — not wired yet, so GPU speed is not FPDT's.
+Composes with: activation checkpointing (the checkpoint's recompute runs this Function again; the saved chunks go
+through `save_for_backward`, so checkpoint's hooks drop and recompute them), tiled MLP / loss, LoRA (peft-wrapped
+projections run per chunk), ZeRO-3 (weights gathered per use by ZeRO's hooks, gradients into `.grad`), Ulysses SP
+(each local chunk is all-to-all'd by the Ulysses attention function; global indices of the gathered chunk are
+rank·S_local + chunk offset). With contiguous shards, rank r's chunk m attends rank r-1's later chunks, so under
+SP the forward first stores every chunk's k/v and then attends (the per-token parts run once more), and backward
+runs chunk c's projections once dq_c is complete (after its last key chunk). FPDT's token reordering, which would
+keep gathered chunks causal-ordered (no extra pass) and balance the ranks' load, is not done. Attention dropout is
+refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from lstune.errors import DataError, ModelError, UserError
+from lstune.memory.patching import Undo, patch_forward
+from lstune.memory.tiling import (
+    TilePolicy,
+    _accumulate,
+    _autocast_state,
+    _replay_autocast,
+    _replay_rng,
+    _RngState,
+    _Zero3Readiness,
+    is_zero3_partitioned,
+    tile_bounds,
+)
+from lstune.models.attention import chunked_attention_calls, document_starts
+from lstune.models.introspect import layer_attention
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+logger = logging.getLogger("lstune")
+
+# FPDT's sweet spot: from ~32-64K tokens per chunk the host fetch of a chunk hides under its attention compute.
+AUTO_CHUNK_TOKENS = 65536
+# Score tiles of the block kernel hold at most this many fp32 elements (256 MiB), whatever the chunk size.
+_SCORE_ELEMENTS = 1 << 26
+# Arguments of an attention module's forward that run along the sequence, and their sequence dimension.
+_PER_TOKEN_ARGS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
+
+
+def chunk_policy(setting: str | int) -> TilePolicy | None:
+    """`--attn-chunks`: "off" → None; "auto" → chunks of AUTO_CHUNK_TOKENS (one chunk, i.e. off, up to that
+    length); N → N chunks."""
+    if setting == "off":
+        return None
+    return TilePolicy(tile_len=AUTO_CHUNK_TOKENS) if setting == "auto" else TilePolicy(count=int(setting))
+
+
+def chunk_count(setting: str | int, seq_len: int) -> int:
+    """Chunks one sample of `seq_len` tokens is cut into (1 = unchunked)."""
+    policy = chunk_policy(setting)
+    return 1 if policy is None else len(tile_bounds(seq_len, policy.tiles(seq_len, width=1)))
+
+
+@dataclass
+class ChunkStats:
+    """Host bytes held by offloaded chunks right now and at most (live storages, freed when their last user goes)."""
+
+    host_bytes: int = 0
+    peak_host_bytes: int = 0
+
+    def add(self, tensor: Tensor) -> None:
+        nbytes = tensor.untyped_storage().nbytes()
+        self.host_bytes += nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+        weakref.finalize(tensor.untyped_storage(), self._release, nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.host_bytes -= nbytes
+
+
+def install_chunked_attention(
+    layers: nn.ModuleList, setting: str | int, *, offload: bool, stats: ChunkStats | None = None,
+    fused: dict[int, tuple[str | None, str | None]] | None = None,
+) -> list[Undo]:
+    """Make every layer's attention module run in chunks (module doc); returns the undos.
+
+    `fused[i] = (pre_norm_name, post_norm_name)`: layer i's norms feeding only the attention / fed only by it (found
+    by `mlp.find_fusable_norms` from a probe) run inside each chunk instead — the layer calls them as identities —
+    so their fp32 copies (HF RMSNorm upcasts) and the normed hidden state are O(chunk), as in mini-sequence."""
+    policy = chunk_policy(setting)
+    if policy is None:
+        return []
+    undos = []
+    for index, layer in enumerate(layers):
+        module = getattr(layer, layer_attention(layer))
+        norms = [getattr(layer, name) if name else None for name in (fused or {}).get(index, (None, None))]
+        for norm, side in zip(norms, ("pre", "post")):
+            if norm is not None:
+                what = f"layer {index}: {side}-attention norm in the chunks"
+                undos.append(patch_forward(norm, _NormInChunks(norm.forward), what=what))
+        chunked = ChunkedAttention(module, module.forward, policy, offload=offload, stats=stats, norms=norms)
+        undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
+    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused", len(layers),
+                policy.describe(), "offloaded to host" if offload else "on the device",
+                sum(n is not None for pair in (fused or {}).values() for n in pair))
+    return undos
+
+
+class ChunkedAttention:
+    """The patched forward of one attention module: unchunked when one chunk covers the sequence."""
+
+    def __init__(self, module: nn.Module, forward: Callable, policy: TilePolicy, *, offload: bool,
+                 stats: ChunkStats | None, norms: list[nn.Module | None] | None = None):
+        self.module, self.forward, self.policy, self.offload = module, forward, policy, offload
+        self.stats = stats if stats is not None else ChunkStats()
+        self.pre, self.post = norms or (None, None)
+        self.modules = [m for m in (self.pre, module, self.post) if m is not None]
+
+    def run(self, hidden_BSD: Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The attention module's forward with its fused norms around it."""
+        if self.pre is not None:
+            hidden_BSD = _NormInChunks.call(self.pre, hidden_BSD)
+        result = self.forward(hidden_BSD, *args, **kwargs)
+        if self.post is None:
+            return result
+        if isinstance(result, tuple):
+            return (_NormInChunks.call(self.post, result[0]), *result[1:])
+        return _NormInChunks.call(self.post, result)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        hidden_BSD, rest, kwargs = _split_hidden(args, kwargs)
+        seq = hidden_BSD.shape[1]
+        bounds = tile_bounds(seq, self.policy.tiles(seq, width=1))
+        if len(bounds) <= 1:
+            return self.run(hidden_BSD, *rest, **kwargs)
+        if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
+            raise UserError("chunked attention is for training on whole sequences; it got a KV cache (generation): "
+                            "undo the memory plan (or use --attn-chunks off) before generating.")
+        spec = _ChunkSpec(self, bounds, seq, rest, kwargs)
+        trainable = tuple(p for m in self.modules for p in m.parameters() if p.requires_grad)
+        if any(is_zero3_partitioned(p) for p in trainable):
+            spec.into_grad = trainable
+            # Partitioned weights cannot be Function inputs; an empty leaf keeps the output in the graph.
+            out_BSD = _ChunkedAttentionFunction.apply(spec, hidden_BSD, hidden_BSD.new_empty(0).requires_grad_())
+        else:
+            out_BSD = _ChunkedAttentionFunction.apply(spec, hidden_BSD, *trainable)
+        return (out_BSD, *([None] * (spec.result_len - 1))) if spec.result_len else out_BSD
+
+
+class _NormInChunks:
+    """Forward of a norm fused into chunked attention: an identity when the layer calls it, the norm itself when a
+    chunk does. The chunk calls the module (not its saved forward), so hooks fire — ZeRO-3 gathers the weight."""
+
+    def __init__(self, forward: Callable):
+        self.forward, self.inside = forward, False
+
+    def __call__(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return self.forward(hidden_states, *args, **kwargs) if self.inside else hidden_states
+
+    @staticmethod
+    def call(norm: nn.Module, hidden_states: Tensor) -> Tensor:
+        patched: _NormInChunks = vars(norm)["forward"]
+        patched.inside = True
+        try:
+            return norm(hidden_states)
+        finally:
+            patched.inside = False
+
+
+def _split_hidden(args: tuple, kwargs: dict) -> tuple[Tensor, tuple, dict]:
+    kwargs = dict(kwargs)
+    if args:
+        return args[0], args[1:], kwargs
+    if "hidden_states" not in kwargs:
+        raise ModelError("chunked attention: the attention module was called without hidden_states; use "
+                         "--attn-chunks off for this model.")
+    return kwargs.pop("hidden_states"), (), kwargs
+
+
+@dataclass(eq=False)
+class _ChunkSpec:
+    """One attention call cut into chunks: how to run the module on chunk m, and its sink."""
+
+    owner: ChunkedAttention
+    bounds: list[tuple[int, int]]
+    seq: int
+    args: tuple
+    kwargs: dict
+    into_grad: tuple = ()
+    result_len: int = 0  # length of the module's result tuple (0: a bare tensor)
+    sink: _ChunkSink = field(init=False)
+
+    def __post_init__(self) -> None:
+        for i, arg in enumerate(self.args):
+            _refuse_sequence_tensor(f"positional argument {i + 1}", arg, self.seq)
+        for name, value in self.kwargs.items():
+            if name not in _PER_TOKEN_ARGS:
+                _refuse_sequence_tensor(name, value, self.seq)
+        self.sink = _ChunkSink(self, self.kwargs.get("position_ids"))
+
+    def run(self, hidden_BcD: Tensor, m: int, mode: str) -> Tensor:
+        """The module's own forward on chunk m (its hidden slice), attention calls going to the sink in `mode`."""
+        a, b = self.bounds[m]
+        kwargs = {name: _narrow(value, _PER_TOKEN_ARGS[name], a, b, self.seq) if name in _PER_TOKEN_ARGS else value
+                  for name, value in self.kwargs.items()}
+        self.sink.begin(m, mode)
+        with chunked_attention_calls(self.sink):
+            result = self.owner.run(hidden_BcD, *self.args, **kwargs)
+        self.sink.end()
+        if isinstance(result, tuple):
+            if any(extra is not None for extra in result[1:]):
+                raise ModelError(f"{type(self.owner.module).__name__} returns more than its output (attention weights "
+                                 "or a cache); chunked attention cannot run it: use --attn-chunks off.")
+            self.result_len = len(result)
+            return result[0]
+        return result
+
+
+def _refuse_sequence_tensor(name: str, value: Any, seq: int) -> None:
+    if name == "attention_mask" and isinstance(value, torch.Tensor):
+        raise ModelError("chunked attention needs lstune's attention (--attn auto|sdpa|flex|flash_attention_2), which "
+                         "takes no [seq, seq] mask; this model got one from transformers' own attention.")
+    if isinstance(value, torch.Tensor) and value.dim() and seq in value.shape:
+        raise ModelError(f"the attention module takes a per-token argument {name!r} (shape {tuple(value.shape)}) "
+                         "that chunked attention does not know how to cut; use --attn-chunks off for this model.")
+
+
+def _narrow(value: Any, dim: int, a: int, b: int, seq: int) -> Any:
+    """A per-token argument cut to tokens [a, b) (tuples such as (cos, sin) element-wise); None stays None."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_narrow(v, dim, a, b, seq) for v in value)
+    if isinstance(value, torch.Tensor) and value.dim() >= -dim and value.shape[dim] == seq:
+        return value.narrow(dim, a, b - a)
+    return value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The sink: what lstune's attention function calls with one chunk's q/k/v
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _ChunkSink:
+    """Receives chunk m's q/k/v ([B, H, n, D] — n = chunk tokens, or sp·chunk tokens under Ulysses) and, by mode:
+    "forward": keeps k/v and returns o_m merged over the stored chunks (keeps o, lse) — under Ulysses only keeps k/v
+    (rank r's chunk m queries see rank r-1's later chunks) and "attend" computes o_m once every chunk is stored;
+    "replay": records q_m and returns the saved o_m as a grad-requiring leaf; "backward": records q/k/v (with their
+    graph) and returns the saved o_m."""
+
+    def __init__(self, spec: _ChunkSpec, position_ids: Tensor | None):
+        self.spec = spec
+        self.mask_positions, self.mask_seq = position_ids, spec.seq
+        self.store: _ChunkStore | None = None
+        self.config: dict[str, Any] = {}
+        self.m, self.mode, self.calls = 0, "", 0
+        self.leaf: Tensor | None = None
+        self.captured: tuple[Tensor, ...] = ()
+        self.gathered = False  # the calls see every SP rank's chunk m (Ulysses), not one contiguous chunk
+        self.sources: dict[int, list[int]] = {}  # query chunk -> the key chunks it attends
+
+    def begin(self, m: int, mode: str) -> None:
+        self.m, self.mode, self.calls = m, mode, 0
+
+    def end(self) -> None:
+        if self.calls != 1:
+            raise ModelError(
+                f"{type(self.spec.owner.module).__name__} called lstune's attention function {self.calls} times for "
+                "one chunk (expected once): chunked attention needs lstune's attention (--attn auto|sdpa|flex|"
+                "flash_attention_2) and one attention call per module: use --attn-chunks off for this model."
+            )
+
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, position_ids: Tensor | None,
+                 scaling: float | None, sliding_window: int | None, softcap: float | None, dropout: float) -> Tensor:
+        self.calls += 1
+        if dropout:
+            raise ModelError(f"chunked attention has no attention dropout (got {dropout}); set attention_dropout=0 "
+                             "in the model config or use --attn-chunks off.")
+        store, m = self.store, self.m
+        if self.mode == "forward":
+            self.config = dict(scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+                               window=sliding_window, softcap=softcap, kv_heads=key.shape[1])
+            index_Bn, doc_Bn = self._token_ids(query, position_ids)
+            store.put(("idx", m), index_Bn, offload=False)
+            store.put(("doc", m), doc_Bn, offload=False)
+            store.put(("k", m), key.detach())
+            store.put(("v", m), value.detach())
+            if self.gathered:  # queries may see later chunks' keys: attend once all are stored ("attend" pass)
+                batch, heads, n, _ = query.shape
+                return query.new_zeros(batch, n, heads, value.shape[-1])
+        if self.mode in ("forward", "attend"):
+            out5, lse = _chunk_forward(self, query, key, value)
+            store.put(("o", m), out5)
+            store.put(("lse", m), lse)
+            return _out_layout(out5)
+        out_BnHD = _out_layout(store.get(("o", m), query.device))
+        if self.mode == "replay":
+            store.put(("q", m), _to5(query.detach(), key.shape[1]))
+            self.leaf = out_BnHD.requires_grad_()
+            return self.leaf
+        self.captured = (query, key, value)
+        return out_BnHD
+
+    def _token_ids(self, query: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Global token index and document key (index - position, equal exactly within a document when documents
+        after a row's first start at position 0) of each of the call's n tokens: chunk m's, or under Ulysses the
+        concatenation of every rank's chunk m (rank r's tokens start at r · S_local)."""
+        a, b = self.spec.bounds[self.m]
+        batch, n, width = query.shape[0], query.shape[2], b - a
+        if n % width:
+            raise ModelError(f"chunked attention: the attention call got {n} tokens for a chunk of {width}.")
+        self.gathered = n > width
+        local = torch.arange(n, device=query.device)
+        index_n = (local // width) * self.spec.seq + a + local % width
+        if position_ids is None:
+            return index_n.expand(batch, n), torch.zeros(batch, n, dtype=torch.long, device=query.device)
+        positions_Bn = position_ids.to(query.device).expand(batch, n)
+        return index_n.expand(batch, n), index_n - positions_Bn
+
+
+def check_document_positions(position_ids_BS: Tensor | None) -> None:
+    """Documents after a row's first must start at position 0 (lstune's packing does): chunked attention tells
+    documents apart by `index - position`."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if position_ids_BS is None or is_fake(position_ids_BS):
+        return
+    starts_BS = document_starts(position_ids_BS)
+    if bool((starts_BS[:, 1:] & (position_ids_BS[:, 1:] != 0)).any()):
+        raise DataError("chunked attention needs every packed document to start at position 0 (position_ids reset "
+                        "to 0); these position_ids restart elsewhere. Fix the data, or use --attn-chunks off.")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Layouts and the block kernel (pure PyTorch, fp32 scores)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _to5(x_BHnD: Tensor, kv_heads: int) -> Tensor:
+    """[B, H, n, D] → [B, H_kv, H/H_kv, n, D]: query head h uses kv head h // (H/H_kv) (HF's repeat_kv)."""
+    batch, heads, n, dim = x_BHnD.shape
+    return x_BHnD.reshape(batch, kv_heads, heads // kv_heads, n, dim)
+
+
+def _out_layout(out5: Tensor) -> Tensor:
+    """[B, H_kv, g, n, D] → [B, n, H, D] contiguous, as HF attention functions return."""
+    batch, kv_heads, group, n, dim = out5.shape
+    return out5.reshape(batch, kv_heads * group, n, dim).transpose(1, 2).contiguous()
+
+
+def _allowed(index_q: Tensor, doc_q: Tensor, index_k: Tensor, doc_k: Tensor, window: int | None) -> Tensor:
+    """Bool [B, 1, 1, t, s]: same document, key not after query, within the window."""
+    q, k = index_q[:, :, None], index_k[:, None, :]
+    allowed = (doc_q[:, :, None] == doc_k[:, None, :]) & (k <= q)
+    if window is not None:
+        allowed &= q - k < window
+    return allowed[:, None, None]
+
+
+def _row_tiles(q5: Tensor, keys: int) -> list[tuple[int, int]]:
+    batch, kv_heads, group, n, _ = q5.shape
+    rows = max(1, _SCORE_ELEMENTS // max(1, batch * kv_heads * group * keys))
+    return tile_bounds(n, -(-n // rows))
+
+
+def _scores(q5: Tensor, k4: Tensor, allowed: Tensor, scale: float, softcap: float | None):
+    """Masked (softcapped) fp32 scores of q rows against keys, and tanh of the capped logits (for backward)."""
+    logits = torch.matmul(q5, k4[:, :, None].transpose(-1, -2)).float() * scale
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(logits / softcap)
+        logits = softcap * capped
+    return logits.masked_fill(~allowed, float("-inf")), capped
+
+
+def _finite(lse: Tensor) -> Tensor:
+    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+
+
+def _block_forward(q5, k4, v4, allowed, scale, softcap) -> tuple[Tensor, Tensor]:
+    """Attention of q rows [B, Hkv, g, t, D] against one key block: (fp32 output, lse); lse -inf on masked rows."""
+    outs, lses = [], []
+    for a, b in _row_tiles(q5, k4.shape[2]):
+        scores, _ = _scores(q5[:, :, :, a:b], k4, allowed[..., a:b, :], scale, softcap)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - _finite(lse)[..., None])
+        outs.append(torch.matmul(probs.to(v4.dtype), v4[:, :, None]).float())
+        lses.append(lse)
+    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
+
+
+def _block_backward(q5, k4, v4, dout5, lse, delta, allowed, scale, softcap) -> tuple[Tensor, Tensor, Tensor]:
+    """FlashAttention's backward of one (query block, key block) pair with the merged lse and
+    delta = rowsum(dO ∘ o): (dq fp32 [B, Hkv, g, t, D], dk, dv fp32 [B, Hkv, s, D])."""
+    dqs, dk, dv = [], 0, 0
+    for a, b in _row_tiles(q5, k4.shape[2]):
+        q_t, dout_t = q5[:, :, :, a:b], dout5[:, :, :, a:b]
+        scores, capped = _scores(q_t, k4, allowed[..., a:b, :], scale, softcap)
+        probs = torch.exp(scores - _finite(lse[..., a:b])[..., None])
+        dv = dv + torch.matmul(probs.transpose(-1, -2).to(dout_t.dtype), dout_t).float().sum(2)
+        dprobs = torch.matmul(dout_t, v4[:, :, None].transpose(-1, -2)).float()
+        dscores = probs * (dprobs - delta[..., a:b, None])
+        if capped is not None:
+            dscores = dscores * (1 - capped * capped)
+        dscores = dscores * scale
+        dqs.append(torch.matmul(dscores.to(k4.dtype), k4[:, :, None]).float())
+        dk = dk + torch.matmul(dscores.transpose(-1, -2).to(q_t.dtype), q_t).float().sum(2)
+    return torch.cat(dqs, dim=3), dk, dv
+
+
+def _merge(acc_out, acc_lse, out, lse):
+    """Online softmax: combine two partial results over disjoint key sets (rows with lse -inf contribute 0)."""
+    if acc_out is None:
+        return out, lse
+    total = torch.logaddexp(acc_lse, lse)
+    safe = _finite(total)
+    w_acc = torch.where(torch.isneginf(acc_lse), 0.0, torch.exp(acc_lse - safe))
+    w_new = torch.where(torch.isneginf(lse), 0.0, torch.exp(lse - safe))
+    return acc_out * w_acc[..., None] + out * w_new[..., None], total
+
+
+def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    """Chunk m's queries against the keys/values of every stored chunk they see (chunks 0..m, k_m/v_m just
+    stored; under Ulysses any chunk), merged; records which chunks contributed (`sink.sources`)."""
+    store, m, config = sink.store, sink.m, sink.config
+    device = query.device
+    q5 = _to5(query, config["kv_heads"])
+    index_q, doc_q = store.get(("idx", m), device), store.get(("doc", m), device)
+    stored = [i for i in range(len(sink.spec.bounds)) if ("k", i) in store.items]
+    acc_out = acc_lse = None
+    sink.sources[m] = []
+    for n, i in enumerate(stored):
+        if n + 1 < len(stored):
+            store.prefetch(("k", stored[n + 1]), device), store.prefetch(("v", stored[n + 1]), device)
+        allowed = _allowed(index_q, doc_q, store.get(("idx", i), device), store.get(("doc", i), device),
+                           config["window"])
+        if not _any(allowed):
+            continue
+        sink.sources[m].append(i)
+        k4, v4 = (key, value) if i == m else (store.get(("k", i), device), store.get(("v", i), device))
+        out, lse = _block_forward(q5, k4, v4, allowed, config["scale"], config["softcap"])
+        acc_out, acc_lse = _merge(acc_out, acc_lse, out, lse)
+    return acc_out.to(query.dtype), acc_lse
+
+
+def _any(allowed: Tensor) -> bool:
+    """Whether a block has any allowed pair; fake tensors (memory traces) have no values: every block counts."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(allowed) or bool(allowed.any())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Saved chunks: on the device or in (pinned) host memory
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _side_stream(kind: str, device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device)
+
+
+class _ChunkStore:
+    """Per-chunk tensors by key. With `offload`, `put` copies to host memory — pinned, on a side stream, on CUDA
+    (a separate buffer on CPU, so the path runs in tests) — and `prefetch`/`get` bring them back on another side
+    stream, the compute stream waiting only for the copy it needs."""
+
+    def __init__(self, offload: bool, stats: ChunkStats):
+        self.offload, self.stats = offload, stats
+        self.items: dict[tuple[str, int], Tensor] = {}
+        self._arriving: dict[tuple[str, int], tuple[Tensor, Any]] = {}
+
+    def put(self, key: tuple[str, int], tensor: Tensor, *, offload: bool = True) -> None:
+        from torch._subclasses.fake_tensor import is_fake
+
+        self._arriving.pop(key, None)
+        # Fake tensors (memory traces) stay where they are: no streams, no pinned buffers.
+        self.items[key] = self._to_host(tensor) if self.offload and offload and not is_fake(tensor) else tensor
+
+    def _to_host(self, tensor: Tensor) -> Tensor:
+        if not tensor.is_cuda:
+            host = tensor.clone(memory_format=torch.contiguous_format)
+        else:
+            stream = _side_stream("d2h", tensor.device)
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+            tensor.record_stream(stream)
+        self.stats.add(host)
+        return host
+
+    def prefetch(self, key: tuple[str, int], device: torch.device) -> None:
+        tensor = self.items.get(key)
+        if tensor is None or key in self._arriving or tensor.device == device or device.type != "cuda":
+            return
+        stream = _side_stream("h2d", device)
+        stream.wait_stream(_side_stream("d2h", device))  # the host copy must have landed
+        with torch.cuda.stream(stream):
+            arrived = tensor.to(device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        self._arriving[key] = (arrived, ready)
+
+    def get(self, key: tuple[str, int], device: torch.device) -> Tensor:
+        self.prefetch(key, device)
+        if key not in self._arriving:
+            return self.items[key]
+        arrived, ready = self._arriving.pop(key)
+        compute = torch.cuda.current_stream(device)
+        compute.wait_event(ready)
+        arrived.record_stream(compute)
+        return arrived
+
+    def pop(self, key: tuple[str, int], device: torch.device) -> Tensor:
+        tensor = self.get(key, device)
+        del self.items[key]
+        return tensor
+
+    def drop_chunk(self, m: int) -> None:
+        for key in [k for k in self.items if k[1] == m]:
+            del self.items[key]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The autograd Function
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _ChunkedAttentionFunction(torch.autograd.Function):
+    """Forward chunk by chunk with no autograd graph; backward in FPDT's three phases (module doc)."""
+
+    @staticmethod
+    def forward(ctx, spec: _ChunkSpec, hidden_BSD: Tensor, *params: Tensor) -> Tensor:
+        owner = spec.owner
+        check_document_positions(spec.sink.mask_positions)
+        store = spec.sink.store = _ChunkStore(owner.offload, owner.stats)
+        ctx.spec, ctx.params = spec, () if spec.into_grad else params
+        ctx.autocast = _autocast_state(hidden_BSD.device.type)
+        ctx.rng = []
+        spec.sink.sources = {}
+        out_BSD = None
+        for m, (a, b) in enumerate(spec.bounds):
+            ctx.rng.append(_RngState.capture(hidden_BSD.device))
+            y_BcD = spec.run(hidden_BSD[:, a:b], m, "forward")
+            if m == 0:
+                out_BSD = y_BcD.new_empty((y_BcD.shape[0], spec.seq, *y_BcD.shape[2:]))
+            out_BSD[:, a:b].copy_(y_BcD)
+        if spec.sink.gathered:  # Ulysses: the first pass only stored k/v (the per-token parts run once more)
+            for m, (a, b) in enumerate(spec.bounds):
+                with _replay_rng(ctx.rng[m], hidden_BSD.device):
+                    out_BSD[:, a:b].copy_(spec.run(hidden_BSD[:, a:b], m, "attend"))
+        ctx.sources = dict(spec.sink.sources)
+        # Saved through save_for_backward (not held by ctx), so an enclosing checkpoint drops and recomputes them.
+        ctx.keys = list(store.items)
+        ctx.save_for_backward(hidden_BSD, *store.items.values())
+        spec.sink.store = None
+        return out_BSD
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_BSD: Tensor):
+        spec: _ChunkSpec = ctx.spec
+        hidden_BSD, *saved = ctx.saved_tensors
+        if hidden_BSD.is_cuda and spec.owner.offload:
+            torch.cuda.current_stream(hidden_BSD.device).wait_stream(_side_stream("d2h", hidden_BSD.device))
+        store = spec.sink.store = _ChunkStore(spec.owner.offload, spec.owner.stats)
+        store.items = dict(zip(ctx.keys, saved))
+        del saved
+        want_x = ctx.needs_input_grad[1]
+        try:
+            with _replay_autocast(ctx.autocast):
+                _output_grads(spec, ctx.rng, hidden_BSD, grad_BSD)
+                grad_x, param_grads = _attention_and_input_grads(spec, ctx, hidden_BSD, grad_BSD, want_x)
+        finally:
+            spec.sink.store = None
+        if spec.into_grad:
+            return (None, grad_x, None)
+        return (None, grad_x, *[g if g is None else g.to(p.dtype) for g, p in zip(param_grads, ctx.params)])
+
+
+def _output_grads(spec: _ChunkSpec, rng: list, hidden_BSD: Tensor, grad_BSD: Tensor) -> None:
+    """Phase (a): dO_m through the output projection (the attention output a leaf), and q_m, for every chunk."""
+    sink, store = spec.sink, spec.sink.store
+    for m, (a, b) in enumerate(spec.bounds):
+        with _replay_rng(rng[m], hidden_BSD.device), torch.enable_grad():
+            y_BcD = spec.run(hidden_BSD[:, a:b].detach(), m, "replay")
+            leaf = sink.leaf
+            (dout,) = torch.autograd.grad(y_BcD, leaf, grad_BSD[:, a:b], allow_unused=True)
+        dout = torch.zeros_like(leaf) if dout is None else dout
+        sink.leaf = None
+        store.put(("dout", m), _to5(dout.transpose(1, 2), sink.config["kv_heads"]))
+
+
+def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_BSD: Tensor, want_x: bool):
+    """Phases (b) and (c): FPDT's kv-outer / q-inner attention backward; after outer iteration i, chunk i's
+    projections are backpropagated with (dOut_i, dq_i, dk_i, dv_i)."""
+    sink, store, device = spec.sink, spec.sink.store, hidden_BSD.device
+    config, chunks = sink.config, len(spec.bounds)
+    for j in range(chunks):
+        o5, dout5 = store.get(("o", j), device), store.get(("dout", j), device)
+        store.put(("delta", j), (dout5.float() * o5.float()).sum(-1))
+    grad_x = torch.empty_like(hidden_BSD) if want_x else None
+    param_grads: list[Tensor | None] = [None] * len(ctx.params)
+    readers = {i: [j for j in range(chunks) if i in ctx.sources[j]] for i in range(chunks)}
+    # Chunk c's projections backpropagate once dk_c/dv_c (outer iteration c) and dq_c (its last key chunk) are done:
+    # right after iteration c without SP (queries only see earlier chunks), later under Ulysses.
+    ready_after = {c: max([c, *ctx.sources[c]]) for c in range(chunks)}
+    with _Zero3Readiness(spec.into_grad, frozenset()) as readiness:
+        for i in range(chunks):
+            dk4, dv4 = _kv_chunk_backward(spec, i, readers[i], device)
+            store.put(("dk", i), dk4)
+            store.put(("dv", i), dv4)
+            del dk4, dv4
+            for c in [c for c in range(chunks) if ready_after[c] == i]:
+                readiness.set(last_tile=c == chunks - 1)
+                dqkv = tuple(store.pop((name, c), device) for name in ("dq", "dk", "dv"))
+                grads = _projection_backward(spec, ctx, hidden_BSD, grad_BSD, c, dqkv, want_x)
+                del dqkv
+                if want_x:
+                    a, b = spec.bounds[c]
+                    grad_x[:, a:b].copy_(grads[0])
+                _accumulate(param_grads, grads[1:])
+                del grads  # else this chunk's weight gradients live on through the next chunk's backward
+                store.drop_chunk(c)
+    return grad_x, param_grads
+
+
+def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: list[int], device) -> tuple[Tensor, Tensor]:
+    """Outer iteration i: dk_i, dv_i over the query chunks j that attend it (j >= i without SP); dq_j accumulated
+    in the store."""
+    store, config = spec.sink.store, spec.sink.config
+    k4, v4 = store.get(("k", i), device), store.get(("v", i), device)
+    index_k, doc_k = store.get(("idx", i), device), store.get(("doc", i), device)
+    dk4 = torch.zeros(k4.shape, dtype=torch.float32, device=device)
+    dv4 = torch.zeros(v4.shape, dtype=torch.float32, device=device)
+    for n, j in enumerate(readers):
+        if n + 1 < len(readers):
+            for name in ("q", "dout", "lse", "delta", "dq"):
+                store.prefetch((name, readers[n + 1]), device)
+        allowed = _allowed(store.get(("idx", j), device), store.get(("doc", j), device), index_k, doc_k,
+                           config["window"])
+        dq5, dk, dv = _block_backward(
+            store.get(("q", j), device), k4, v4, store.get(("dout", j), device), store.get(("lse", j), device),
+            store.get(("delta", j), device), allowed, config["scale"], config["softcap"],
+        )
+        dk4 += dk
+        dv4 += dv
+        if ("dq", j) in store.items:
+            dq5 = dq5 + store.get(("dq", j), device)
+        store.put(("dq", j), dq5)
+    return dk4, dv4
+
+
+def _projection_backward(spec, ctx, hidden_BSD, grad_BSD, i, dqkv, want_x) -> list[Tensor | None]:
+    """Phase (c) for chunk i: re-run the module with grad; backpropagate the output gradient and dq/dk/dv into the
+    chunk's input and the weights: [grad of the hidden slice, grad of each returned param]."""
+    a, b = spec.bounds[i]
+    x_BcD = hidden_BSD[:, a:b].detach().requires_grad_(want_x)
+    with _replay_rng(ctx.rng[i], hidden_BSD.device), torch.enable_grad():
+        y_BcD = spec.run(x_BcD, i, "backward")
+    query, key, value = spec.sink.captured
+    spec.sink.captured = ()
+    pairs = [(y_BcD, grad_BSD[:, a:b])] + [
+        (t, g.reshape(t.shape).to(t.dtype)) for t, g in zip((query, key, value), dqkv)
+    ]
+    pairs = [(t, g) for t, g in pairs if t.requires_grad]
+    inputs = ([x_BcD] if want_x else []) + list(spec.into_grad or ctx.params)
+    if not pairs:
+        return [torch.zeros_like(x_BcD) if want_x else None] + [None] * len(ctx.params)
+    outputs, grads = zip(*pairs)
+    if spec.into_grad:
+        torch.autograd.backward(outputs, grads, inputs=inputs)
+        gx = x_BcD.grad if want_x else None
+        return [gx if gx is not None or not want_x else torch.zeros_like(x_BcD)]
+    found = list(torch.autograd.grad(outputs, inputs, grads, allow_unused=True))
+    if not want_x:
+        return [None, *found]
+    return [found[0] if found[0] is not None else torch.zeros_like(x_BcD), *found[1:]]

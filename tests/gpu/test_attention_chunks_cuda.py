@@ -1,0 +1,84 @@
+"""Chunked attention (FPDT) on a CUDA device: exact in fp32 with the real offload streams (a missed stream sync
+would corrupt a saved chunk), close in bf16, and the attention block's device peak (torch.cuda.max_memory_allocated)
+no longer growing with its full-sequence tensors. Written without a GPU at hand: not yet run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lstune.config.schema import MemorySection
+from lstune.memory.apply import apply_memory_techniques
+from lstune.memory.attention_chunks import ChunkStats, install_chunked_attention
+from lstune.memory.measure import peak_bytes
+from lstune.memory.patching import run_undos
+from lstune.models.attention import use_lstune_attention
+from lstune.models.presets import build_model
+from tests.support.archs import tiny_model
+from tests.unit.memory._helpers import hf_loss_sum, packed_batch, run_grads
+
+pytestmark = pytest.mark.gpu
+
+ALL = dict(attn_chunks=4, tiled_mlp=3, tiled_loss=3, offload_checkpoints=True)
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32_matmuls():
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.mark.parametrize(("arch", "dtype", "loss_rel", "grad_rel"), [
+    ("tiny-llama", torch.float32, 1e-5, 1e-4),
+    ("tiny-mistral", torch.float32, 1e-5, 1e-4),
+    ("tiny-llama", torch.bfloat16, 2e-2, 5e-2),
+])
+def test_chunked_attention_on_cuda_with_offload_streams(arch, dtype, loss_rel, grad_rel):
+    model = build_model(arch).to("cuda", dtype).train()
+    batch = {k: v.cuda() for k, v in packed_batch([300, 200, 124]).items()}
+    ref_loss, ref_grads = run_grads(model, hf_loss_sum, [batch])
+    attention = use_lstune_attention(model, backend="sdpa")
+    plan = apply_memory_techniques(model, MemorySection(**ALL), seq_len=624)
+    try:
+        loss, grads = run_grads(model, plan.loss_sum, [batch])
+    finally:
+        plan.undo()
+        attention.undo()
+    assert loss == pytest.approx(ref_loss, rel=loss_rel)
+    for name, ref in ref_grads.items():
+        err = (grads[name].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        assert err < grad_rel, f"{name}: relative gradient error {err:.2e}"
+    assert plan.attn_chunk_stats.peak_host_bytes > 0 and plan.attn_chunk_stats.host_bytes == 0
+
+
+def _attention_peak_per_token(chunked: bool, hidden: int = 1024) -> float:
+    model = tiny_model("llama", hidden_size=hidden, num_attention_heads=8, num_key_value_heads=8,
+                       intermediate_size=hidden).cuda()
+    attention = use_lstune_attention(model, backend="sdpa")
+    layers = model.model.layers[:1]
+    peaks = []
+    for seq in (4096, 8192):
+        undos = install_chunked_attention(layers, seq // 1024, offload=True, stats=ChunkStats()) if chunked else []
+        x = torch.randn(1, seq, hidden, device="cuda", requires_grad=True)
+        positions = torch.arange(seq, device="cuda")[None]
+        cos_sin = model.model.rotary_emb(x, positions)
+        grad_out = torch.randn(1, seq, hidden, device="cuda")
+
+        def step():
+            out = layers[0].self_attn(hidden_states=x, position_embeddings=cos_sin, attention_mask=None,
+                                      position_ids=positions)[0]
+            out.backward(grad_out)
+
+        peaks.append(peak_bytes(step, "cuda"))
+        model.zero_grad(set_to_none=True)
+        run_undos(undos)
+    attention.undo()
+    return (peaks[1] - peaks[0]) / 4096
+
+
+def test_attention_block_device_peak_on_cuda():
+    hidden_bytes = 1024 * 4
+    plain, chunked = _attention_peak_per_token(False), _attention_peak_per_token(True)
+    assert chunked < 2.5 * hidden_bytes < plain, (chunked / hidden_bytes, plain / hidden_bytes)

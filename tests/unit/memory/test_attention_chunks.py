@@ -1,0 +1,250 @@
+"""Chunked attention (FPDT): exact against plain HF on many architectures, alone and with everything on; the
+attention block's device peak no longer grows with its full-sequence tensors; offload path exact on CPU; refusals.
+
+Sequences of 70 tokens in 3 chunks (24, 24, 22) with 16-token windows and packed documents of 29/24/17 tokens, so
+document starts, window edges and chunk edges all fall in different places.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lstune.config.schema import MemorySection
+from lstune.errors import ConfigError, DataError, ModelError
+from lstune.memory.apply import apply_memory_techniques
+from lstune.memory.attention_chunks import AUTO_CHUNK_TOKENS, ChunkStats, chunk_count, install_chunked_attention
+from lstune.memory.measure import peak_bytes
+from lstune.memory.patching import run_undos
+from lstune.models.attention import use_lstune_attention
+from lstune.models.presets import build_model
+from tests.support.archs import tiny_model
+from tests.unit.memory._helpers import (
+    assert_grads_match,
+    hf_loss_sum,
+    long_batch,
+    packed_batch,
+    run_grads,
+    split_documents,
+)
+
+SEQ = 70
+DOCS = [29, 24, 17]
+ALONE = dict(attn_chunks=3, tiled_mlp="off", tiled_loss="off", checkpointing=False)
+ALL = dict(attn_chunks=3, tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True)
+# GQA (llama, qwen3_moe), MQA, MHA (phi3), sliding windows (mistral; qwen2 and gemma3 per layer type), MLA with its
+# own value head dim (deepseek_v3), absolute positions and fused qkv (gpt2), q/k norms (olmo2, qwen3_moe).
+ARCHS = {
+    "llama": {}, "mqa-llama": dict(num_key_value_heads=1), "mistral": {}, "qwen2": {}, "gemma3_text": {},
+    "phi3": {}, "qwen3_moe": {}, "deepseek_v3": {}, "gpt2": {}, "olmo2": {},
+}
+
+
+def _model(arch: str):
+    return tiny_model(arch.removeprefix("mqa-"), **ARCHS[arch])
+
+
+def _reference(model, data: str):
+    if data == "long":
+        batch = long_batch(SEQ)
+        return batch, run_grads(model, hf_loss_sum, [batch])
+    batch = packed_batch(DOCS)
+    return batch, run_grads(model, hf_loss_sum, split_documents(batch, DOCS))
+
+
+def _compare(model, batch, reference, options, backend="sdpa"):
+    attention = use_lstune_attention(model, backend=backend)
+    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=SEQ)
+    try:
+        loss, grads = run_grads(model, plan.loss_sum, [batch])
+    finally:
+        plan.undo()
+        attention.undo()
+    assert plan.attn_chunks_at_seq_len == options["attn_chunks"]
+    assert loss == pytest.approx(reference[0], rel=1e-5)
+    assert_grads_match(grads, reference[1])
+    return plan
+
+
+@pytest.mark.parametrize("options", [ALONE, ALL], ids=["alone", "all"])
+@pytest.mark.parametrize("data", ["long", "packed"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_chunked_attention_matches_hf(arch, data, options):
+    model = _model(arch)
+    batch, reference = _reference(model, data)
+    _compare(model, batch, reference, options)
+
+
+def test_softcapped_attention_is_exact_when_chunked():
+    """Gemma-2 softcaps logits: no lstune backend trains that on CPU, the chunked block kernel does (exactly)."""
+    # Larger weights than the preset's so logits reach the cap: it changes the loss by ~3 %.
+    model = build_model("tiny-gemma2", seed=0, attn_logit_softcapping=1.0, initializer_range=0.2)
+    model.train()
+    batch, reference = _reference(model, "packed")
+    uncapped = build_model("tiny-gemma2", seed=0, initializer_range=0.2)
+    uncapped.train()
+    assert abs(_reference(uncapped, "packed")[1][0] - reference[0]) > 0.01 * reference[0]
+    _compare(model, batch, reference, ALL, backend="auto")
+
+
+def test_chunked_attention_with_lora_matches_hf():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights=False))
+    model.train()
+    batch, reference = _reference(model, "packed")
+    _compare(model, batch, reference, ALL)
+
+
+def test_uneven_chunk_counts_and_more_chunks_than_documents_are_exact():
+    model = tiny_model("mistral")
+    batch, reference = _reference(model, "packed")
+    for chunks in (2, 7):
+        _compare(model, batch, reference, {**ALONE, "attn_chunks": chunks})
+
+
+def test_rows_with_different_documents_are_exact():
+    """Two rows packed differently (29/24/17 and 40/30 tokens): masks are per row."""
+    first, second = packed_batch(DOCS), packed_batch([40, 30], seed=5)
+    batch = {k: torch.cat([first[k], second[k]]) for k in first}
+    model = tiny_model("mistral")
+    parts = split_documents(first, DOCS) + split_documents(second, [40, 30])
+    reference = run_grads(model, hf_loss_sum, parts)
+    _compare(model, batch, reference, ALONE)
+    _compare(model, batch, reference, ALL)
+
+
+def test_offloaded_chunks_are_exact_and_live_on_the_host():
+    """With --offload-checkpoints the saved chunks take the offload path (separate host buffers on CPU)."""
+    model = tiny_model("llama")
+    batch, reference = _reference(model, "long")
+    attention = use_lstune_attention(model, backend="sdpa")
+    plan = apply_memory_techniques(model, MemorySection(attn_chunks=4, tiled_mlp="off", offload_checkpoints=True),
+                                   seq_len=SEQ)
+    try:
+        loss, grads = run_grads(model, plan.loss_sum, [batch])
+    finally:
+        plan.undo()
+        attention.undo()
+    assert loss == pytest.approx(reference[0], rel=1e-5)
+    assert_grads_match(grads, reference[1])
+    assert plan.attn_chunk_stats.peak_host_bytes > 0
+    assert plan.attn_chunk_stats.host_bytes == 0  # everything freed after backward
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Memory: the attention block's device peak, at two lengths
+# --------------------------------------------------------------------------------------------------------------------
+
+WIDE = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=8, intermediate_size=256)
+CHUNK_TOKENS = 128
+
+
+def _attention_peak_per_token(chunked: bool) -> float:
+    """Device bytes per token of one attention module's forward + backward (offloaded chunks left out), from the
+    peaks at 512 and 1024 tokens (4 and 8 chunks of 128)."""
+    model = tiny_model("llama", **WIDE)
+    attention = use_lstune_attention(model, backend="sdpa")
+    layers = model.model.layers[:1]
+    module = layers[0].self_attn
+    peaks = []
+    for seq in (512, 1024):
+        stats = ChunkStats()
+        undos = install_chunked_attention(layers, seq // CHUNK_TOKENS, offload=True, stats=stats) if chunked else []
+        hidden = torch.randn(1, seq, WIDE["hidden_size"], requires_grad=True)
+        positions = torch.arange(seq)[None]
+        cos_sin = model.model.rotary_emb(hidden, positions)
+        grad_out = torch.randn(1, seq, WIDE["hidden_size"])
+
+        def step():
+            out = module(hidden_states=hidden, position_embeddings=cos_sin, attention_mask=None,
+                         position_ids=positions)[0]
+            out.backward(grad_out)
+
+        peaks.append(peak_bytes(step, exclude=lambda: stats.host_bytes))
+        hidden.grad = None
+        model.zero_grad(set_to_none=True)
+        run_undos(undos)
+    attention.undo()
+    return (peaks[1] - peaks[0]) / 512
+
+
+def test_attention_block_peak_no_longer_grows_with_its_full_sequence_tensors():
+    hidden_bytes = WIDE["hidden_size"] * 4  # one fp32 hidden vector per token
+    plain = _attention_peak_per_token(chunked=False)
+    chunked = _attention_peak_per_token(chunked=True)
+    # Unchunked: q, k, v, rotary copies, attention output, their gradients — many hidden vectors per token.
+    assert plain > 8 * hidden_bytes
+    # Chunked: what is left growing is the residual stream's share (the module's output and input gradient, 2 hidden
+    # vectors per token) plus per-token int64 token/document ids.
+    assert chunked < 2.25 * hidden_bytes, (chunked / hidden_bytes, plain / hidden_bytes)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Settings and refusals
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def test_chunk_counts():
+    assert chunk_count("off", 10**6) == 1
+    assert chunk_count("auto", AUTO_CHUNK_TOKENS) == 1  # off up to one chunk's length
+    assert chunk_count("auto", 4 * AUTO_CHUNK_TOKENS + 1) == 5
+    assert chunk_count(3, 70) == 3
+
+
+@pytest.mark.parametrize("value", ["many", 0, -2, True])
+def test_bad_setting_is_a_config_problem(value):
+    assert any("--attn-chunks" in p for p in MemorySection(attn_chunks=value).problems())
+    with pytest.raises(ConfigError):
+        apply_memory_techniques(tiny_model("llama"), MemorySection(attn_chunks=value), seq_len=SEQ)
+
+
+def test_attention_that_bypasses_lstune_attention_is_refused():
+    """HF's eager attention never reaches the chunk sink: refused instead of attending within each chunk only."""
+    for implementation in ("eager", "sdpa"):  # HF's sdpa gets no mask for causal rows: caught by the call count
+        model = tiny_model("llama", attn=implementation)
+        with pytest.raises(ModelError, match="needs lstune's attention"):
+            apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)  # its norm-fusion probe runs it
+        assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_attention_dropout_is_refused():
+    model = tiny_model("llama", attention_dropout=0.1)
+    use_lstune_attention(model, backend="sdpa")
+    plan = apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)
+    with pytest.raises(ModelError, match="no attention dropout"):
+        plan.loss_sum(model, long_batch(SEQ))
+
+
+def test_documents_must_restart_at_position_zero():
+    model = tiny_model("llama")
+    use_lstune_attention(model, backend="sdpa")
+    plan = apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)
+    batch = packed_batch(DOCS)
+    batch["position_ids"][0, 29:53] += 5  # the second document starts at position 5
+    with pytest.raises(DataError, match="start at position 0"):
+        plan.loss_sum(model, batch)
+
+
+def test_the_norms_around_attention_run_per_chunk():
+    """The norm feeding only the attention (Llama's input norm; Gemma-3 also the one after it) runs inside each chunk:
+    its fp32 copies and the normed hidden state are O(chunk). The equivalence tests above run with it fused."""
+    for arch, pair in (("llama", ("input_layernorm", None)),
+                       ("gemma3_text", ("input_layernorm", "post_attention_layernorm"))):
+        model = tiny_model(arch)
+        use_lstune_attention(model, backend="sdpa")
+        plan = apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)
+        assert plan.attn_fused_norms == {0: pair, 1: pair}
+        assert all("forward" in vars(layer.input_layernorm) for layer in model.model.layers)
+        plan.undo()
+        assert not any("forward" in vars(layer.input_layernorm) for layer in model.model.layers)
+
+
+def test_undo_restores_the_attention_modules():
+    model = tiny_model("llama")
+    use_lstune_attention(model, backend="sdpa")
+    plan = apply_memory_techniques(model, MemorySection(**ALONE), seq_len=SEQ)
+    assert all("forward" in vars(layer.self_attn) for layer in model.model.layers)
+    plan.undo()
+    assert not any("forward" in vars(layer.self_attn) for layer in model.model.layers)
