@@ -62,7 +62,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lstune.errors import DataError, ModelError, UserError
-from lstune.memory.patching import Undo, patch_forward
+from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.tiling import (
     TilePolicy,
     _accumulate,
@@ -140,7 +140,7 @@ def install_chunked_attention(
         for norm, side in zip(norms, ("pre", "post")):
             if norm is not None:
                 what = f"layer {index}: {side}-attention norm in the chunks"
-                undos.append(patch_forward(norm, _NormInChunks(norm.forward), what=what))
+                undos.append(FusedNorm.install(norm, what=what))
         chunked = ChunkedAttention(module, module.forward, policy, offload=offload, stats=stats, norms=norms)
         undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
     logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused", len(layers),
@@ -162,13 +162,13 @@ class ChunkedAttention:
     def run(self, hidden_BSD: Tensor, *args: Any, **kwargs: Any) -> Any:
         """The attention module's forward with its fused norms around it."""
         if self.pre is not None:
-            hidden_BSD = _NormInChunks.call(self.pre, hidden_BSD)
+            hidden_BSD = FusedNorm.call(self.pre, hidden_BSD)
         result = self.forward(hidden_BSD, *args, **kwargs)
         if self.post is None:
             return result
         if isinstance(result, tuple):
-            return (_NormInChunks.call(self.post, result[0]), *result[1:])
-        return _NormInChunks.call(self.post, result)
+            return (FusedNorm.call(self.post, result[0]), *result[1:])
+        return FusedNorm.call(self.post, result)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden_BSD, rest, kwargs = _split_hidden(args, kwargs)
@@ -188,26 +188,6 @@ class ChunkedAttention:
         else:
             out_BSD = _ChunkedAttentionFunction.apply(spec, hidden_BSD, *trainable)
         return (out_BSD, *([None] * (spec.result_len - 1))) if spec.result_len else out_BSD
-
-
-class _NormInChunks:
-    """Forward of a norm fused into chunked attention: an identity when the layer calls it, the norm itself when a
-    chunk does. The chunk calls the module (not its saved forward), so hooks fire — ZeRO-3 gathers the weight."""
-
-    def __init__(self, forward: Callable):
-        self.forward, self.inside = forward, False
-
-    def __call__(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return self.forward(hidden_states, *args, **kwargs) if self.inside else hidden_states
-
-    @staticmethod
-    def call(norm: nn.Module, hidden_states: Tensor) -> Tensor:
-        patched: _NormInChunks = vars(norm)["forward"]
-        patched.inside = True
-        try:
-            return norm(hidden_states)
-        finally:
-            patched.inside = False
 
 
 def _split_hidden(args: tuple, kwargs: dict) -> tuple[Tensor, tuple, dict]:

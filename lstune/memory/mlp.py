@@ -32,18 +32,13 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from lstune.errors import ModelError
-from lstune.memory.patching import Undo, patch_forward
+from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.probe import eval_mode
 from lstune.memory.tiling import TilePolicy, sequence_tiled
 from lstune.models.introspect import is_norm, mlp_names
 
 if TYPE_CHECKING:
     from torch import nn
-
-
-def _identity(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """Forward of a norm that was fused into the tiled block: it already ran inside the tile."""
-    return hidden_states
 
 
 @dataclass
@@ -64,8 +59,7 @@ class TiledForward:
         self.block = block
         self.policy = policy
         self.block_forward = block.forward
-        self.pre_forward = pre_norm.forward if pre_norm is not None else None
-        self.post_forward = post_norm.forward if post_norm is not None else None
+        self.pre_norm, self.post_norm = pre_norm, post_norm
         self.modules = [m for m in (pre_norm, block, post_norm) if m is not None]
         self.width = widest_row(block)
 
@@ -90,11 +84,11 @@ class TiledForward:
     def _run_tile(self, x: torch.Tensor, start: int, end: int, *, args, kwargs) -> torch.Tensor:
         # MoE blocks `.view` their input flat, which a sequence slice of a batch > 1 does not allow.
         x = x.contiguous()
-        if self.pre_forward is not None:
-            x = self.pre_forward(x)
+        if self.pre_norm is not None:
+            x = FusedNorm.call(self.pre_norm, x)
         y = self.block_forward(x, *args, **kwargs)
-        if self.post_forward is not None:
-            y = self.post_forward(y)
+        if self.post_norm is not None:
+            y = FusedNorm.call(self.post_norm, y)
         return y
 
 
@@ -128,7 +122,7 @@ def _install_one(index, layer, block, policy, pre_name, post_name) -> TiledBlock
     for norm, norm_name in ((pre, pre_name), (post, post_name)):
         if norm is not None:
             what = f"layer {index}: {norm_name} fused into the tiled block"
-            tiled.undos.append(patch_forward(norm, _identity, what=what))
+            tiled.undos.append(FusedNorm.install(norm, what=what))
     return tiled
 
 

@@ -9,7 +9,7 @@ them, so checkpoints saved with the techniques on load without them.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,6 +34,33 @@ def patch_forward(module: "nn.Module", new_forward: Callable, *, what: str) -> U
         logger.debug("restored %s.forward (%s)", type(module).__name__, what)
 
     return undo
+
+
+class FusedNorm:
+    """Forward of a norm fused into a tiled or chunked block (mini-sequence, chunked attention): an identity when its
+    layer calls it, the norm itself when the block calls it through `FusedNorm.call` on a tile or chunk.
+
+    The block calls the module, not its saved forward, so the module's hooks fire as for any call: DeepSpeed ZeRO-3
+    gathers the norm's partitioned weight there (a saved forward would meet the empty partition)."""
+
+    def __init__(self, forward: Callable):
+        self.forward, self.inside = forward, False
+
+    def __call__(self, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(hidden_states, *args, **kwargs) if self.inside else hidden_states
+
+    @staticmethod
+    def install(norm: "nn.Module", *, what: str) -> Undo:
+        return patch_forward(norm, FusedNorm(norm.forward), what=what)
+
+    @staticmethod
+    def call(norm: "nn.Module", hidden_states: Any) -> Any:
+        patched: FusedNorm = vars(norm)["forward"]
+        patched.inside = True
+        try:
+            return norm(hidden_states)
+        finally:
+            patched.inside = False
 
 
 def run_undos(undos: list[Undo]) -> None:

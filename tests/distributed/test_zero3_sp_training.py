@@ -121,6 +121,13 @@ def test_zero3_sp_with_tiled_mlp_or_loss_matches_single_process(pools, memory):
     _check(pools[2].run(_train_worker, 2, 3, "tiny-llama", {**memory, "checkpointing": False})[0])
 
 
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gemma2"])
+def test_zero3_sp_with_mini_sequence_matches_single_process(pools, arch):
+    """Mini-sequence runs the fused norms inside the MLP tiles: ZeRO-3 must gather their weights there too."""
+    memory = {"mini_sequence": True, "tiled_mlp": 2, "tiled_loss": "off", "checkpointing": True}
+    _check(pools[2].run(_train_worker, 2, 3, arch, memory)[0])
+
+
 def _check(result: dict) -> None:
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(result["losses"], result["reference"])):
         assert loss == pytest.approx(ref_loss, rel=1e-6), f"step {step}: loss {loss} != {ref_loss}"
