@@ -65,7 +65,7 @@ def _longest(result, path: Path) -> bool:
     ax.set_xlabel("configuration")
     ax.set_ylabel("longest sequence completing a step (K tokens)")
     step = next(iter(result.searches.values()))["len_step"]
-    ax.set_title(f"{_title(result)}\nlongest sequence, to {_k(step):g}K")
+    ax.set_title(f"{_title(result)}\nlongest sequence completing a step (resolution {_k(step):g}K)")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, max(values + [1]) * 1.25)
     return _save(fig, path)
@@ -118,8 +118,7 @@ def _throughput(result, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     name, colour = labels(result), _colours(result)
-    series = {r["name"]: sorted((t["seq_len"], t["tokens_per_s"]) for t in result.measurements()
-                                if t["rung"] == r["name"] and "tokens_per_s" in t) for r in result.rungs}
+    series = {r["name"]: _throughputs(result, r["name"]) for r in result.rungs}
     if not any(series.values()):
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -128,10 +127,20 @@ def _throughput(result, path: Path) -> bool:
             ax.plot([_k(s) for s, _ in pts], [v for _, v in pts], "o-", color=colour[rung], label=name.get(rung, rung))
     ax.set_xlabel("sequence length (K tokens)")
     ax.set_ylabel("throughput (tokens/s, all devices)")
-    ax.set_title(f"{_title(result)}\ntraining throughput (median step)")
+    ax.set_title(f"{_title(result)}\ntraining throughput (median timed step; search trials: their 2nd step)")
     ax.set_ylim(bottom=0)
+    ax.set_xlim(left=0)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def _throughputs(result, rung: str) -> list[tuple[int, float]]:
+    """(length, tokens/s) of every successful step trial of `rung`; a measurement wins over a search trial."""
+    by_length: dict[int, float] = {}
+    for t in sorted(_ok_steps(result, rung), key=lambda t: t.get("purpose") == "measure"):
+        if "tokens_per_s" in t:
+            by_length[t["seq_len"]] = t["tokens_per_s"]
+    return sorted(by_length.items())
 
 
 def _save(fig, path: Path) -> bool:
