@@ -40,7 +40,7 @@ def markdown(result) -> str:
         lines += rates_table(result.rates)
     lines += trials_table(result)
     if result.notes:
-        lines += ["", *[f"- {note}" for note in result.notes]]
+        lines += ["", "Notes:", "", *[f"- {note}" for note in result.notes]]
     return "\n".join(lines) + "\n"
 
 

@@ -143,9 +143,19 @@ def _plain_hf(config, runtime, spec, prediction, total: int):
     loaded = load_model(spec, init=config.model.init, attn_implementation="sdpa", seed=config.optim.seed,
                         trust_remote_code=config.model.trust_remote_code, device=runtime.device)
     model = adapt_model(loaded.model, config.model, runtime)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_hf_checkpointing(model)
     model.train()
     return TorchEngine(model, OptimConfig.from_section(config.optim, total)), lambda batch, m: hf_loss_sum(batch, m)
+
+
+def enable_hf_checkpointing(model) -> None:
+    """HF's own gradient checkpointing, non-reentrant (`activation_checkpointing_enable` from transformers 5.2x,
+    which deprecates the older name)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _lstune(config, runtime, spec, prediction, total: int):

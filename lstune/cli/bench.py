@@ -39,7 +39,6 @@ def register(app: typer.Typer) -> None:
 def _bench_command(**kwargs: Any) -> int:
     from lstune.bench.options import parse_options
     from lstune.bench.run import problems_with, run_bench
-    from lstune.cli.estimate import _model_problems
     from lstune.config.load import build_config, read_recipe
 
     config_path = kwargs.pop("config")
@@ -56,6 +55,18 @@ def _bench_command(**kwargs: Any) -> int:
         result = run_bench(config, options, command=command, observer=live)
     render_summary(result)
     return 0
+
+
+def _model_problems(config) -> list[str]:
+    """The model must resolve here, before any trial starts (a trial would only record the same error)."""
+    from lstune.errors import UserError
+    from lstune.models.loading import resolve_model
+
+    try:
+        resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    except UserError as exc:
+        return exc.problems
+    return []
 
 
 def _own_argv(own: dict[str, Any]) -> list[str]:
