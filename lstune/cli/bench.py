@@ -148,7 +148,7 @@ def render_summary(result) -> None:
         table.add_row(*row)
     con.print(table)
     if result.searches:
-        found = Table(title=f"longest sequence completing a step", title_justify="left")
+        found = Table(title="longest sequence completing a step", title_justify="left")
         for column in ("configuration", "longest OK", "first failure", "trials"):
             found.add_column(column, justify="left" if column == "configuration" else "right")
         for rung, s in result.searches.items():
