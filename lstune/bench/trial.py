@@ -107,13 +107,14 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     runtime = start_runtime(config.model.dtype)
     spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
     runtime.set_dims(config.parallel.sp, spec.config)
-    record: dict[str, Any] = {"world_size": runtime.world_size, "sp": runtime.sp, "device": str(runtime.device),
-                              "rss_before_model": host_rss_bytes()}
+    record: dict[str, Any] = {"world_size": runtime.world_size, "sp": runtime.sp, "device": str(runtime.device)}
     prediction = plan_run(config, runtime, spec.config)
     record["estimate"] = estimate_summary(prediction, config)
     record["hardware"] = prediction.hardware.to_dict()
     try:
-        steps = _train_steps(job, config, runtime, spec, prediction)
+        batches = _batches(config, runtime, spec)  # before the baseline: --data's tokenizer and samples are not the step's
+        record["rss_before_model"] = host_rss_bytes()
+        steps = _train_steps(job, config, runtime, spec, prediction, batches)
     except Exception as exc:  # a failure is a result too: the parent records it and goes on
         record.update(failure(exc))
     else:
@@ -122,13 +123,13 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     return record
 
 
-def _train_steps(job: Job, config, runtime, spec, prediction) -> list[dict[str, Any]]:
+def _train_steps(job: Job, config, runtime, spec, prediction, batches) -> list[dict[str, Any]]:
     from lstune.train.step import RunState, Stepper
 
     total = job.warmup + job.steps
     engine, loss_sum = (_plain_hf if job.plain_hf else _lstune)(config, runtime, spec, prediction, total)
     stepper = Stepper(config, engine, runtime, loss_sum)
-    batches, state = _batches(config, runtime, spec), RunState()
+    state = RunState()
     return [stepper.step(batches, state) for _ in range(total)]
 
 
@@ -228,7 +229,8 @@ def _peaks(device, record: dict[str, Any]) -> dict[str, Any]:
         if "peak_allocated" not in record:  # a failed step: the peak it reached before failing
             peaks["peak_allocated"] = int(torch.cuda.max_memory_allocated(device))
     else:
-        peaks["peak_allocated"] = max(0, peaks["peak_rss"] - record["rss_before_model"])
+        baseline = record.get("rss_before_model")
+        peaks["peak_allocated"] = max(0, peaks["peak_rss"] - baseline) if baseline is not None else None
         peaks["peak_reserved"] = None
     return peaks
 
