@@ -3,7 +3,8 @@ a crash or a hang in one trial cannot poison the next.
 
 One process: forked from a `multiprocessing` forkserver that imported torch, transformers and lstune once
 (a trial then starts in a fraction of a second instead of the ~10 s those imports take); the forkserver
-never touches CUDA, so each trial gets a clean device and its own CUDA context. Several processes
+never initialises CUDA (PYTORCH_NVML_BASED_CUDA_CHECK=1 keeps import-time availability checks from doing it),
+so each trial gets a clean device and its own CUDA context. Several processes
 (`--gpus N`): `python -m lstune.bench.trial` under the launcher `lstune train` uses (lstune.parallel.launch).
 
 While a trial runs, the parent samples the resident memory of the trial's process tree (Linux /proc) every
@@ -81,6 +82,10 @@ class TrialRunner:
         if self._context is None:
             import multiprocessing
 
+            # Imports that ask torch.cuda.is_available() (bitsandbytes, via peft) would initialise the CUDA driver
+            # in the forkserver, and a driver initialised before fork() cannot be used in the child; the NVML-based
+            # check answers without initialising it. The forkserver and the trials inherit this environment.
+            os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
             self._context = multiprocessing.get_context("forkserver")
             self._context.set_forkserver_preload(PRELOAD)
         process = self._context.Process(target=_child, args=(job, str(result_path), str(log_path)), daemon=False)
