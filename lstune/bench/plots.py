@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lstune.config.parse import format_length
+
 GIB, MIB = 2**30, 2**20
 COLOURS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
 
@@ -65,7 +67,7 @@ def _longest(result, path: Path) -> bool:
     ax.set_xlabel("configuration")
     ax.set_ylabel("longest sequence completing a step (K tokens)")
     step = next(iter(result.searches.values()))["len_step"]
-    ax.set_title(f"{_title(result)}\nlongest sequence completing a step (resolution {_k(step):g}K)")
+    ax.set_title(f"{_title(result)}\nlongest sequence completing a step (resolution {format_length(step)} tokens)")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, max(values + [1]) * 1.25)
     return _save(fig, path)
@@ -86,7 +88,7 @@ def _peaks(result, path: Path) -> bool:
     top = max(p for pts in points.values() for _, p in pts)
     unit, unit_name = (GIB, "GiB") if top >= 2 * GIB else (MIB, "MiB")
     name, colour = labels(result), _colours(result)
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     for rung, pts in points.items():
         if pts:
             ax.plot([_k(s) for s, _ in pts], [p / unit for _, p in pts], "o", color=colour[rung],
@@ -94,7 +96,7 @@ def _peaks(result, path: Path) -> bool:
         line = result.estimates.get(rung) or []
         if line:
             ax.plot([_k(p["seq_len"]) for p in line], [p["device_peak_bytes"] / unit for p in line], "--",
-                    color=colour[rung], lw=1, label=f"{rung}, estimate")
+                    color=colour[rung], lw=1, label=f"{name.get(rung, rung)}, estimate")
     capacity = _capacity(result)
     if capacity:
         ax.axhline(capacity[0] / unit, color="k", lw=0.8, ls=":", label=capacity[1])
@@ -102,8 +104,8 @@ def _peaks(result, path: Path) -> bool:
     ax.set_ylabel(f"peak device memory ({unit_name})" if cuda else
                   f"peak memory of the trial ({unit_name}; CPU: RSS above the process's start)")
     ax.set_title(f"{_title(result)}\npeak memory per step: measured and estimated")
-    ax.set_ylim(0, top / unit * 1.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylim(0, top / unit * 1.15)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return _save(fig, path)
 
 
