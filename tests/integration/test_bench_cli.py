@@ -82,3 +82,15 @@ def test_ablation_with_the_longest_sequence_search_under_a_host_cap(cli, tmp_pat
 
     again = cli("bench", "--model", "tiny-llama", "--output-dir", out)
     assert again.code == 2 and "--overwrite" in again.err
+
+
+@pytest.mark.slow
+def test_gpus_2_runs_the_trial_under_the_launcher(cli, tmp_path):
+    """--gpus 2 on CPU: the trial is two gloo processes started by torchrun (DeepSpeed ZeRO, as train picks)."""
+    result = cli("bench", "--model", "tiny-llama", "--seq-len", "256", "--gpus", "2", "--warmup", "0", "--steps", "1",
+                 "--output-dir", tmp_path / "b")
+    assert result.code == 0, result.err + result.out
+    m = json.loads((tmp_path / "b" / "bench.json").read_text())["measurements"][0]
+    assert m["outcome"] == "ok", m.get("error")
+    assert m["processes"] == 2 and m["world_size"] == 2 and m["tokens_per_step"] == 2 * 256
+    assert "ZeRO" in m["estimate"]["engine"]
