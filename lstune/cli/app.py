@@ -50,13 +50,14 @@ def _root(
 
 
 def _register_commands() -> None:
-    from lstune.cli import data, estimate, plot, presets, train
+    from lstune.cli import bench, data, estimate, plot, presets, train
 
     train.register(app)
     estimate.register(app)
     data.register(app)
     presets.register(app)
     plot.register(app)
+    bench.register(app)
 
 
 _register_commands()

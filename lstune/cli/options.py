@@ -12,6 +12,7 @@ processes passes its own options on explicitly (no process-global argv).
 from __future__ import annotations
 
 import inspect
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
@@ -38,26 +39,32 @@ def config_parameter() -> inspect.Parameter:
 def section_parameters(sections: Iterable[str] | None = None) -> list[inspect.Parameter]:
     """One keyword parameter per field of the named sections (all when None), in option order."""
     wanted = set(sections) if sections is not None else {name for name, _ in SECTIONS}
-    params = []
-    for key, (section, f) in FLAT_FIELDS.items():
-        if section not in wanted:
-            continue
-        default = field_default(f)
-        shown = f.metadata["show"](default) if "show" in f.metadata else default
-        # Escaped: typer renders help as rich markup, which would swallow "[default: 4k]" and "[seq, vocab]".
-        # No default (None) is said by the help text itself ("required", "default: one epoch", ...).
-        text = f.metadata["help"] if default is None else f"{f.metadata['help']} [default: {shown}]"
-        common = dict(help=escape(text), rich_help_panel=SECTIONS_TITLES[section], show_default=False)
-        flag = flag_name(key)
-        if _is_switch(f):
-            params.append(_param(key, Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", **common)))
-        elif f.metadata.get("multiple"):  # repeatable; typer gives [] when absent
-            option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
-            params.append(_param(key, Optional[list[str]], option))
-        else:
-            option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
-            params.append(_param(key, Optional[str], option))
-    return params
+    return [field_parameter(key, f, SECTIONS_TITLES[section]) for key, (section, f) in FLAT_FIELDS.items()
+            if section in wanted]
+
+
+def dataclass_parameters(options_type: type) -> list[inspect.Parameter]:
+    """One keyword parameter per field of a command's own options dataclass (fields with the sections'
+    metadata: help, parser, metavar), under its `title` panel."""
+    return [field_parameter(f.name, f, options_type.title) for f in fields(options_type)]
+
+
+def field_parameter(key: str, f, panel: str) -> inspect.Parameter:
+    """The Typer option of one field: flag, help with its default, metavar, help panel from its metadata."""
+    default = field_default(f)
+    shown = f.metadata["show"](default) if "show" in f.metadata else default
+    # Escaped: typer renders help as rich markup, which would swallow "[default: 4k]" and "[seq, vocab]".
+    # No default (None) is said by the help text itself ("required", "default: one epoch", ...).
+    text = f.metadata["help"] if default is None else f"{f.metadata['help']} [default: {shown}]"
+    common = dict(help=escape(text), rich_help_panel=panel, show_default=False)
+    flag = flag_name(key)
+    if _is_switch(f):
+        return _param(key, Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", **common))
+    if f.metadata.get("multiple"):  # repeatable; typer gives [] when absent
+        option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
+        return _param(key, Optional[list[str]], option)
+    option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
+    return _param(key, Optional[str], option)
 
 
 SECTIONS_TITLES = {name: section_type.title for name, section_type in SECTIONS}

@@ -102,7 +102,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         reporter.note(note)
     warning = truncation_warning(dataset.summary())
     max_steps = total_steps(config, len(dataset), runtime.world_size)
-    engine, engine_note = _make_engine(config, prepared.model, max_steps, runtime, prediction)
+    engine, engine_note = make_engine(config, prepared.model, max_steps, runtime, prediction)
     reporter.note(engine_note)
 
     state = RunState()
@@ -323,7 +323,7 @@ def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> i
     return max(1, math.ceil((optim.epochs or 1.0) * num_samples / per_step))
 
 
-def _make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime, prediction):
+def make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime, prediction):
     """The engine the estimate chose (lstune.train.engine_choice): plain AdamW on one device, or DeepSpeed ZeRO."""
     from lstune.optim import OptimConfig
     from lstune.train.engine import TorchEngine

@@ -1,8 +1,10 @@
 """The single-GPU measurements of docs/benchmarks/ (ALST Table 1's ladder, kernel rates, the bf16 policy).
 
-A script, not a test: `lstune bench` (its own issue) will absorb it. Each sub-command prints JSON lines and
-appends them to `--out` (a .jsonl file), so a run cut short by its time limit still leaves every finished
-measurement behind.
+A script, not a test. `lstune bench` has absorbed its ladder, kernel rates and longest-sequence search
+(lstune/bench/: the rungs and rates here are lstune.bench's); what stays here is what `lstune bench` does not do:
+the bf16 policy record, the copy/compute overlap, and the longest sequence of a deep model through a shallow one
+carrying the missing layers' bytes (`maxlen --as-layers`). Each sub-command prints JSON lines and appends them
+to `--out` (a .jsonl file), so a run cut short by its time limit still leaves every finished measurement behind.
 
     python -m tests.gpu.bench_ladder rates  --out R.jsonl                  # bf16 GEMM and attention kernel rates
     python -m tests.gpu.bench_ladder policy --out R.jsonl                  # device bytes by dtype, checkpoint B/token
@@ -38,14 +40,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-RUNGS: dict[str, dict[str, Any] | None] = {
-    "hf": None,
-    "tiled_loss": {"tiled_mlp": "off", "tiled_loss": "auto", "checkpointing": True},
-    "tiled_mlp": {"tiled_mlp": "auto", "tiled_loss": "auto", "checkpointing": True},
-    "offload": {"tiled_mlp": "auto", "tiled_loss": "auto", "checkpointing": True, "offload_checkpoints": True},
-    "mini_seq": {"tiled_mlp": "auto", "tiled_loss": "auto", "checkpointing": True, "offload_checkpoints": True,
-                 "mini_sequence": True},
-}
+def _ladder() -> dict[str, dict[str, Any] | None]:
+    from lstune.bench.rungs import LADDER, RUNGS as BENCH_RUNGS
+
+    return {name: None if BENCH_RUNGS[name].plain_hf else dict(BENCH_RUNGS[name].memory) for name in LADDER}
+
+
+RUNGS = _ladder()  # rung → MemorySection settings (None: plain HF), lstune bench's ladder
 GiB = 2**30
 
 
@@ -348,42 +349,11 @@ def _residual_dtype(model, device: str) -> str:
 
 
 def cmd_rates(args) -> None:
-    """Measured bf16 GEMM rate and causal attention kernel rate (forward, backward) on this device."""
-    import torch.nn.functional as F
+    """Measured bf16 GEMM rate and causal attention kernel rate (forward, backward): lstune.bench.rates."""
+    from lstune.bench.rates import measure_rates
 
-    dev = args.device
-    for m, k, n in ((8192, 8192, 8192), (65536, 4096, 14336), (65536, 14336, 4096), (65536, 4096, 4096)):
-        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
-        seconds = _timed(lambda: a @ b, dev)
-        emit(args.out, {"kind": "rate", "op": "gemm", "shape": [m, k, n], "seconds": seconds,
-                        "tflops": 2 * m * k * n / seconds / 1e12})
-    heads, kv_heads, head_dim = 32, 8, 128
-    for seq in (parse_length(s) for s in args.attn_lengths.split(",")):
-        q = torch.randn(1, heads, seq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
-        kv = [torch.randn(1, kv_heads, seq, head_dim, device=dev, dtype=torch.bfloat16, requires_grad=True)
-              for _ in range(2)]
-        out = F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True)
-        grad = torch.randn_like(out)
-        fwd = _timed(lambda: F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True), dev)
-        fwd_bwd = _timed(lambda: torch.autograd.grad(
-            F.scaled_dot_product_attention(q, *kv, is_causal=True, enable_gqa=True), [q, *kv], grad), dev)
-        flops = 2 * seq * seq * heads * head_dim  # causal forward: half of 4·S²·H·D
-        emit(args.out, {"kind": "rate", "op": "attention_causal", "seq": seq, "heads": heads, "kv_heads": kv_heads,
-                        "head_dim": head_dim, "fwd_s": fwd, "bwd_s": fwd_bwd - fwd,
-                        "fwd_tflops": flops / fwd / 1e12, "bwd_tflops": 2.5 * flops / (fwd_bwd - fwd) / 1e12})
-
-
-def _timed(fn: Callable[[], Any], device: str, reps: int = 5) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    for rate in measure_rates(args.device):
+        emit(args.out, {"kind": "rate", **rate})
 
 
 def cmd_overlap(args) -> None:
@@ -412,7 +382,9 @@ def copy_overlap(seq: int, hidden: int, device: str) -> dict[str, Any]:
         compute()
         torch.cuda.current_stream().wait_stream(side)
 
-    copy_s, compute_s, both_s = (_timed(fn, device) for fn in (copy, compute, overlapped))
+    from lstune.bench.rates import timed
+
+    copy_s, compute_s, both_s = (timed(fn, device) for fn in (copy, compute, overlapped))
     exposed = max(0.0, both_s - max(compute_s, copy_s))
     return {"kind": "overlap", "seq": seq, "bytes": x.numel() * 2, "copy_s": copy_s,
             "copy_gb_per_s": x.numel() * 2 / copy_s / 1e9, "compute_s": compute_s, "overlapped_s": both_s,
@@ -430,7 +402,6 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--preset", default="llama-3.1-8b")
         p.add_argument("--layers", type=int, default=None)
         p.add_argument("--lora-r", type=int, default=16)
-    sub.choices["rates"].add_argument("--attn-lengths", default="32k,128k")
     sub.choices["policy"].add_argument("--seq", default="16k")
     sub.choices["overlap"].add_argument("--seq", default="64k")
     ladder = sub.choices["ladder"]

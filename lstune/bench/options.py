@@ -1,0 +1,106 @@
+"""The bench's own options (`lstune bench --steps 3 --ablation ...`), declared like the config sections' fields.
+
+Each field's metadata holds its help, parser and metavar (lstune.config.schema's pattern), so the CLI builds
+the flags from them (lstune.cli.options.dataclass_parameters) and `parse_options` reports every bad value at
+once (exit code 2). The model, data, memory, parallel and optim flags are the config sections' own: a bench
+configuration is a `lstune train` configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from functools import partial
+from typing import Any, Callable, ClassVar
+
+from lstune.config import parse as p
+
+_pos_int = partial(p.parse_int, minimum=1)
+
+
+def _opt(default: Any, help: str, parser: Callable[[Any], Any], **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, "parser": parser, **meta})
+
+
+def parse_lengths(value: Any) -> list[int]:
+    """'16k,32k,64k' (or a YAML list) → [16384, 32768, 65536]: each a length, in increasing order, no repeats."""
+    items = value if isinstance(value, (list, tuple)) else [s for s in str(value).split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"is empty; give lengths like 16k,32k,64k ({p.LENGTH_HINT})")
+    lengths = []
+    for item in items:
+        try:
+            lengths.append(p.parse_length(item.strip() if isinstance(item, str) else item))
+        except ValueError as exc:
+            raise ValueError(f"has {str(item).strip()!r}, which {exc}") from None
+    return sorted(set(lengths))
+
+
+@dataclass
+class BenchOptions:
+    """What to measure (configurations, lengths, searches), how (steps, limits) and where the results go."""
+
+    title: ClassVar[str] = "Bench"
+
+    rungs: Any = _opt(
+        None,
+        "Configurations to measure, comma-separated: hf (plain Hugging Face), tiled_loss, tiled_mlp, offload, "
+        "mini_seq, lstune (the flags as given), sp (lstune on --gpus processes) [default: lstune; the ladder "
+        "with --ablation].",
+        p.parse_str_list, metavar="NAMES",
+    )
+    ablation: bool = _opt(
+        False,
+        "ALST Table 1's ladder on this model: plain HF, + tiled loss, + tiled MLP, + offloaded checkpoints, "
+        "+ mini-sequence, your flags (when they differ), + SP (with --gpus > 1).",
+        p.parse_bool,
+    )
+    lengths: Any = _opt(
+        None, "Measure each configuration at these lengths, e.g. 16k,32k,64k [default: --seq-len].",
+        parse_lengths, metavar="LENGTHS",
+    )
+    warmup: int = _opt(1, "Untimed steps before the timed ones.", partial(p.parse_int, minimum=0), metavar="N")
+    steps: int = _opt(3, "Timed steps per measurement (at least 1).", _pos_int, metavar="N")
+    find_max_len: bool = _opt(
+        False,
+        "Search each configuration's longest sequence that completes two training steps: doubling from "
+        "--seq-len, then bisecting to --len-step; every trial in a fresh process.",
+        p.parse_bool,
+    )
+    len_step: int = _opt(8192, "Resolution of --find-max-len.", p.parse_length, metavar="LENGTH", show=p.format_length)
+    max_len: int | None = _opt(
+        None, "--find-max-len tries nothing longer than this (a step's time grows with the length squared).",
+        p.parse_length, metavar="LENGTH",
+    )
+    max_host_mem: int | None = _opt(
+        None,
+        "Host memory a trial may use (peak RSS of its processes), e.g. 2G: past it the trial is stopped and "
+        "counts as out of memory [default: none on CUDA; 80% of this machine's RAM on CPU].",
+        p.parse_bytes, metavar="BYTES",
+    )
+    trial_timeout: int = _opt(
+        1800, "Seconds a trial may take; a trial past it is stopped and counts as failed.", _pos_int,
+        metavar="SECONDS",
+    )
+    rates: bool = _opt(
+        False, "Also measure the device's bf16 GEMM and causal attention kernel rates (the ideal step time).",
+        p.parse_bool,
+    )
+    output_dir: str | None = _opt(
+        None, "Where bench.json, bench.md and the plots go (default: runs/bench-MODEL-TIMESTAMP).",
+        p.parse_optional_str, metavar="DIR",
+    )
+    overwrite: bool = _opt(False, "Replace the bench files of an earlier run in --output-dir.", p.parse_bool)
+
+
+def parse_options(raw: dict[str, Any]) -> tuple[BenchOptions, list[str]]:
+    """Typed options from raw values (None = not given) and every problem found, naming the flag."""
+    values, problems = {}, []
+    for f in fields(BenchOptions):
+        value = raw.get(f.name)
+        if value is None:
+            continue
+        try:
+            values[f.name] = f.metadata["parser"](value)
+        except ValueError as exc:
+            problems.append(f"--{f.name.replace('_', '-')} {str(value)!r} {exc}.")
+    return BenchOptions(**values), problems

@@ -1,0 +1,328 @@
+"""One bench trial, run in a process of its own (lstune.bench.runner starts it): build the model of one
+configuration, run `warmup + steps` training steps on one length, and write a record of what happened.
+
+A trial is a `Job`; its record (a JSON object) says the outcome ("ok", "oom" for a device or allocator
+out-of-memory error, "error" for anything else) and, when it ran, the step times, losses, peaks and the
+estimate of the same configuration on the same hardware (lstune.estimate, as `lstune train` makes it).
+
+The step is `lstune train`'s: the same runtime, model loading, technique order (lstune.train.prepare),
+engine choice and `Stepper`; the data are random tokens of the model's vocabulary (or --data). The `hf`
+rung is plain Hugging Face instead: the model built with HF's own SDPA attention and
+`gradient_checkpointing_enable`, and its loss from `model(input_ids=..., labels=...)`; lstune patches
+nothing in it. Both are driven by the same Stepper, so only the model differs.
+
+Run under a launcher for several processes: `python -m lstune.bench.trial JOB.json RESULT.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+
+@dataclass
+class Job:
+    """What one trial runs. `kind`: "step" (training steps), "estimates" (the estimate of `config` at each of
+    `lengths`, for the plots' lines), or "rates" (kernel rates, lstune.bench.rates)."""
+
+    id: int
+    kind: str
+    rung: str
+    config: dict[str, Any]  # flat values of a TrainConfig (seq_len included)
+    purpose: str = "measure"  # "measure" or "search"
+    plain_hf: bool = False
+    warmup: int = 1
+    steps: int = 3
+    lengths: list[int] = field(default_factory=list)
+
+    @property
+    def seq_len(self) -> int:
+        return self.config["seq_len"]
+
+    @property
+    def processes(self) -> int:
+        return self.config["gpus"]
+
+    def describe(self) -> str:
+        from lstune.config.parse import format_length
+
+        if self.kind != "step":
+            return f"{self.kind} ({self.rung})" if self.kind == "estimates" else self.kind
+        procs = f" on {self.processes} processes" if self.processes > 1 else ""
+        return f"{self.rung} at {format_length(self.seq_len)} ({self.purpose}){procs}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RandomTokens(Dataset):
+    """`size` samples of `seq_len` uniformly random token ids below `vocab`, each from its own seed, in the batch
+    contract of lstune.data (input_ids, position_ids, pre-shifted labels; the last token has no target)."""
+
+    def __init__(self, vocab: int, seq_len: int, *, seed: int, size: int = 64):
+        self.vocab, self.seq_len, self.seed, self.size = vocab, seq_len, seed, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        ids = torch.randint(0, self.vocab, (self.seq_len,), generator=gen)
+        labels = torch.roll(ids, -1)
+        labels[-1] = -100
+        return {"input_ids": ids, "position_ids": torch.arange(self.seq_len), "shift_labels": labels}
+
+
+def hf_loss_sum(batch: dict, model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed token loss, label count) from Hugging Face's own loss: `model(input_ids, labels).loss` is the
+    mean over the labels HF shifts itself, so the labels given are the pre-shifted ones moved back by one."""
+    ids, shifted = batch["input_ids"], batch["shift_labels"]
+    labels = torch.cat([ids[:, :1], shifted[:, :-1]], dim=1)
+    count = (shifted != -100).sum()
+    return model(input_ids=ids, labels=labels, use_cache=False).loss * count, count
+
+
+# ---- the step trial --------------------------------------------------------------------------------------------
+
+
+def run_step_trial(job: Job) -> dict[str, Any]:
+    """The record of `job` (kind "step"); an out-of-memory error or a failure is a result, not an exception."""
+    from lstune.config.schema import TrainConfig
+    from lstune.models.loading import resolve_model
+    from lstune.train.engine_choice import plan_run
+    from lstune.train.metrics import host_rss_bytes
+    from lstune.train.runtime import start_runtime
+
+    config = TrainConfig.from_flat(job.config)
+    runtime = start_runtime(config.model.dtype)
+    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    runtime.set_dims(config.parallel.sp, spec.config)
+    record: dict[str, Any] = {"world_size": runtime.world_size, "sp": runtime.sp, "device": str(runtime.device)}
+    prediction = plan_run(config, runtime, spec.config)
+    record["estimate"] = estimate_summary(prediction, config)
+    record["hardware"] = prediction.hardware.to_dict()
+    try:
+        batches = _batches(config, runtime, spec)  # before the baseline: --data's tokenizer and samples are not the step's
+        record["rss_before_model"] = host_rss_bytes()
+        steps = _train_steps(job, config, runtime, spec, prediction, batches)
+    except Exception as exc:  # a failure is a result too: the parent records it and goes on
+        record.update(failure(exc))
+    else:
+        record.update(outcome="ok", **summarise_steps(steps, job.warmup))
+    record.update(_peaks(runtime.device, record))
+    return record
+
+
+def _train_steps(job: Job, config, runtime, spec, prediction, batches) -> list[dict[str, Any]]:
+    from lstune.train.step import RunState, Stepper
+
+    total = job.warmup + job.steps
+    engine, loss_sum = (_plain_hf if job.plain_hf else _lstune)(config, runtime, spec, prediction, total)
+    stepper = Stepper(config, engine, runtime, loss_sum)
+    state = RunState()
+    return [stepper.step(batches, state) for _ in range(total)]
+
+
+def _plain_hf(config, runtime, spec, prediction, total: int):
+    """Hugging Face as it comes: SDPA, HF gradient checkpointing (non-reentrant), HF's loss; LoRA via peft and
+    the device / dtype policy as `lstune train` (so the two differ only in what lstune adds)."""
+    from lstune.models.loading import load_model
+    from lstune.optim import OptimConfig
+    from lstune.train.engine import TorchEngine
+    from lstune.train.prepare import adapt_model
+
+    loaded = load_model(spec, init=config.model.init, attn_implementation="sdpa", seed=config.optim.seed,
+                        trust_remote_code=config.model.trust_remote_code, device=runtime.device)
+    model = adapt_model(loaded.model, config.model, runtime)
+    enable_hf_checkpointing(model)
+    model.train()
+    return TorchEngine(model, OptimConfig.from_section(config.optim, total)), lambda batch, m: hf_loss_sum(batch, m)
+
+
+def enable_hf_checkpointing(model) -> None:
+    """HF's own gradient checkpointing, non-reentrant (`activation_checkpointing_enable` from transformers 5.2x,
+    which deprecates the older name)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _lstune(config, runtime, spec, prediction, total: int):
+    """`lstune train`'s model and engine: load, adapt, techniques in their order, the estimate's engine."""
+    from lstune.models.attention import check_attention_support
+    from lstune.models.loading import load_model
+    from lstune.train.prepare import prepare_model
+    from lstune.train.run import make_engine
+
+    check_attention_support(spec.config, pack=config.data.pack, seq_len=config.data.seq_len,
+                            backend=config.model.attn, device=runtime.device.type)
+    loaded = load_model(spec, init=config.model.init, seed=config.optim.seed, device=runtime.device,
+                        trust_remote_code=config.model.trust_remote_code, load_in_4bit=config.model.load_in_4bit)
+    prepared = prepare_model(loaded.model, config, runtime)
+    engine, _ = make_engine(config, prepared.model, total, runtime, prediction)
+    return engine, lambda batch, m: prepared.loss_sum(batch, m)
+
+
+def _batches(config, runtime, spec):
+    """Each rank's stream of batches as `lstune train` reads it (SP shards included): random tokens, or --data."""
+    from lstune.data.loader import make_dataloader
+    from lstune.estimate.shapes import text_config
+    from lstune.parallel.sp_data import SPDataAdapter
+
+    if config.data.source is None:
+        dataset = RandomTokens(text_config(spec.config).vocab_size, config.data.seq_len, seed=config.optim.seed)
+    else:
+        dataset = _data(config, spec)
+    loader = make_dataloader(dataset, config.optim.micro_batch_size, seed=config.optim.seed,
+                             dp_rank=runtime.rank, dp_size=runtime.world_size)
+    return iter(SPDataAdapter(loader, runtime.dims, device=runtime.device))
+
+
+def _data(config, spec):
+    from lstune.data.dataset import build_dataset
+    from lstune.data.templates import set_chat_template
+    from lstune.data.tokenizer import load_model_tokenizer
+
+    source = spec.source
+    tokenizer, _ = load_model_tokenizer(source.kind, source.location, name=source.name,
+                                        vocab_size=spec.config.vocab_size,
+                                        trust_remote_code=config.model.trust_remote_code)
+    set_chat_template(tokenizer, config.data.chat_template)
+    return build_dataset(config.data.source, tokenizer, config.data.seq_len, pack=config.data.pack,
+                         seed=config.optim.seed, max_records=config.data.max_records)
+
+
+def summarise_steps(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """Times and losses of the timed steps (those after `warmup`), peaks over all of them."""
+    timed = steps[warmup:]
+    times = [s["step_time_s"] for s in timed]
+    return {
+        "step_times_s": times, "warmup_times_s": [s["step_time_s"] for s in steps[:warmup]],
+        "median_s": statistics.median(times), "min_s": min(times),
+        "losses": [s["loss"] for s in steps], "tokens_per_step": timed[0]["tokens"],
+        "peak_allocated": max(s["peak_device_mem_bytes"] for s in timed),
+    }
+
+
+def _peaks(device, record: dict[str, Any]) -> dict[str, Any]:
+    """Device peaks (CUDA: torch's allocator; CPU: the process's peak RSS less its RSS before the model was
+    built, the bytes the run itself took) and the process's peak RSS."""
+    from lstune.train.metrics import host_peak_rss_bytes
+
+    peaks = {"peak_rss": host_peak_rss_bytes()}
+    if device.type == "cuda":
+        peaks["peak_reserved"] = int(torch.cuda.max_memory_reserved(device))
+        peaks["device_total"] = int(torch.cuda.get_device_properties(device).total_memory)
+        peaks["device_name"] = torch.cuda.get_device_name(device)
+        if "peak_allocated" not in record:  # a failed step: the peak it reached before failing
+            peaks["peak_allocated"] = int(torch.cuda.max_memory_allocated(device))
+    else:
+        baseline = record.get("rss_before_model")
+        peaks["peak_allocated"] = max(0, peaks["peak_rss"] - baseline) if baseline is not None else None
+        peaks["peak_reserved"] = None
+    return peaks
+
+
+def failure(exc: BaseException) -> dict[str, Any]:
+    """An out-of-memory error (CUDA's, or the CPU allocator's) or any other failure, as a record."""
+    message = str(exc).strip()
+    text = message.splitlines()[0][:300] if message else type(exc).__name__
+    oom = isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(exc, RuntimeError) and ("can't allocate memory" in message or "out of memory" in message.lower()))
+    record = {"outcome": "oom" if oom else "error", "error": f"{type(exc).__name__}: {text}"}
+    if not oom:
+        record["traceback"] = traceback.format_exc(limit=-6)[-3000:]
+    return record
+
+
+def estimate_summary(prediction, config) -> dict[str, Any]:
+    """The estimate's numbers for one optimizer step (each rank processes grad_accum × SP micro-batches, each
+    one sample's FLOPs shared by the SP group)."""
+    per_step = config.optim.grad_accum * prediction.sp
+    flops = prediction.flops
+    samples = config.optim.grad_accum * prediction.hardware.world_size  # FLOPs' one micro-batch per rank
+    return {
+        "device_peak_bytes": prediction.device_peak_bytes, "host_peak_bytes": prediction.host_peak_bytes,
+        "step_seconds": prediction.step_seconds * per_step, "fits": prediction.fits,
+        "engine": prediction.engine.describe(), "longest_seq_len": prediction.longest_seq_len,
+        "model_flops": flops.model * samples, "hardware_flops": flops.hardware * samples,
+        "peak_tflops": prediction.hardware.device.peak_tflops, "device_capacity": prediction.device_capacity,
+    }
+
+
+# ---- the other jobs ----------------------------------------------------------------------------------------------
+
+
+def run_estimates(job: Job) -> dict[str, Any]:
+    """The estimate of `job.config` at each of `job.lengths` on this machine (the plots' lines)."""
+    from lstune.config.schema import TrainConfig
+    from lstune.estimate import estimate
+    from lstune.models.loading import resolve_model
+    from lstune.train.engine_choice import runtime_cluster
+    from lstune.train.runtime import start_runtime
+
+    config = TrainConfig.from_flat(job.config)
+    model_config = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code).config
+    cluster = runtime_cluster(start_runtime(config.model.dtype))
+    if config.parallel.gpus > 1:
+        from dataclasses import replace
+
+        cluster = replace(cluster, gpus=config.parallel.gpus)
+    points = []
+    for n in job.lengths:
+        e = estimate(TrainConfig.from_flat({**job.config, "seq_len": n}), cluster, model_config=model_config,
+                     suggest=False)
+        points.append({"seq_len": n, "device_peak_bytes": e.device_peak_bytes, "host_peak_bytes": e.host_peak_bytes,
+                       "step_seconds": e.step_seconds * config.optim.grad_accum * e.sp})
+    return {"outcome": "ok", "points": points}
+
+
+def run_job(job: Job) -> dict[str, Any]:
+    start = time.perf_counter()
+    if job.kind == "step":
+        record = run_step_trial(job)
+    elif job.kind == "estimates":
+        record = run_estimates(job)
+    elif job.kind == "rates":
+        from lstune.bench.rates import measure_rates
+
+        record = {"outcome": "ok", "rates": measure_rates()}
+    else:
+        raise ValueError(f"unknown job kind {job.kind!r}")
+    record["seconds"] = time.perf_counter() - start
+    return record
+
+
+def run_to_file(job: Job, result_path: str) -> None:
+    """A trial process's body: run `job`, write its record to `result_path` (rank 0 only, atomically)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        record = run_job(job)
+    except Exception as exc:
+        record = failure(exc)
+    if int(os.environ.get("RANK", "0")) == 0:
+        tmp = Path(f"{result_path}.tmp")
+        tmp.write_text(json.dumps(record, default=str))
+        os.replace(tmp, result_path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m lstune.bench.trial JOB.json RESULT.json` (each process of a launched trial runs this)."""
+    job_path, result_path = argv if argv is not None else sys.argv[1:]
+    run_to_file(Job(**json.loads(Path(job_path).read_text())), result_path)
+
+
+if __name__ == "__main__":
+    main()

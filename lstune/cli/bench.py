@@ -1,0 +1,161 @@
+"""`lstune bench`: measured speed, memory and longest sequence of one or more configurations — lstune vs plain
+Hugging Face vs the estimate — as bench.json, bench.md and plots.
+
+The library answer is `lstune.bench.run.run_bench`; this module parses (the config sections' flags, like
+`lstune train`, plus the bench's own options), shows the trial in progress and the summary, and nothing else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import shlex
+import time
+from dataclasses import fields
+from typing import Any
+
+import typer
+
+from lstune.bench.options import BenchOptions
+from lstune.cli.options import config_parameter, dataclass_parameters, given_flags, section_parameters, to_argv
+
+HELP = (
+    "Measure training steps on random tokens (or --data): step time, tokens/s, model TFLOP/s and MFU, peak "
+    "device and host memory, and the estimate's error — for lstune's configuration, plain Hugging Face, or "
+    "ALST's whole ladder (--ablation); with --find-max-len, each one's longest sequence.\n\n"
+    "Takes every `lstune train` flag and recipe (--config). Every trial runs in a fresh process with a time "
+    "limit (and a host-memory cap with --max-host-mem). Writes bench.json, bench.md and PNG plots to "
+    "--output-dir. docs/bench.md explains the numbers."
+)
+SECTIONS = ("model", "data", "memory", "parallel", "optim")
+
+
+def register(app: typer.Typer) -> None:
+    command = _bench_command
+    command.__signature__ = inspect.Signature(
+        [config_parameter(), *dataclass_parameters(BenchOptions), *section_parameters(SECTIONS)])
+    app.command("bench", help=HELP, no_args_is_help=False)(command)
+
+
+def _bench_command(**kwargs: Any) -> int:
+    from lstune.bench.options import parse_options
+    from lstune.bench.run import problems_with, run_bench
+    from lstune.config.load import build_config, read_recipe
+
+    config_path = kwargs.pop("config")
+    own = {f.name: kwargs.pop(f.name) for f in fields(BenchOptions)}
+    options, problems = parse_options(own)
+    flags = given_flags(kwargs)
+    recipe = read_recipe(config_path) if config_path else {}
+    config = build_config(recipe, flags, recipe_name=str(config_path or "the recipe"),
+                          checks=lambda c: problems + (problems_with(c, options) if not problems else [])
+                          + _model_problems(c))
+    command = shlex.join(["lstune", "bench", *to_argv(flags, config_path), *_own_argv(own)])
+    live = LiveTrials()
+    with live:
+        result = run_bench(config, options, command=command, observer=live)
+    render_summary(result)
+    return 0
+
+
+def _model_problems(config) -> list[str]:
+    """The model must resolve here, before any trial starts (a trial would only record the same error)."""
+    from lstune.errors import UserError
+    from lstune.models.loading import resolve_model
+
+    try:
+        resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    except UserError as exc:
+        return exc.problems
+    return []
+
+
+def _own_argv(own: dict[str, Any]) -> list[str]:
+    argv = []
+    for name, value in own.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+class LiveTrials:
+    """The trial in progress (a spinner with its elapsed time and memory) and one line per finished trial."""
+
+    def __init__(self):
+        from lstune.cli.render import console
+
+        self.console = console()
+        self.status = None
+        self.started_at = time.monotonic()
+
+    def __enter__(self):
+        self.status = self.console.status("starting the trial processes (torch, transformers: once) ...")
+        self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.status.__exit__(*exc)
+
+    def started(self, job) -> None:
+        self.status.update(f"trial {job.id}: {job.describe()} ...")
+
+    def tick(self, job, elapsed_s: float, rss_bytes: int) -> None:
+        from lstune.cli.render import human_bytes
+
+        self.status.update(f"trial {job.id}: {job.describe()} — {elapsed_s:,.0f} s, host RSS {human_bytes(rss_bytes)}")
+
+    def finished(self, job, record: dict[str, Any]) -> None:
+        from rich.markup import escape
+
+        ok = record.get("outcome") == "ok"
+        mark = "[green]✓[/green]" if ok else "[red]✗[/red]"
+        self.console.print(f"{mark} trial {job.id}: {escape(job.describe())}: {escape(outcome_text(record))}")
+
+
+def outcome_text(record: dict[str, Any]) -> str:
+    from lstune.bench.report import size
+
+    if record.get("outcome") != "ok":
+        return f"{record.get('outcome')} — {record.get('error', '')}"[:200]
+    if record.get("kind") != "step":
+        return f"done in {record.get('wall_s', 0):.1f} s"
+    return (f"{record['median_s']:.3f} s/step, {record['tokens_per_s']:,.0f} tokens/s, MFU {100 * record['mfu']:.1f} %, "
+            f"peak {size(record.get('peak_allocated'))} (estimate {size(record['estimate']['device_peak_bytes'])})")
+
+
+def render_summary(result) -> None:
+    from rich.table import Table
+
+    from lstune.bench.report import size
+    from lstune.cli.render import console
+    from lstune.config.parse import format_length
+
+    con, names = console(), {r["name"]: r["label"] for r in result.rungs}
+    table = Table(title="measured", title_justify="left")
+    for column in ("configuration", "tokens", "step (median)", "tokens/s", "MFU", "peak", "estimate (error)"):
+        table.add_column(column, justify="left" if column == "configuration" else "right")
+    for m in result.measurements():
+        row = [names.get(m["rung"], m["rung"]), format_length(m["seq_len"])]
+        if m.get("outcome") == "ok":
+            err = m.get("estimate_peak_error_pct")
+            row += [f"{m['median_s']:.3f} s", f"{m['tokens_per_s']:,.0f}", f"{100 * m['mfu']:.1f} %",
+                    size(m.get("peak_allocated")),
+                    f"{size(m['estimate']['device_peak_bytes'])} ({'-' if err is None else f'{err:+.0f} %'})"]
+        else:
+            row += [m.get("outcome", "?"), "", "", "", ""]
+        table.add_row(*row)
+    con.print(table)
+    if result.searches:
+        found = Table(title="longest sequence completing a step", title_justify="left")
+        for column in ("configuration", "longest OK", "first failure", "trials"):
+            found.add_column(column, justify="left" if column == "configuration" else "right")
+        for rung, s in result.searches.items():
+            found.add_row(names.get(rung, rung), format_length(s["longest_ok"]) if s["longest_ok"] else "none",
+                          format_length(s["shortest_failed"]) if s["shortest_failed"] else "-", str(len(s["trials"])))
+        con.print(found)
+    for note in result.notes:
+        con.print(f"[yellow]note[/yellow]: {note}")
+    con.print(f"{len(result.trials)} trials in {result.seconds:,.0f} s; written: "
+              + ", ".join(str(p) for p in result.files))

@@ -1,0 +1,96 @@
+"""`lstune bench` end to end on a tiny preset: the ablation ladder with the longest-sequence search under a host
+memory cap, and the files it writes; bad input exits 2 with a message; `bench --help` imports no torch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.conftest import light_help
+
+MiB = 2**20
+
+
+def test_bench_help_is_light_and_lists_the_bench_flags():
+    out = light_help("bench")
+    for flag in ("--ablation", "--find-max-len", "--lengths", "--max-host-mem", "--steps", "--seq-len", "--lora-r"):
+        assert flag in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--rungs", "hf,fast"], ["--rungs 'fast'", "tiled_mlp"]),
+    (["--lengths", "16k,lots"], ["--lengths", "'lots'", "32k"]),
+    (["--steps", "0"], ["--steps", "at least 1"]),
+    (["--rungs", "sp"], ["--gpus 2"]),
+    (["--model", "no-such-model-xyz"], ["no-such-model-xyz"]),
+])
+def test_bad_input_exits_2_naming_the_problem(cli, tmp_path, args, words):
+    result = cli("bench", "--model", "tiny-llama", "--output-dir", tmp_path / "b", *args)
+    assert result.code == 2, result.err
+    assert all(w in result.err for w in words), result.err
+    assert "Traceback" not in result.err and not (tmp_path / "b").exists()
+
+
+def test_ablation_with_the_longest_sequence_search_under_a_host_cap(cli, tmp_path):
+    # A first bench gives a trial process's RSS over two steps at 256 tokens (what a search trial runs); the cap
+    # sits 12 MiB above it, so the rungs run out of host memory between 256 and 1K tokens (plain HF takes ~20 MiB
+    # more at 1K than at 256).
+    first = cli("bench", "--model", "tiny-llama", "--seq-len", "256", "--rungs", "hf", "--warmup", "1",
+                "--steps", "1", "--output-dir", tmp_path / "probe")
+    assert first.code == 0, first.err + first.out
+    probe = json.loads((tmp_path / "probe" / "bench.json").read_text())["measurements"][0]
+    cap = probe["peak_rss"] + 12 * MiB
+
+    out = tmp_path / "bench"
+    result = cli("bench", "--model", "tiny-llama", "--seq-len", "256", "--ablation", "--find-max-len",
+                 "--len-step", "256", "--max-len", "1k", "--max-host-mem", str(cap), "--warmup", "0", "--steps", "1",
+                 "--output-dir", out)
+    assert result.code == 0, result.err + result.out
+    bench = json.loads((out / "bench.json").read_text())
+    ladder = ["hf", "tiled_loss", "tiled_mlp", "offload", "mini_seq"]
+    assert [r["name"] for r in bench["rungs"]] == ladder
+    assert bench["command"].startswith("lstune bench --model tiny-llama") and "--ablation" in bench["command"]
+    assert bench["fingerprint"]["versions"]["torch"] and "host_ram_bytes" in bench["fingerprint"]
+    assert bench["rungs"][0]["config"]["tiled_loss"] == "off" and bench["rungs"][2]["config"]["tiled_mlp"] == "auto"
+
+    trials = {t["id"]: t for t in bench["trials"]}
+    for rung in ladder:
+        search = bench["searches"][rung]
+        outcomes = {trials[i]["seq_len"]: trials[i]["outcome"] for i in search["trials"]}
+        assert 256 <= search["longest_ok"] <= 1024 and outcomes[search["longest_ok"]] == "ok"
+        if search["shortest_failed"] is not None:  # else every length up to --max-len fitted
+            assert search["shortest_failed"] == search["longest_ok"] + 256
+            assert outcomes[search["shortest_failed"]] == "host-oom"
+        assert all(trials[i]["peak_rss_sampled"] > 0 and trials[i]["wall_s"] > 0 for i in search["trials"])
+        assert bench["estimates"][rung] and bench["estimates"][rung][0]["device_peak_bytes"] > 0
+    assert any(bench["searches"][r]["shortest_failed"] for r in ladder)  # the cap stopped some trial
+    for m in bench["measurements"]:  # each rung at the common length
+        assert m["outcome"] == "ok" and m["seq_len"] == 256
+        assert m["tokens_per_s"] > 0 and 0 < m["mfu"] and m["hardware_tflops"] >= m["model_tflops"] > 0
+        assert m["peak_rss"] <= cap and m["estimate"]["device_peak_bytes"] > 0
+        assert m["estimate_peak_error_pct"] is not None and m["estimate_time_error_pct"] is not None
+    assert len(bench["measurements"]) == 5
+
+    markdown = (out / "bench.md").read_text()
+    for words in ("## Step time, throughput, memory", "## Longest sequence that completes a training step",
+                  "plain HF", "+ tiled MLP", "host-oom", "| configuration |"):
+        assert words in markdown
+    for name in ("longest.png", "peak-vs-length.png", "tokens-per-s.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "longest sequence completing a step" in result.out and "trials in" in result.out
+
+    again = cli("bench", "--model", "tiny-llama", "--output-dir", out)
+    assert again.code == 2 and "--overwrite" in again.err
+
+
+@pytest.mark.slow
+def test_gpus_2_runs_the_trial_under_the_launcher(cli, tmp_path):
+    """--gpus 2 on CPU: the trial is two gloo processes started by torchrun (DeepSpeed ZeRO, as train picks)."""
+    result = cli("bench", "--model", "tiny-llama", "--seq-len", "256", "--gpus", "2", "--warmup", "0", "--steps", "1",
+                 "--output-dir", tmp_path / "b")
+    assert result.code == 0, result.err + result.out
+    m = json.loads((tmp_path / "b" / "bench.json").read_text())["measurements"][0]
+    assert m["outcome"] == "ok", m.get("error")
+    assert m["processes"] == 2 and m["world_size"] == 2 and m["tokens_per_step"] == 2 * 256
+    assert "ZeRO" in m["estimate"]["engine"]

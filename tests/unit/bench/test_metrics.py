@@ -1,0 +1,61 @@
+"""MFU and TFLOP/s from the estimate's FLOP counter, against a hand count for tiny-llama (docs/bench.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lstune.bench.metrics import derive, percent_error
+from lstune.bench.trial import estimate_summary
+from lstune.config.schema import TrainConfig
+from lstune.estimate import estimate
+from lstune.estimate.hardware import resolve_hardware
+
+GiB = 2**30
+
+
+def _hand_count(s: int, r: int) -> tuple[float, float]:
+    """(model FLOPs, hardware FLOPs) of one LoRA step of tiny-llama (hidden 128, 4 q / 2 kv heads of 32,
+    intermediate 352, vocab 320, 4 layers) over s tokens: checkpointing, tiled MLP and tiled loss on."""
+    h, layers = 128, 4
+    layer_fwd = 2 * (h * 128 + 2 * h * 64 + 128 * h + 3 * h * 352) * s * layers  # q, k, v, o, gate/up/down
+    head_fwd = 2 * h * 320 * s
+    attention_fwd = layers * 4 * 32 * 4 * (s * (s + 1) // 2)  # QKᵀ and PV over the causal pairs
+    adapters = layers * 2 * r * s * ((h + 128) + 2 * (h + 64) + (128 + h) + 3 * (h + 352))
+    # Frozen weights: forward + input gradient; adapters: forward, input and weight gradients; attention 1 + 2.
+    model = 2 * (layer_fwd + head_fwd) + 3 * adapters + 3 * attention_fwd
+    recompute = layer_fwd + adapters + 2 * 3 * h * 352 * s * layers + head_fwd  # checkpoint, MLP tiles, loss tiles
+    hardware = 2 * (layer_fwd + head_fwd) + 3 * adapters + recompute + (1 + 2.5 + 1) * attention_fwd
+    return model, hardware
+
+
+def test_mfu_and_tflops_follow_the_hand_count():
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "lora_r": 8})
+    hardware = resolve_hardware(gpu="h100-80gb", host_mem=64 * GiB)
+    est = estimate_summary(estimate(config, hardware, suggest=False), config)
+    model, hw = _hand_count(64, 8)
+    assert est["model_flops"] == model and est["hardware_flops"] == hw
+    record = {"outcome": "ok", "median_s": 0.002, "world_size": 1, "tokens_per_step": 64, "estimate": est,
+              "peak_allocated": est["device_peak_bytes"] // 2}
+    figures = derive(record)
+    assert figures["tokens_per_s"] == pytest.approx(64 / 0.002)
+    assert figures["model_tflops"] == pytest.approx(model / 0.002 / 1e12)
+    assert figures["hardware_tflops"] == pytest.approx(hw / 0.002 / 1e12)
+    assert figures["mfu"] == pytest.approx(model / 0.002 / 1e12 / 989.0)  # the H100's bf16 dense peak
+    assert figures["estimate_peak_error_pct"] == pytest.approx(100.0, abs=0.01)  # predicted twice what was measured
+
+
+def test_a_step_on_several_devices_counts_each_devices_share():
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "grad_accum": 2})
+    hardware = resolve_hardware(gpu="h100-80gb", host_mem=64 * GiB, gpus=2)
+    prediction = estimate(config, hardware, suggest=False)
+    est = estimate_summary(prediction, config)
+    # Each of the 2 ranks runs 2 micro-batches of one sample: 4 samples' FLOPs per step (SP 1 here: 2 heads of kv).
+    assert est["model_flops"] == 4 * prediction.flops.model
+    record = {"outcome": "ok", "median_s": 1.0, "world_size": 2, "tokens_per_step": 4 * 64, "estimate": est}
+    assert derive(record)["model_tflops"] == pytest.approx(2 * prediction.flops.model / 1e12)
+
+
+def test_failed_trials_have_no_figures_and_errors_need_a_measurement():
+    assert derive({"outcome": "oom"}) == {}
+    assert percent_error(10, None) is None and percent_error(None, 5) is None
+    assert percent_error(90, 100) == pytest.approx(-10.0)
