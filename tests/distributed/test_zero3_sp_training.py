@@ -121,7 +121,7 @@ def test_zero3_sp_with_tiled_mlp_or_loss_matches_single_process(pools, memory):
     _check(pools[2].run(_train_worker, 2, 3, "tiny-llama", {**memory, "checkpointing": False})[0])
 
 
-@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gemma2"])
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gemma3"])
 def test_zero3_sp_with_mini_sequence_matches_single_process(pools, arch):
     """Mini-sequence runs the fused norms inside the MLP tiles: ZeRO-3 must gather their weights there too."""
     memory = {"mini_sequence": True, "tiled_mlp": 2, "tiled_loss": "off", "checkpointing": True}
