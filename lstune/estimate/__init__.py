@@ -160,7 +160,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine) ->
         engine=engine, lora_r=config.model.lora_r, on_cuda=hardware.on_cuda,
         dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence,
         checkpointing=m.checkpointing, offload_checkpoints=m.offload_checkpoints, host_mem_budget=m.host_mem_budget,
-        load_in_4bit=config.model.load_in_4bit,
+        grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
     )
 
 

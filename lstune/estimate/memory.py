@@ -83,6 +83,7 @@ class Settings:
     checkpointing: bool
     offload_checkpoints: bool
     host_mem_budget: int | None
+    grad_accum: int = 1  # micro-batches per optimizer step
     liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
     fuse_norms: bool = True  # mini-sequence fuses the MLP's norms (a probe on real weights finds them)
     load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
@@ -169,7 +170,8 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
     if e.kind == "torch":
         _frozen(b, p, s, d["frozen"])
         b.add("trainable parameters", p.trainable * d["trainable"], detail=f"{p.trainable:,} × fp32")
-        b.add("gradients", p.trainable * 4, detail=f"{p.trainable:,} × fp32")
+        if not _gradients_build_up(s):
+            b.add("gradients", p.trainable * 4, detail=f"{p.trainable:,} × fp32, kept between micro-batches")
         b.add("optimizer state", p.trainable * ADAM_BYTES, detail="Adam m, v: 2 × fp32")
         return
     wb = d["trainable"]
@@ -212,29 +214,83 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
     ckpt = t * h * res
     b.checkpoint_bytes_per_token_layer = h * res
     b.add("inputs, positions, labels, rotary tables", t * (3 * 8 + 2 * shape.head_dim * act))
+    head_grad, layer_grad, all_grad = _gradient_split(shape, p, s)
+    layer = _layer_parts(shape, p, s, act, res)
     if not s.checkpointing:
         saved = t * _saved_per_token(shape, p, s, act)
-        b.add("saved activations (no checkpointing)", (shape.layers - 1) * saved,
-              detail=f"{shape.layers - 1} layers × {saved / t:,.0f} B/token")
-        for name, nbytes in _layer_parts(shape, p, s, act):
-            b.add(name, nbytes)
-        b.phase = "layer backward"
+        phases = [Phase("layer backward", [(f"saved activations (no checkpointing): {shape.layers - 1} layers × "
+                                            f"{saved / t:,.0f} B/token", (shape.layers - 1) * saved), *layer],
+                        head_grad + layer_grad),
+                  Phase("optimizer step", [], all_grad)]
+        _add_peak_phase(b, s, phases, all_grad)
         return
     offloaded = _offloaded_layers(shape, s, ckpt)
     host = offloaded * pinned_block(ckpt)
-    layer, loss = _layer_parts(shape, p, s, act), _loss_parts(shape, s, act)
     kept_fwd = shape.layers - offloaded
     kept_bwd = kept_fwd + (1 if offloaded else 0)  # one prefetched back during the layer above's backward
-    if _total(loss) + kept_fwd * ckpt >= _total(layer) + kept_bwd * ckpt:
-        b.phase, on_device, working = "loss head", kept_fwd, loss
-    else:
-        b.phase, on_device, working = "layer backward", kept_bwd, layer
-    b.add("activation checkpoints", on_device * ckpt, host,
-          f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
-          + (f" in pinned blocks of {pinned_block(ckpt):,} B" if offloaded else ""))
-    for name, nbytes in working:
-        b.add(name, nbytes)
+    where = (f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
+             + (f" in pinned blocks of {pinned_block(ckpt):,} B" if offloaded else ""))
+
+    def checkpoints(n: int) -> tuple[str, int]:
+        return (f"activation checkpoints: {n} on the device; {where}", n * ckpt)
+
+    phases = [
+        Phase("loss head", [checkpoints(kept_fwd), *_loss_parts(shape, s, act, res)], head_grad),
+        Phase("layer backward", [checkpoints(kept_bwd), *layer], head_grad + layer_grad),  # the last layer's
+        # The first layer's backward: one checkpoint left, every layer's gradients (they matter in a full fine-tune).
+        Phase("first layer's backward", [checkpoints(1), *layer], head_grad + shape.layers * layer_grad),
+        Phase("optimizer step", [checkpoints(0)], all_grad),
+    ]
+    _add_peak_phase(b, s, phases, all_grad, host)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
+
+
+@dataclass
+class Phase:
+    """One moment of a step that may hold the peak: its activation parts and the gradients alive then."""
+
+    name: str
+    parts: list[tuple[str, int]]
+    gradients: int
+
+    @property
+    def total(self) -> int:
+        return _total(self.parts) + self.gradients
+
+
+def _add_peak_phase(b: Breakdown, s: Settings, phases: list[Phase], all_grad: int, host: int = 0) -> None:
+    """The phase with the most bytes is the peak: its parts (and, when gradients build up during backward, the
+    gradients alive at that moment) go into the breakdown."""
+    peak = max(phases, key=lambda phase: phase.total)
+    b.phase = peak.name
+    if _gradients_build_up(s):
+        b.add("gradients", peak.gradients, detail=f"fp32, those alive at the peak ({peak.name}) of {all_grad:,} B "
+                                                  "after backward (set to None after each step)")
+    for name, nbytes in peak.parts:
+        if name.startswith("activation checkpoints: "):
+            b.add("activation checkpoints", nbytes, host, name.removeprefix("activation checkpoints: "))
+        else:
+            b.add(name, nbytes)
+
+
+def _gradients_build_up(s: Settings) -> bool:
+    """The single-device engine frees gradients after each step (`zero_grad(set_to_none=True)`): with one
+    micro-batch per step they exist only for the layers backward has reached. DeepSpeed keeps its gradient buffers
+    and gradient accumulation keeps them between micro-batches: all of them, all the time."""
+    return s.engine.kind == "torch" and s.grad_accum == 1
+
+
+def _gradient_split(shape: ModelShape, p: ParamCounts, s: Settings) -> tuple[int, int, int]:
+    """fp32 gradient bytes of the single-device engine: (the output head's, one decoder layer's, all). A full
+    fine-tune trains the head (with tied embeddings the shared weight, whose gradient the head starts) and the
+    input embedding (its gradient comes last); LoRA's adapters sit in the layers. (0, 0, 0) when the gradients
+    are static (counted with the engine's state)."""
+    if not _gradients_build_up(s):
+        return 0, 0, 0
+    total = p.trainable * 4
+    head = 0 if s.lora_r else 4 * shape.vocab * shape.hidden
+    embedding = head if head and not shape.tied else 0
+    return head, max(0, total - head - embedding) // max(shape.layers, 1), total
 
 
 def pinned_block(nbytes: int) -> int:
@@ -262,7 +318,7 @@ def _total(parts: list[tuple[str, int]]) -> int:
     return sum(nbytes for _, nbytes in parts)
 
 
-def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> list[tuple[str, int]]:
+def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: int) -> list[tuple[str, int]]:
     """One checkpointed layer's recompute + backward, by part (module doc)."""
     h, t = shape.hidden, s.local_tokens
     attention = act * (4 * h + 6 * shape.q_width + 4 * shape.kv_width) + _norm_upcast(act) * h
@@ -274,6 +330,15 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> li
         ("layer backward: norms around the MLP" + (" (fused into the tiles: none)" if fused else ""),
          t * (mlp_norm + 4 * h * max(0, extra_norms))),
     ]
+    if res > act:
+        # fp32 weights under 16-bit autocast (a single-device full fine-tune): every linear's weight is cast for the
+        # recompute, and q, k and v each cast the (fp32) normalised input.
+        parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs",
+                      p.largest_layer * act + 3 * t * h * act))
+    if s.lora_r and p.lora_wrapped:
+        # peft's ParamWrapper builds B·A for each adapted expert weight (a tensor of the weight's size) in forward
+        # and again in backward's recompute.
+        parts.append(("layer backward: LoRA's B·A of the expert weights", p.lora_wrapped // shape.layers * act))
     if s.tiled_mlp == "off":
         return parts + [("layer backward: MLP (untiled)", t * _mlp_per_token(shape, act))]
     return parts + [("layer backward: one MLP tile", _mlp_tile(shape, s, act))]
@@ -318,38 +383,39 @@ def loss_backend(s: Settings) -> str:
     return "off" if s.tiled_loss == "off" else "count"
 
 
-def _loss_parts(shape: ModelShape, s: Settings, act: int) -> list[tuple[str, int]]:
+def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tuple[str, int]]:
     """The final norm and the loss head, forward + backward, by part (module doc)."""
     t, h, v = s.local_tokens, shape.hidden, shape.vocab
-    final_norm = t * (_norm_upcast(act) + act) * h
+    # HF's RMSNorm in fp32: its input as fp32 (a copy in a 16-bit run; the last layer's output itself in an
+    # fp32 one), its output, and with a trainable weight the normalised input its gradient needs.
+    final_norm = t * h * (4 + res + (0 if s.lora_r else res))
     backend = loss_backend(s)
     if backend == "liger":
         chunk = ceil_div(t, ceil_div(v, h))  # Liger's chunks hold about as many logits as hidden states
         return [("loss head: final norm", final_norm), ("loss head: Liger's gradient of its input", t * act * h),
                 ("loss head: one Liger chunk of logits", 2 * chunk * v * 4)]
     if backend == "mst":
-        tile = ceil_div(t, ceil_div(v, h))
+        tiles = ceil_div(v, h)
     elif backend == "alst":
-        tile = min(t, max(1, LOSS_TILE_BYTES // (4 * v)))
+        tiles = ceil_div(t, max(1, LOSS_TILE_BYTES // (4 * v)))
     elif backend == "off":
-        tile = t
+        tiles = 1
     else:
-        tile = ceil_div(t, min(int(s.tiled_loss), t))
-    # Per logit of a tile at its peak: the fp32 logits and log-softmax's fp32 output or their fp32 gradients, and
-    # the 16-bit matmul output or gradient: 4 + 4 + act, plus ~1 B for what overlaps tile to tile (fitted on
-    # traces of Llama-3.1-8B and Qwen3-0.6B shapes, docs/estimate.md).
-    per_logit = 4 + 4 + act + 1
+        tiles = min(int(s.tiled_loss), t)
+    tile = ceil_div(t, tiles)
+    # At the peak of a tile's backward (log-softmax's): its saved fp32 output, the fp32 gradient nll_loss
+    # hands it and the fp32 gradient it returns: 12 B per logit.
     return [
         ("loss head: final norm", final_norm),
-        ("loss head: its input and fp32 gradient", t * (act + 4) * h),  # the head's saved input, fp32 accumulator
-        (f"loss head: one tile of logits ({tile:,} tokens, {backend})", tile * v * per_logit),
-        ("loss head: weight gradient buffers", _head_weight_grad(shape, s)),
+        ("loss head: gradient of its input", t * h * res),  # sequence_tiled's accumulator, in the input's dtype
+        (f"loss head: one tile of logits ({tile:,} tokens, {backend})", tile * v * 12),
+        ("loss head: autocast copies", _autocast_copies(shape, tile, act, res)),
     ]
 
 
-def _head_weight_grad(shape: ModelShape, s: Settings) -> int:
-    """A trainable head (full fine-tune) adds autocast's bf16 copy of its fp32 weight; its gradient, summed over
-    the tiles, becomes `.grad` (counted with the gradients). Fitted on traces, docs/estimate.md."""
-    if s.lora_r or not s.bf16:
+def _autocast_copies(shape: ModelShape, tile: int, act: int, res: int) -> int:
+    """fp32 weights under 16-bit autocast (a single-device full fine-tune): the head's weight cast for the matmul,
+    and a tile's hidden states cast, in forward and in the recompute."""
+    if res <= act:
         return 0
-    return 2 * shape.vocab * shape.hidden
+    return act * shape.vocab * shape.hidden + 2 * act * tile * shape.hidden
