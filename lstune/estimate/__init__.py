@@ -19,10 +19,13 @@ from lstune.config.schema import TrainConfig, zero_problems
 from lstune.errors import ConfigError
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
-from lstune.estimate.memory import Breakdown, Engine, Settings, breakdown, loss_backend, reserve_bytes
+from lstune.estimate.memory import LOSS_TILE_BYTES, Breakdown, Engine, Settings, breakdown, loss_backend, reserve_bytes
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
 
 MIN_SEQ = 1024
+# `auto` tiling stops cutting once the predicted peak is at most this share of the device: tiles cost time, and
+# the few percent the estimate may be off (docs/estimate.md) plus the allocator's fragmentation need room.
+AUTO_HEADROOM = 0.9
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Estimate:
     device_capacity: int  # bytes the allocator can hand out on one device
     host_capacity: int  # bytes of host memory on one node
     longest_seq_len: int  # the longest sequence (multiple of 1024) this configuration fits
+    tiles: "TileChoice | None" = None  # what `auto` tiling resolved to (what `lstune train` applies)
     suggestions: list["Suggestion"] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -90,6 +94,7 @@ class Estimate:
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
             "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
+            "tiles": self.tiles.to_dict() if self.tiles else None,
             "suggestions": [s.to_dict() for s in self.suggestions], "notes": list(self.notes),
         }
 
@@ -121,7 +126,9 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
                                         trust_remote_code=config.model.trust_remote_code)
     sp = resolve_sp(config, hardware, model_config)
     engine = choose_engine(config, hardware, shape, params, sp)
-    result = _evaluate(config, hardware, shape, params, sp, engine, model_config)
+    tiles = choose_tiles(config, hardware, shape, params, sp, engine)
+    result = _evaluate(tiles.applied_to(config), hardware, shape, params, sp, engine, model_config)
+    result.tiles = tiles
     result.longest_seq_len = longest_seq_len(config, hardware, shape, params, sp, engine)
     if suggest and not result.fits:
         result.suggestions = cheapest_changes(config, hardware, model_config, params)
@@ -199,6 +206,69 @@ def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
             return engine
     reach = [longest_seq_len(config, hardware, shape, params, sp, engine) for engine in candidates]
     return candidates[reach.index(max(reach))]
+
+
+@dataclass(frozen=True)
+class TileChoice:
+    """What `--tiled-mlp auto` / `--tiled-loss auto` resolve to for one run: "off", a tile count, or "auto" where a
+    policy decides per batch (Liger's chunks on CUDA, MST's tiles with --mini-sequence); `reason` says why."""
+
+    tiled_mlp: str | int
+    tiled_loss: str | int
+    reason: str
+
+    def applied_to(self, config: TrainConfig) -> TrainConfig:
+        """`config` with these settings in its memory section (what lstune train prepares the model with)."""
+        return replace(config, memory=replace(config.memory, tiled_mlp=self.tiled_mlp, tiled_loss=self.tiled_loss))
+
+    def describe(self) -> str:
+        return f"tiled MLP {self.tiled_mlp}, tiled loss {self.tiled_loss} ({self.reason})"
+
+    def to_dict(self) -> dict:
+        return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss, "reason": self.reason}
+
+
+def choose_tiles(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,
+                 engine: Engine) -> TileChoice:
+    """`auto` tile counts from the memory model: the fewest tiles (1 = off, then powers of two, up to ALST's
+    counts: MLP tiles of `hidden` tokens, loss tiles of ~1 GiB fp32 logits) that keep the predicted device peak
+    within AUTO_HEADROOM of the device; ALST's counts when none does. Tiling never changes the numbers, only
+    memory and time (an MLP tile recomputes its forward; many small tiles run small kernels), so a tiny model at
+    4K tokens is not cut into 32 tiles. Under --mini-sequence, MST's tiles; on CUDA the loss is Liger's (chunked,
+    and faster than plain logits) wherever it applies."""
+    m = config.memory
+    base = settings(config, hardware, sp, engine)
+    mlp_auto = m.tiled_mlp == "auto" and not m.mini_sequence
+    loss_auto = m.tiled_loss == "auto" and loss_backend(base) == "alst"
+    if not (mlp_auto or loss_auto):
+        return TileChoice(m.tiled_mlp, m.tiled_loss, "as configured" if not m.mini_sequence else "mini-sequence")
+    t = base.local_tokens
+    target = AUTO_HEADROOM * device_capacity(hardware)
+    mlp_max = math.ceil(t / shape.hidden)
+    loss_max = math.ceil(t / max(1, LOSS_TILE_BYTES // (4 * shape.vocab)))
+
+    def peak(mlp, loss) -> int:
+        return breakdown(shape, params, replace(base, tiled_mlp=mlp, tiled_loss=loss)).device_peak
+
+    def fewest(top: int, fits) -> int:
+        return next((n for n in _ladder(top) if fits(n)), top)
+
+    loss = fewest(loss_max, lambda n: peak(mlp_max if mlp_auto else m.tiled_mlp, n) <= target) if loss_auto \
+        else m.tiled_loss
+    mlp = fewest(mlp_max, lambda n: peak(n, loss) <= target) if mlp_auto else m.tiled_mlp
+    settled = peak(mlp, loss) <= target
+    reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
+              else "ALST's tiles: the peak is above " f"{AUTO_HEADROOM:.0%} of the device even so")
+    return TileChoice(_tile_setting(mlp), _tile_setting(loss), reason)
+
+
+def _ladder(top: int) -> list[int]:
+    """1, 2, 4, ... below `top`, then `top`."""
+    return [1 << i for i in range(max(top - 1, 0).bit_length()) if 1 << i < top] + [top]
+
+
+def _tile_setting(value):
+    return "off" if value == 1 else value
 
 
 def _fits(b: Breakdown, hardware: Cluster) -> bool:
@@ -325,5 +395,5 @@ def _notes(config: TrainConfig, shape: ModelShape, sp: int) -> list[str]:
     return notes
 
 
-__all__ = ["Estimate", "Suggestion", "estimate", "StepFlops", "step_flops", "Cluster", "choose_engine",
+__all__ = ["Estimate", "Suggestion", "TileChoice", "choose_tiles", "estimate", "StepFlops", "step_flops", "Cluster", "choose_engine",
            "engine_candidates", "longest_seq_len", "cheapest_changes"]

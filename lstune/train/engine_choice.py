@@ -52,7 +52,8 @@ def zero_plan(prediction):
 
 
 def prediction_note(prediction) -> str:
-    return f"estimate: {prediction.engine.describe()}; {_peaks(prediction)}; {prediction.verdict()}"
+    tiles = f"; {prediction.tiles.describe()}" if prediction.tiles is not None else ""
+    return f"estimate: {prediction.engine.describe()}; {_peaks(prediction)}; {prediction.verdict()}{tiles}"
 
 
 def _peaks(prediction) -> str:

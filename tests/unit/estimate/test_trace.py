@@ -44,8 +44,11 @@ def test_offloaded_checkpoints_leave_the_device_peak_for_the_host():
 @pytest.mark.parametrize("arch, setting, seq", [
     ("llama-3.1-8b", "LoRA defaults", 8192),
     ("llama-3.1-8b", "LoRA, MLP untiled", 16384),
-    ("llama-3.1-8b", "full, SP 4 ZeRO-3", 16384),
-    ("phi-3-mini", "LoRA defaults", 16384),
+    ("llama-3.1-8b", "full, SP 4 ZeRO-3", 16384),  # used to miss: fp32 trace of a bf16 engine, tiling's fp32 sums
+    ("llama-3.1-8b", "full fine-tune", 16384),  # used to miss: every gradient counted at the loss head's peak
+    ("phi-3-mini", "full fine-tune", 16384),  # used to miss (+7.8 %): the same, and the loss head's terms
+    ("qwen3-8b", "LoRA defaults", 16384),  # used to miss (+3.5 %): the loss tile's length, the head's input twice
+    ("mixtral-8x7b", "LoRA defaults", 16384),  # used to miss (-21 %): peft's B·A of the expert weights
 ])
 def test_the_analytic_model_is_within_3_percent_of_the_trace(arch, setting, seq):
     row = grid_row(arch, setting, seq)

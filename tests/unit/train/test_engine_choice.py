@@ -78,3 +78,31 @@ def test_a_run_that_will_not_fit_stops_with_the_changes_that_would_and_force_ove
     assert exc.value.exit_code == 2
     forced = TrainConfig.from_flat({**config.to_dict(), "force": True})
     check_fits(forced, prediction, runtime)  # no error
+
+
+def test_auto_tiling_leaves_a_tiny_model_at_4k_uncut_on_the_cpu():
+    # The CPU's "device" is this machine's RAM: the untiled step of tiny-llama at 4K is far below it.
+    _, prediction, _ = _plan(seq_len=4096, host=16 * GiB)
+    assert (prediction.tiles.tiled_mlp, prediction.tiles.tiled_loss) == ("off", "off")
+
+
+def test_auto_tiling_cuts_llama_8b_at_128k_on_an_80gb_device_and_keeps_what_is_given():
+    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", lora_r=16, seq_len=131072)
+    mlp = prediction.tiles.tiled_mlp
+    assert isinstance(mlp, int) and 1 < mlp <= 131072 // 4096  # a few tiles, at most ALST's tiles of hidden size
+    assert prediction.tiles.tiled_loss == "auto"  # Liger's chunks on CUDA
+    assert prediction.fits and prediction.device_peak_bytes <= 0.9 * prediction.device_capacity
+    fewer = _plan("llama-3.1-8b", gpu="h100-80gb", lora_r=16, seq_len=131072, tiled_mlp=mlp // 2)[1]
+    assert fewer.device_peak_bytes > 0.9 * fewer.device_capacity or fewer.engine != prediction.engine
+    given = _plan("llama-3.1-8b", gpu="h100-80gb", lora_r=16, seq_len=131072, tiled_mlp=5, tiled_loss=7)[1]
+    assert (given.tiles.tiled_mlp, given.tiles.tiled_loss) == (5, 7)
+
+
+def test_the_tiles_the_estimate_chose_are_what_the_model_is_prepared_with():
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.models.presets import build_model
+
+    config, prediction, _ = _plan(seq_len=4096, host=16 * GiB)
+    plan = apply_memory_techniques(build_model("tiny-llama"), prediction.tiles.applied_to(config).memory, seq_len=4096)
+    assert plan.tiled_mlp == "off" and plan.loss_tiles_at_seq_len == 1
+    assert plan.summary()["tiled_loss"]["backend"] == "plain"
