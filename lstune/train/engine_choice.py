@@ -52,8 +52,9 @@ def zero_plan(prediction):
 
 
 def prediction_note(prediction) -> str:
-    tiles = f"; {prediction.tiles.describe()}" if prediction.tiles is not None else ""
-    return f"estimate: {prediction.engine.describe()}; {_peaks(prediction)}; {prediction.verdict()}{tiles}"
+    choice = prediction.memory_choice
+    memory = f"; {choice.describe()}" if choice is not None else ""
+    return f"estimate: {prediction.engine.describe()}; {_peaks(prediction)}; {prediction.verdict()}{memory}"
 
 
 def _peaks(prediction) -> str:

@@ -272,6 +272,7 @@ def trace_estimate(config: TrainConfig, hardware):
     from lstune.estimate import estimate, traced_settings_estimate
 
     analytic = estimate(config, hardware)
+    config = analytic.memory_choice.applied_to(config)  # trace what train would run: `auto` as the estimate chose
     if analytic.engine.kind == "deepspeed":
         static = sum(i.device for i in analytic.breakdown.items if i.name.startswith(("param", "grad", "optim")))
     else:
