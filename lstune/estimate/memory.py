@@ -319,16 +319,38 @@ def _total(parts: list[tuple[str, int]]) -> int:
 
 
 def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: int) -> list[tuple[str, int]]:
-    """One checkpointed layer's recompute + backward, by part (module doc)."""
-    h, t = shape.hidden, s.local_tokens
-    attention = act * (4 * h + 6 * shape.q_width + 4 * shape.kv_width) + _norm_upcast(act) * h
+    """One checkpointed layer's recompute + backward, by part (module doc): what the recomputed attention block
+    saves, then the largest of the three moments of the layer's backward (each holds the residual stream's
+    gradient, `res · h` per token):
+
+    - the MLP's: its norm's fp32 input and output (unless mini-sequence fused the norm into the tiles) and the
+      MLP's working set (untiled: saved gate, activation and up outputs and the input gradients of the down
+      projection; tiled: one tile's);
+    - the MLP norm's: HF's RMSNorm backward in fp32 holds its input as fp32 and five fp32 temporaries (pow, mean
+      and mul backward): 24 B per hidden value (none when fused: it runs inside the tiles);
+    - attention's: the gradients of q, k, v, the output and the input norm's output.
+    """
+    h, t, q, kv = shape.hidden, s.local_tokens, shape.q_width, shape.kv_width
+    upcast = _norm_upcast(act) * h
     fused = s.mini_sequence and s.fuse_norms and s.tiled_mlp != "off"
-    mlp_norm = 0 if fused else 3 * 4 * h
     extra_norms = max(0, p.norms_per_layer - 2) - (1 if fused and p.norms_per_layer >= 4 else 0)
+    grad = res * h
+    if s.tiled_mlp == "off":
+        mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=bool(s.lora_r))
+    else:
+        mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act)
+    moments = [
+        (f"the MLP's: {mlp_name}" + (", its norms fused" if fused else ", its norm's input and output"),
+         t * ((0 if fused else upcast + act * h) + grad) + mlp_work),
+        ("the MLP norm's (fp32 temporaries)", 0 if fused else t * (24 * h + grad)),
+        ("attention's (gradients of q, k, v, output, input norm)", t * act * (3 * h + 3 * q + 2 * kv)),
+    ]
+    name, working = max(moments, key=lambda moment: moment[1])
     parts = [
-        ("layer backward: attention block (q, k, v, output, gradients, input norm)", t * attention),
-        ("layer backward: norms around the MLP" + (" (fused into the tiles: none)" if fused else ""),
-         t * (mlp_norm + 4 * h * max(0, extra_norms))),
+        ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
+         t * (upcast + act * (h + 3 * q + 2 * kv))),
+        (f"layer backward: peak moment, {name}", working),
+        ("layer backward: further norms (fp32 inputs)", t * 4 * h * max(0, extra_norms)),
     ]
     if res > act:
         # fp32 weights under 16-bit autocast (a single-device full fine-tune): every linear's weight is cast for the
@@ -339,14 +361,16 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         # peft's ParamWrapper builds B·A for each adapted expert weight (a tensor of the weight's size) in forward
         # and again in backward's recompute.
         parts.append(("layer backward: LoRA's B·A of the expert weights", p.lora_wrapped // shape.layers * act))
-    if s.tiled_mlp == "off":
-        return parts + [("layer backward: MLP (untiled)", t * _mlp_per_token(shape, act))]
-    return parts + [("layer backward: one MLP tile", _mlp_tile(shape, s, act))]
+    return parts
 
 
-def _mlp_per_token(shape: ModelShape, act: int) -> int:
+def _mlp_per_token(shape: ModelShape, act: int, lora: bool = False) -> int:
+    """Bytes per token of an MLP's backward at its peak (the down projection's): a gated MLP's saved gate,
+    activation and up outputs with the product, the product's gradient, and with LoRA the second part of that
+    gradient before the two are summed; an ungated MLP's up and activation outputs and their gradients. MoE adds
+    the routed copies of the tokens and the fp32 router logits."""
     width = shape.active_intermediate
-    per = act * (3.5 if shape.gated else 2.5) * width
+    per = act * ((5 if shape.gated else 4) + (1 if lora else 0)) * width
     if shape.experts:
         per += act * shape.hidden * shape.top_k + 4 * shape.experts  # routed copies, fp32 router logits
     return int(per)
@@ -359,7 +383,7 @@ def _mlp_tile(shape: ModelShape, s: Settings, act: int) -> int:
     t = s.local_tokens
     tiles = ceil_div(t, shape.hidden) if s.tiled_mlp == "auto" else min(int(s.tiled_mlp), t)
     tile = ceil_div(t, max(tiles, 1))
-    return tile * (_mlp_per_token(shape, act) + 2 * act * shape.hidden)
+    return tile * (_mlp_per_token(shape, act, lora=bool(s.lora_r)) + 2 * act * shape.hidden)
 
 
 def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> int:
