@@ -336,9 +336,9 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     extra_norms = max(0, p.norms_per_layer - 2) - (1 if fused and p.norms_per_layer >= 4 else 0)
     grad = res * h
     if s.tiled_mlp == "off":
-        mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=bool(s.lora_r))
+        mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=_lora_on_tokens(s, p))
     else:
-        mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act)
+        mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act, p)
     moments = [
         (f"the MLP's: {mlp_name}" + (", its norms fused" if fused else ", its norm's input and output"),
          t * ((0 if fused else upcast + act * h) + grad) + mlp_work),
@@ -358,10 +358,17 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs",
                       p.largest_layer * act + 3 * t * h * act))
     if s.lora_r and p.lora_wrapped:
-        # peft's ParamWrapper builds B·A for each adapted expert weight (a tensor of the weight's size) in forward
-        # and again in backward's recompute.
-        parts.append(("layer backward: LoRA's B·A of the expert weights", p.lora_wrapped // shape.layers * act))
+        parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
     return parts
+
+
+def _merged_experts(shape: ModelShape, p: ParamCounts, act: int) -> int:
+    """peft's ParamWrapper adds B·A to each adapted expert weight in every forward (the recompute's included): the
+    merged weights take the weights' size, and backward computes a gradient for each merged weight — the down
+    projection's while all are merged, then the gate/up projection's once the down projection's is freed."""
+    total = p.lora_wrapped // max(shape.layers, 1)
+    largest = min(p.lora_wrapped_largest, total)
+    return act * max(total + (total - largest), 2 * largest)
 
 
 def _mlp_per_token(shape: ModelShape, act: int, lora: bool = False) -> int:
@@ -376,14 +383,19 @@ def _mlp_per_token(shape: ModelShape, act: int, lora: bool = False) -> int:
     return int(per)
 
 
-def _mlp_tile(shape: ModelShape, s: Settings, act: int) -> int:
+def _lora_on_tokens(s: Settings, p: ParamCounts) -> bool:
+    """LoRA adds its own path through the MLP's linears (not so for expert weights: peft merges B·A into them)."""
+    return bool(s.lora_r) and not p.lora_wrapped
+
+
+def _mlp_tile(shape: ModelShape, s: Settings, act: int, p: ParamCounts) -> int:
     """One MLP tile's working set (constant in the sequence length once tiled)."""
     if s.tiled_mlp == "off":
         return 0
     t = s.local_tokens
     tiles = ceil_div(t, shape.hidden) if s.tiled_mlp == "auto" else min(int(s.tiled_mlp), t)
     tile = ceil_div(t, max(tiles, 1))
-    return tile * (_mlp_per_token(shape, act, lora=bool(s.lora_r)) + 2 * act * shape.hidden)
+    return tile * (_mlp_per_token(shape, act, lora=_lora_on_tokens(s, p)) + 2 * act * shape.hidden)
 
 
 def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> int:
@@ -427,12 +439,18 @@ def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tupl
     else:
         tiles = min(int(s.tiled_loss), t)
     tile = ceil_div(t, tiles)
-    # At the peak of a tile's backward (log-softmax's): its saved fp32 output, the fp32 gradient nll_loss
-    # hands it and the fp32 gradient it returns: 12 B per logit.
+    # Two moments of a tile's backward. Log-softmax's: its saved fp32 output, the fp32 gradient nll_loss hands it
+    # and the fp32 gradient it returns, 12 B per logit. A trainable head's weight gradient for the tile (the
+    # logits gone by then): in the weight's dtype, and first in the 16-bit autocast dtype when that differs;
+    # the sum over tiles is the head's gradient, counted with the gradients.
+    logits = tile * v * 12
+    weight_grad = 0 if s.lora_r else v * h * (res + (act if res > act else 0))
+    moment = (f"one tile of logits ({tile:,} tokens, {backend})" if logits >= weight_grad
+              else "the head's weight gradient for one tile")
     return [
         ("loss head: final norm", final_norm),
         ("loss head: gradient of its input", t * h * res),  # sequence_tiled's accumulator, in the input's dtype
-        (f"loss head: one tile of logits ({tile:,} tokens, {backend})", tile * v * 12),
+        (f"loss head: peak moment, {moment}", max(logits, weight_grad)),
         ("loss head: autocast copies", _autocast_copies(shape, tile, act, res)),
     ]
 

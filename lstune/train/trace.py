@@ -27,6 +27,7 @@ windows and softcapping do not trace on CPU). A model lstune cannot prepare on C
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -68,19 +69,21 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
 
     start = time.perf_counter()
     local = replace(config, data=replace(config.data, seq_len=-(-config.data.seq_len // sp)))
-    runtime = _runtime(config, target_cuda)
-    batch_real = _positions(local)
+    whole = replace(config, data=replace(config.data, seq_len=local.data.seq_len * sp))
     holder: dict[str, Any] = {}
     live = _meter(exclude=lambda: _host_bytes(holder))
     model = _on_meta(local, model_config, _bf16_weights(config, target_cuda, zero=static_bytes is not None))
-    with stated_document_spans(batch_real), FakeTensorMode(allow_non_fake_inputs=True):
+    # Ulysses' attention sees the whole sequence: its documents are stated for all of it.
+    with _sp_group(sp, model_config) as dims, stated_document_spans(_positions(whole)), \
+            FakeTensorMode(allow_non_fake_inputs=True):
+        runtime = _runtime(config, target_cuda, dims)
         model.to_empty(device="cpu")
         model.tie_weights()  # to_empty gives each module its own copy of a shared weight; tie them again
         base_bytes = _storage_bytes(model)  # allocated before the meter starts; alive throughout
         if zero3:
             _mark_partitioned(model)
         with live, no_packed_sequence_detection():
-            prepared, optimizer = _prepare(model, local, runtime)
+            prepared, optimizer = _prepare(model, whole, runtime)  # apply_techniques takes its rank's share
             holder["plan"] = prepared.memory
             parameter_bytes = base_bytes + live.current
             layer_input = _watch_layer_input(prepared)
@@ -106,14 +109,37 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
     )
 
 
-def _runtime(config: TrainConfig, target_cuda: bool):
+def _runtime(config: TrainConfig, target_cuda: bool, dims=None):
     """One CPU rank standing in for the target's rank: its autocast dtype is the target run's, and so is its AdamW
-    (fused on CUDA, as lstune.train.engine.TorchEngine makes it: no per-parameter temporaries)."""
+    (fused on CUDA, as lstune.train.engine.TorchEngine makes it: no per-parameter temporaries); `dims`: its
+    sequence-parallel layout (`_sp_group`), None without SP."""
     import torch
 
     bf16 = (target_cuda and config.model.dtype != "fp32") or config.model.dtype == "bf16"
-    return SimpleNamespace(device=torch.device("cpu"), sp=1, dims=None,
+    return SimpleNamespace(device=torch.device("cpu"), sp=dims.sp if dims else 1, dims=dims,
                            autocast_dtype=torch.bfloat16 if bf16 else None, fused_adamw=True if target_cuda else None)
+
+
+@contextmanager
+def _sp_group(sp: int, model_config):
+    """Rank 0 of an SP group of `sp` ranks on torch's `fake` process-group backend, whose collectives return
+    buffers of the real shapes and move no data: lstune's Ulysses attention then runs in the trace as on the
+    real run, its all-to-all and all-gather buffers included. Yields its ParallelDims (None when sp is 1)."""
+    if sp == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lstune.parallel.dims import ParallelDims
+
+    if dist.is_initialized():
+        raise ConfigError([f"--trace at SP {sp} needs a process of its own (torch.distributed is initialised)."])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
+    try:
+        yield ParallelDims.for_model(sp, sp, model_config).build_groups()
+    finally:
+        dist.destroy_process_group()
 
 
 def _meter(exclude):

@@ -53,3 +53,19 @@ def test_offloaded_checkpoints_leave_the_device_peak_for_the_host():
 def test_the_analytic_model_is_within_3_percent_of_the_trace(arch, setting, seq):
     row = grid_row(arch, setting, seq)
     assert abs(row["error"]) <= 0.03, row
+
+
+def test_sequence_parallelism_is_traced_for_real_on_a_fake_process_group(monkeypatch):
+    import torch.distributed as dist
+
+    from lstune.parallel import ulysses
+
+    calls = []
+    real = ulysses._all_to_all
+    monkeypatch.setattr(ulysses, "_all_to_all", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 2048, "lora_r": 8})
+    sp2 = trace_step(config, model_config=preset_config("tiny-llama"), target_cuda=True, sp=2)
+    assert calls and not dist.is_initialized()  # Ulysses' all-to-alls ran; the fake group is gone afterwards
+    assert sp2.seq_len == 1024
+    _, alone = _trace(True, lora_r=8)  # one rank's share without SP: the per-rank model the analytic one uses
+    assert abs(sp2.device_peak_bytes - alone.device_peak_bytes) <= 0.01 * alone.device_peak_bytes
