@@ -227,15 +227,17 @@ class MemorySection:
 
     tiled_mlp: Any = _opt(
         "auto",
-        "Run each MLP over sequence tiles, recomputed in backward: 'auto' = ceil(seq / hidden) tiles (ALST), "
-        "'off', or a tile count.",
+        "Run each MLP over sequence tiles, recomputed in backward: 'auto' = the fewest tiles the memory estimate "
+        "says keep the peak within 90% of the device (none when memory is no concern; up to ALST's "
+        "ceil(seq / hidden)), 'off', or a tile count.",
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
     tiled_loss: Any = _opt(
         "auto",
-        "Compute logits + loss tile by tile, never the full [seq, vocab] logits: 'auto' = tiles of <= ~1 GiB of "
-        "fp32 logits, 'off' (one tile), or a tile count.",
+        "Compute logits + loss tile by tile, never the full [seq, vocab] logits: 'auto' = Liger's fused loss on "
+        "CUDA, else the fewest tiles the memory estimate says keep the peak within 90% of the device (up to "
+        "ALST's tiles of ~1 GiB of fp32 logits), 'off' (one tile), or a tile count.",
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
