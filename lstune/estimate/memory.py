@@ -13,20 +13,21 @@ Static terms are bytes per parameter, by where the run keeps them (lstune.train.
 Activation terms are bytes per token of the rank's local sequence (seq_len / SP), in the run's dtypes: `act`
 = 2 in a bf16 run (4 in fp32), `res` = the residual stream's bytes (the dtype of the weights). Under
 checkpointing the device holds one layer input (res · hidden per token) per layer — two with host offload
-(the kept last layer and the one prefetched during the layer above's backward) — plus the larger of two
-working sets:
+(the kept last layer and the one prefetched during the layer above's backward). The peak is the largest of
+four moments of the step (`Phase`), each with what is alive then:
 
-- the loss head's (forward + backward of the final norm and the head): Liger's chunked fused loss on CUDA, the
-  ALST tiles (~1 GiB of fp32 logits per tile), MST's vocab/hidden tiles, or the full logits;
-- one decoder layer's backward: attention block `act·(4h + 6q + 4kv) + 4h` (the saved q, k, v, output and
-  o-projection input with their gradients, and HF's RMSNorm fp32 copy of its input); the norm feeding the MLP
-  `3 · 4h` (its fp32 backward temporaries; gone when mini-sequence fuses it into the MLP tiles); further norms
-  `4h` each (Gemma's post-norms); the MLP `act · 3.5 · I` untiled (gate, up, activation, product and their
-  gradients), or one tile's worth when tiled.
+- the loss head: every checkpoint, the final norm, the gradient of the head's input and the larger of one
+  tile's log-softmax backward (12 B per logit) and a trainable head's weight gradient for one tile (Liger's
+  chunks on CUDA); the head's gradient;
+- the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's, the
+  MLP norm's (HF's RMSNorm backward in fp32) and attention's moments (`_layer_parts`); one layer's gradients;
+- the first layer's backward: the same with one checkpoint and every layer's gradients;
+- the optimizer step: every gradient (fused AdamW).
 
-The per-token coefficients are counted from the saved tensors of a Llama layer and checked against the
-device peaks measured on an H100 (docs/estimate.md); `lstune estimate --trace` measures the same quantities
-on fake tensors for any model.
+Gradients count by moment only for the single-device engine with one micro-batch a step, which frees them
+after each step; DeepSpeed's buffers and accumulated gradients are static. Every coefficient is counted from
+the tensors HF's modules and lstune's tiling keep alive (checked against the fake-tensor trace's live tensors at
+its peak, lstune.train.trace) and against the device peaks measured on an H100 (docs/estimate.md).
 """
 
 from __future__ import annotations
