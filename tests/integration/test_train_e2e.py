@@ -26,6 +26,8 @@ def test_embedded_demo_recipe_learns(cli, tmp_path):
     assert required <= set(metrics[0])
     assert (out / "final" / "config.json").exists()
     assert "final model" in result.out
+    # `auto` tiling from the estimate: a tiny model at 4K on a CPU is not cut into tiles (it was cut into 32).
+    assert "tiled MLP off" in result.out and "loss plain (1 tile)" in result.out
 
 
 def test_final_model_reloads_with_from_pretrained(cli, tmp_path, text_data):
