@@ -218,10 +218,13 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
     head_grad, layer_grad, all_grad = _gradient_split(shape, p, s)
     layer = _layer_parts(shape, p, s, act, res)
     if not s.checkpointing:
-        saved = t * _saved_per_token(shape, p, s, act)
-        phases = [Phase("layer backward", [(f"saved activations (no checkpointing): {shape.layers - 1} layers × "
-                                            f"{saved / t:,.0f} B/token", (shape.layers - 1) * saved), *layer],
-                        head_grad + layer_grad),
+        saved = t * _saved_per_token(shape, p, s, act) + (_autocast_layer_copies(p, t * h, act) if res > act else 0)
+
+        def kept(n: int) -> tuple[str, int]:
+            return (f"saved activations (no checkpointing): {n} layers × {saved / t:,.0f} B/token", n * saved)
+
+        phases = [Phase("loss head", [kept(shape.layers), *_loss_parts(shape, s, act, res)], head_grad),
+                  Phase("layer backward", [kept(shape.layers - 1), *layer], head_grad + layer_grad),
                   Phase("optimizer step", [], all_grad)]
         _add_peak_phase(b, s, phases, all_grad)
         return
@@ -354,13 +357,17 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         ("layer backward: further norms (fp32 inputs)", t * 4 * h * max(0, extra_norms)),
     ]
     if res > act:
-        # fp32 weights under 16-bit autocast (a single-device full fine-tune): every linear's weight is cast for the
-        # recompute, and q, k and v each cast the (fp32) normalised input.
         parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs",
-                      p.largest_layer * act + 3 * t * h * act))
+                      _autocast_layer_copies(p, t * h, act)))
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
     return parts
+
+
+def _autocast_layer_copies(p: ParamCounts, token_values: int, act: int) -> int:
+    """fp32 weights under 16-bit autocast (a single-device full fine-tune): a layer's forward casts every linear's
+    weight, and q, k and v each cast the (fp32) normalised input; the matmuls keep the copies for backward."""
+    return p.largest_layer * act + 3 * token_values * act
 
 
 def _merged_experts(shape: ModelShape, p: ParamCounts, act: int) -> int:
@@ -400,12 +407,14 @@ def _mlp_tile(shape: ModelShape, s: Settings, act: int, p: ParamCounts) -> int:
 
 
 def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> int:
-    """Bytes per token one layer keeps from forward to backward without checkpointing."""
+    """Bytes per token one layer keeps from forward to backward without checkpointing: each RMSNorm's input as fp32
+    (a copy in a 16-bit run, the residual itself in fp32) and its output; rotated q and k, v and the attention output;
+    the MLP's saved gate, up, activation and product when it is not tiled (tiled, it keeps only its input)."""
     h = shape.hidden
-    attention = act * (3 * shape.q_width + 2 * shape.kv_width + 2 * h)
-    norms = _norm_upcast(act) * h * p.norms_per_layer
-    mlp = act * h if s.tiled_mlp != "off" else int(act * 4 * shape.active_intermediate)
-    return attention + norms + mlp + h * act
+    norms = (4 + act) * h * p.norms_per_layer
+    attention = act * (3 * shape.q_width + 2 * shape.kv_width)
+    mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
+    return norms + attention + mlp
 
 
 def loss_backend(s: Settings) -> str:

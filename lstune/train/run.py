@@ -88,7 +88,9 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     runtime.set_dims(config.parallel.sp, spec.config)
     for note in _adapt_positions(config, spec, runtime):
         reporter.note(note)
-    prediction = plan_run(config, runtime, spec.config)
+    # Rank 0's answer for every rank: nodes with different host memory must not pick different engines or tile
+    # counts (ZeRO-3 gathers weights once per tile, so the ranks' collectives would no longer match).
+    prediction = runtime.comm.broadcast(plan_run(config, runtime, spec.config))
     check_fits(config, prediction, runtime)  # before any data or weights are loaded
     tokenizer, notes = _setup_tokenizer(config, spec)
     template_note = set_chat_template(tokenizer, config.data.chat_template)

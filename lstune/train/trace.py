@@ -363,6 +363,8 @@ GRID_SETTINGS = {
     "LoRA, SP 2 ZeRO-1": {"lora_r": 16, "gpus": 2, "zero_stage": "1"},
     "LoRA, SP 4 ZeRO-3": {"lora_r": 16, "gpus": 4, "zero_stage": "3"},
     "full, SP 4 ZeRO-3": {"gpus": 4, "zero_stage": "3"},
+    "LoRA, no checkpointing": {"lora_r": 16, "checkpointing": False},
+    "full, no checkpointing": {"checkpointing": False},
 }
 
 

@@ -49,6 +49,7 @@ def test_offloaded_checkpoints_leave_the_device_peak_for_the_host():
     ("phi-3-mini", "full fine-tune", 16384),  # used to miss (+7.8 %): the same, and the loss head's terms
     ("qwen3-8b", "LoRA defaults", 16384),  # used to miss (+3.5 %): the loss tile's length, the head's input twice
     ("mixtral-8x7b", "LoRA defaults", 16384),  # used to miss (-21 %): peft's B·A of the expert weights
+    ("llama-3.1-8b", "LoRA, no checkpointing", 8192),  # used to miss (-27 %): no loss-head moment without checkpoints
 ])
 def test_the_analytic_model_is_within_3_percent_of_the_trace(arch, setting, seq):
     row = grid_row(arch, setting, seq)
