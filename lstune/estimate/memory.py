@@ -220,8 +220,12 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
     if not s.checkpointing:
         saved = t * _saved_per_token(shape, p, s, act) + (_autocast_layer_copies(p, t * h, act) if res > act else 0)
 
+        # With frozen embeddings (LoRA) nothing before the first layer's input norm needs a gradient: it saves nothing.
+        first = t * 4 * h if s.lora_r else 0
+
         def kept(n: int) -> tuple[str, int]:
-            return (f"saved activations (no checkpointing): {n} layers × {saved / t:,.0f} B/token", n * saved)
+            return (f"saved activations (no checkpointing): {n} layers × {saved / t:,.0f} B/token",
+                    n * saved - (first if n == shape.layers else 0))
 
         phases = [Phase("loss head", [kept(shape.layers), *_loss_parts(shape, s, act, res)], head_grad),
                   Phase("layer backward", [kept(shape.layers - 1), *layer], head_grad + layer_grad),
@@ -410,11 +414,24 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
     """Bytes per token one layer keeps from forward to backward without checkpointing: each RMSNorm's input as fp32
     (a copy in a 16-bit run, the residual itself in fp32) and its output; rotated q and k, v and the attention output;
     the MLP's saved gate, up, activation and product when it is not tiled (tiled, it keeps only its input)."""
-    h = shape.hidden
-    norms = (4 + act) * h * p.norms_per_layer
+    h, res = shape.hidden, _residual_bytes(s)
+    norms = _norm_saved(s, res) * h * p.norms_per_layer
+    if res > act:  # fp32 weights under autocast: q, k and v keep 16-bit casts of the input norm's output, not it
+        norms -= res * h
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)
     mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
     return norms + attention + mlp
+
+
+def _norm_saved(s: Settings, res: int) -> int:
+    """Bytes per hidden value an RMSNorm keeps for backward (HF computes it in fp32): its input as fp32 (a copy in a
+    16-bit run, the residual itself in an fp32 one), its output, and with a trainable weight (full fine-tune) the
+    normalised input the weight's gradient needs."""
+    return 4 + res + (0 if s.lora_r else res)
+
+
+def _residual_bytes(s: Settings) -> int:
+    return dtypes(s)["residual"]
 
 
 def loss_backend(s: Settings) -> str:
@@ -432,9 +449,7 @@ def loss_backend(s: Settings) -> str:
 def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tuple[str, int]]:
     """The final norm and the loss head, forward + backward, by part (module doc)."""
     t, h, v = s.local_tokens, shape.hidden, shape.vocab
-    # HF's RMSNorm in fp32: its input as fp32 (a copy in a 16-bit run; the last layer's output itself in an
-    # fp32 one), its output, and with a trainable weight the normalised input its gradient needs.
-    final_norm = t * h * (4 + res + (0 if s.lora_r else res))
+    final_norm = t * h * _norm_saved(s, res)
     backend = loss_backend(s)
     if backend == "liger":
         chunk = ceil_div(t, ceil_div(v, h))  # Liger's chunks hold about as many logits as hidden states
