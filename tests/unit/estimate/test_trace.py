@@ -3,6 +3,8 @@ analytic model within 3 % of the trace on a fast subset of docs/estimate.md's gr
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from lstune.config.schema import TrainConfig
@@ -12,7 +14,12 @@ from lstune.train.trace import grid_row, trace_step
 
 
 def _trace(target_cuda: bool, **flat):
-    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 1024, **flat})
+    return _traced(target_cuda, tuple(sorted(flat.items())))
+
+
+@functools.lru_cache(maxsize=None)  # several tests read the same trace; a trace takes seconds
+def _traced(target_cuda: bool, items: tuple):
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 1024, **dict(items)})
     return config, trace_step(config, model_config=preset_config("tiny-llama"), target_cuda=target_cuda)
 
 
