@@ -149,6 +149,8 @@ def _render(e) -> None:
     p = e.params
     con.print(f"parameters: {p.frozen:,} frozen, {p.trainable:,} trainable; checkpoints "
               f"{b.checkpoint_bytes_per_token_layer:,} B per token per layer")
+    if e.memory_choice is not None:
+        con.print(f"memory: {e.memory_choice.describe()}")
     table = Table(title=f"per rank (peak in the {b.phase})", title_justify="left")
     for column, justify in (("", "left"), ("device", "right"), ("host", "right"), ("", "left")):
         table.add_column(column, justify=justify)

@@ -28,8 +28,9 @@ def _param(name: str, annotation: Any, default: Any) -> inspect.Parameter:
 
 
 def _is_switch(f) -> bool:
-    """A `--x/--no-x` switch; fields with style "value" take on|off instead (e.g. --checkpointing off)."""
-    return f.metadata["parser"] is parse.parse_bool and f.metadata.get("style") != "value"
+    """A `--x/--no-x` switch (an 'auto' field marked `switch` too: not given = auto); fields with style "value"
+    take on|off instead (e.g. --checkpointing off)."""
+    return (f.metadata["parser"] is parse.parse_bool or f.metadata.get("switch")) and f.metadata.get("style") != "value"
 
 
 def config_parameter() -> inspect.Parameter:

@@ -118,6 +118,16 @@ def parse_bool(value: Any) -> bool:
     raise ValueError("is not true/false")
 
 
+def parse_auto_bool(value: Any) -> str | bool:
+    """'auto', or true/false (on/off, yes/no)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return parse_bool(value)
+    except ValueError:
+        raise ValueError("is not auto, on or off") from None
+
+
 def parse_choice(value: Any, choices: tuple[str, ...]) -> str:
     text = str(value).strip().lower()
     if text not in choices:

@@ -229,15 +229,17 @@ class MemorySection:
 
     tiled_mlp: Any = _opt(
         "auto",
-        "Run each MLP over sequence tiles, recomputed in backward: 'auto' = ceil(seq / hidden) tiles (ALST), "
-        "'off', or a tile count.",
+        "Run each MLP over sequence tiles, recomputed in backward: 'auto' = the fewest tiles the memory estimate "
+        "says keep the peak within 90% of the device (none when memory is no concern; up to ALST's "
+        "ceil(seq / hidden)), 'off', or a tile count.",
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
     tiled_loss: Any = _opt(
         "auto",
-        "Compute logits + loss tile by tile, never the full [seq, vocab] logits: 'auto' = tiles of <= ~1 GiB of "
-        "fp32 logits, 'off' (one tile), or a tile count.",
+        "Compute logits + loss tile by tile, never the full [seq, vocab] logits: 'auto' = Liger's fused loss on "
+        "CUDA, else the fewest tiles the memory estimate says keep the peak within 90% of the device (up to "
+        "ALST's tiles of ~1 GiB of fp32 logits), 'off' (one tile), or a tile count.",
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
@@ -251,11 +253,14 @@ class MemorySection:
         True, "Activation checkpointing of every decoder layer: on or off.", p.parse_bool, style="value",
         metavar="on|off",
     )
-    offload_checkpoints: bool = _opt(
-        False,
-        "Keep each layer's checkpointed hidden state in host memory (async copies, prefetched in backward); "
-        "falls back to plain checkpointing when the sequence is too short for it to pay.",
-        p.parse_bool,
+    offload_checkpoints: Any = _opt(
+        "auto",
+        "Keep each layer's checkpointed hidden state in host memory (async copies, prefetched in backward). "
+        "Default auto: on only when the estimate says the run does not fit the device without it and the host "
+        "holds it; --offload-checkpoints forces it (still off where the sequence is too short for the copies "
+        "to hide), --no-offload-checkpoints turns it off.",
+        p.parse_auto_bool,
+        switch=True,
     )
     host_mem_budget: int | None = _opt(
         None,
@@ -284,11 +289,11 @@ class MemorySection:
             problems.append(f"--host-mem-budget must be a number of bytes >= 0, not {budget!r}.")
         if self.mini_sequence and self.tiled_mlp == "off":
             problems.append("--mini-sequence tiles the MLP: drop --tiled-mlp off, or drop --mini-sequence.")
-        if self.offload_checkpoints and not self.checkpointing:
+        if self.offload_checkpoints is True and not self.checkpointing:
             problems.append(
                 "--offload-checkpoints moves activation checkpoints to host memory: it needs --checkpointing on."
             )
-        if budget is not None and not self.offload_checkpoints:
+        if budget is not None and self.offload_checkpoints is False:
             problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
         return problems
 

@@ -19,10 +19,13 @@ from lstune.config.schema import TrainConfig, zero_problems
 from lstune.errors import ConfigError
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
-from lstune.estimate.memory import Breakdown, Engine, Settings, breakdown, loss_backend, reserve_bytes
+from lstune.estimate.memory import LOSS_TILE_BYTES, Breakdown, Engine, Settings, breakdown, loss_backend, reserve_bytes
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
 
 MIN_SEQ = 1024
+# `auto` tiling stops cutting once the predicted peak is at most this share of the device: tiles cost time, and
+# the few percent the estimate may be off (docs/estimate.md) plus the allocator's fragmentation need room.
+AUTO_HEADROOM = 0.9
 
 
 @dataclass
@@ -41,6 +44,7 @@ class Estimate:
     device_capacity: int  # bytes the allocator can hand out on one device
     host_capacity: int  # bytes of host memory on one node
     longest_seq_len: int  # the longest sequence (multiple of 1024) this configuration fits
+    memory_choice: "MemoryChoice | None" = None  # what the `auto` memory settings resolved to (what train applies)
     suggestions: list["Suggestion"] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -90,6 +94,7 @@ class Estimate:
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
             "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
+            "memory_choice": self.memory_choice.to_dict() if self.memory_choice else None,
             "suggestions": [s.to_dict() for s in self.suggestions], "notes": list(self.notes),
         }
 
@@ -121,7 +126,9 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
                                         trust_remote_code=config.model.trust_remote_code)
     sp = resolve_sp(config, hardware, model_config)
     engine = choose_engine(config, hardware, shape, params, sp)
-    result = _evaluate(config, hardware, shape, params, sp, engine, model_config)
+    choice = choose_memory(config, hardware, shape, params, sp, engine)
+    result = _evaluate(choice.applied_to(config), hardware, shape, params, sp, engine, model_config)
+    result.memory_choice = choice
     result.longest_seq_len = longest_seq_len(config, hardware, shape, params, sp, engine)
     if suggest and not result.fits:
         result.suggestions = cheapest_changes(config, hardware, model_config, params)
@@ -153,14 +160,17 @@ def resolve_sp(config: TrainConfig, hardware: Cluster, model_config) -> int:
     return ParallelDims.for_model(hardware.world_size, config.parallel.sp, text).sp
 
 
-def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine) -> Settings:
+def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, offload: bool | None = None) -> Settings:
+    """The byte model's settings of `config`; `offload`: checkpoint offload as resolved (default: on only when the
+    config says so outright, 'auto' being the estimate's choice, `choose_memory`)."""
     m = config.memory
+    offload = m.offload_checkpoints is True if offload is None else offload
     return Settings(
         seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp, world=hardware.world_size,
         engine=engine, lora_r=config.model.lora_r, on_cuda=hardware.on_cuda,
         dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence,
-        checkpointing=m.checkpointing, offload_checkpoints=m.offload_checkpoints, host_mem_budget=m.host_mem_budget,
-        load_in_4bit=config.model.load_in_4bit,
+        checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
+        grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
     )
 
 
@@ -195,10 +205,119 @@ def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     sequence (the first of equals)."""
     candidates = engine_candidates(config, hardware)
     for engine in candidates:
-        if _fits(breakdown(shape, params, settings(config, hardware, sp, engine)), hardware):
+        if _fits_some_offload(config, hardware, shape, params, sp, engine):
             return engine
     reach = [longest_seq_len(config, hardware, shape, params, sp, engine) for engine in candidates]
     return candidates[reach.index(max(reach))]
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """What the `auto` memory settings resolve to for one run — `tiled_mlp` / `tiled_loss`: "off", a tile count, or
+    "auto" where a policy decides per batch (Liger's chunks on CUDA, MST's tiles with --mini-sequence);
+    `offload_checkpoints`: on or off — and why."""
+
+    tiled_mlp: str | int
+    tiled_loss: str | int
+    offload_checkpoints: bool
+    reason: str
+
+    def applied_to(self, config: TrainConfig) -> TrainConfig:
+        """`config` with these settings in its memory section (what lstune train prepares the model with)."""
+        memory = replace(config.memory, tiled_mlp=self.tiled_mlp, tiled_loss=self.tiled_loss,
+                         offload_checkpoints=self.offload_checkpoints)
+        return replace(config, memory=memory)
+
+    def describe(self) -> str:
+        offload = "offloaded checkpoints" if self.offload_checkpoints else "no checkpoint offload"
+        return f"tiled MLP {self.tiled_mlp}, tiled loss {self.tiled_loss}, {offload} ({self.reason})"
+
+    def to_dict(self) -> dict:
+        return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss,
+                "offload_checkpoints": self.offload_checkpoints, "reason": self.reason}
+
+
+def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,
+                  engine: Engine) -> MemoryChoice:
+    """The `auto` memory settings from the memory model, cheapest first.
+
+    Checkpoint offload (`auto`): on only when the run with ALST's tiles does not fit the device without it, the
+    host holds the offloaded checkpoints, and (on CUDA) the sequence is long enough for the copies to hide under
+    compute (MEMO Eq. 1, lstune.memory.checkpoint.offload_min_tokens); never on a CPU, where host and device are
+    one memory. Tiles (`auto`): the fewest (1 = off, then powers of two, up to ALST's counts: MLP tiles of
+    `hidden` tokens, loss tiles of ~1 GiB fp32 logits) that keep the predicted device peak within AUTO_HEADROOM
+    of the device; ALST's counts when none does. Tiling never changes the numbers, only memory and time (an MLP
+    tile recomputes its forward; many small tiles run small kernels), so a tiny model at 4K tokens is not cut
+    into 32 tiles. Under --mini-sequence, MST's tiles; on CUDA the loss is Liger's (chunked, and faster than
+    plain logits) wherever it applies."""
+    options = _offload_options(config, hardware, shape, params, sp, engine)
+    peaks = {o: breakdown(shape, params, settings(config, hardware, sp, engine, o)) for o in options}
+    fitting = [o for o in options if _fits(peaks[o], hardware)]
+    # When nothing fits, offload still lowers the device peak, but only where the host holds it.
+    host_ok = [o for o in options if peaks[o].host_peak * hardware.gpus <= hardware.host_bytes]
+    offload = fitting[0] if fitting else (host_ok[-1] if host_ok else options[0])
+    why = ("it does not fit the device without" if offload and config.memory.offload_checkpoints == "auto" else "")
+    base = settings(config, hardware, sp, engine, offload)
+    mlp, loss, settled = _choose_tiles(config, hardware, shape, params, base)
+    reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
+              else f"ALST's tiles: the peak is above {AUTO_HEADROOM:.0%} of the device even so")
+    return MemoryChoice(mlp, loss, offload, f"{reason}{'; checkpoints offloaded: ' + why if why else ''}")
+
+
+def _offload_options(config, hardware, shape, params, sp, engine) -> list[bool]:
+    """The checkpoint offload settings `auto` may take, off first (module doc of choose_memory)."""
+    m = config.memory
+    if m.offload_checkpoints != "auto":
+        return [bool(m.offload_checkpoints)]
+    if not (m.checkpointing and hardware.on_cuda):
+        return [False]
+    from lstune.memory.checkpoint import offload_min_tokens
+
+    res = 2 if settings(config, hardware, sp, engine).bf16 else 4
+    local = config.optim.micro_batch_size * math.ceil(config.data.seq_len / sp)
+    hides = local >= offload_min_tokens(shape.layer_matmul_params(), shape.hidden, shape.q_width, res)
+    return [False, True] if hides else [False]
+
+
+def _fits_some_offload(config, hardware, shape, params, sp, engine) -> bool:
+    """Whether the run fits with one of the checkpoint offload settings it may take."""
+    return any(_fits(breakdown(shape, params, settings(config, hardware, sp, engine, offload)), hardware)
+               for offload in _offload_options(config, hardware, shape, params, sp, engine))
+
+
+def _choose_tiles(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts,
+                  base: Settings) -> tuple[str | int, str | int, bool]:
+    """(MLP tiles, loss tiles, whether the peak is within the headroom) as choose_memory says."""
+    m = config.memory
+    mlp_auto = m.tiled_mlp == "auto" and not m.mini_sequence
+    loss_auto = m.tiled_loss == "auto" and loss_backend(base) == "alst"
+    target = AUTO_HEADROOM * device_capacity(hardware)
+
+    def peak(mlp, loss) -> int:
+        return breakdown(shape, params, replace(base, tiled_mlp=mlp, tiled_loss=loss)).device_peak
+
+    if not (mlp_auto or loss_auto):
+        return m.tiled_mlp, m.tiled_loss, peak(m.tiled_mlp, m.tiled_loss) <= target
+    t = base.local_tokens
+    mlp_max = math.ceil(t / shape.hidden)
+    loss_max = math.ceil(t / max(1, LOSS_TILE_BYTES // (4 * shape.vocab)))
+
+    def fewest(top: int, fits) -> int:
+        return next((n for n in _ladder(top) if fits(n)), top)
+
+    loss = fewest(loss_max, lambda n: peak(mlp_max if mlp_auto else m.tiled_mlp, n) <= target) if loss_auto \
+        else m.tiled_loss
+    mlp = fewest(mlp_max, lambda n: peak(n, loss) <= target) if mlp_auto else m.tiled_mlp
+    return _tile_setting(mlp), _tile_setting(loss), peak(mlp, loss) <= target
+
+
+def _ladder(top: int) -> list[int]:
+    """1, 2, 4, ... below `top`, then `top`."""
+    return [1 << i for i in range(max(top - 1, 0).bit_length()) if 1 << i < top] + [top]
+
+
+def _tile_setting(value):
+    return "off" if value == 1 else value
 
 
 def _fits(b: Breakdown, hardware: Cluster) -> bool:
@@ -246,7 +365,7 @@ def longest_seq_len(config, hardware, shape, params, sp, engine) -> int:
     step = MIN_SEQ * sp
 
     def fits(n: int) -> bool:
-        return _fits(breakdown(shape, params, settings(_with(config, seq_len=n), hardware, sp, engine)), hardware)
+        return _fits_some_offload(_with(config, seq_len=n), hardware, shape, params, sp, engine)
 
     if not fits(step):
         return 0
@@ -325,5 +444,5 @@ def _notes(config: TrainConfig, shape: ModelShape, sp: int) -> list[str]:
     return notes
 
 
-__all__ = ["Estimate", "Suggestion", "estimate", "StepFlops", "step_flops", "Cluster", "choose_engine",
+__all__ = ["Estimate", "Suggestion", "MemoryChoice", "choose_memory", "estimate", "StepFlops", "step_flops", "Cluster", "choose_engine",
            "engine_candidates", "longest_seq_len", "cheapest_changes"]

@@ -13,20 +13,21 @@ Static terms are bytes per parameter, by where the run keeps them (lstune.train.
 Activation terms are bytes per token of the rank's local sequence (seq_len / SP), in the run's dtypes: `act`
 = 2 in a bf16 run (4 in fp32), `res` = the residual stream's bytes (the dtype of the weights). Under
 checkpointing the device holds one layer input (res · hidden per token) per layer — two with host offload
-(the kept last layer and the one prefetched during the layer above's backward) — plus the larger of two
-working sets:
+(the kept last layer and the one prefetched during the layer above's backward). The peak is the largest of
+four moments of the step (`Phase`), each with what is alive then:
 
-- the loss head's (forward + backward of the final norm and the head): Liger's chunked fused loss on CUDA, the
-  ALST tiles (~1 GiB of fp32 logits per tile), MST's vocab/hidden tiles, or the full logits;
-- one decoder layer's backward: attention block `act·(4h + 6q + 4kv) + 4h` (the saved q, k, v, output and
-  o-projection input with their gradients, and HF's RMSNorm fp32 copy of its input); the norm feeding the MLP
-  `3 · 4h` (its fp32 backward temporaries; gone when mini-sequence fuses it into the MLP tiles); further norms
-  `4h` each (Gemma's post-norms); the MLP `act · 3.5 · I` untiled (gate, up, activation, product and their
-  gradients), or one tile's worth when tiled.
+- the loss head: every checkpoint, the final norm, the gradient of the head's input and the larger of one
+  tile's log-softmax backward (12 B per logit) and a trainable head's weight gradient for one tile (Liger's
+  chunks on CUDA); the head's gradient;
+- the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's, the
+  MLP norm's (HF's RMSNorm backward in fp32) and attention's moments (`_layer_parts`); one layer's gradients;
+- the first layer's backward: the same with one checkpoint and every layer's gradients;
+- the optimizer step: every gradient (fused AdamW).
 
-The per-token coefficients are counted from the saved tensors of a Llama layer and checked against the
-device peaks measured on an H100 (docs/estimate.md); `lstune estimate --trace` measures the same quantities
-on fake tensors for any model.
+Gradients count by moment only for the single-device engine with one micro-batch a step, which frees them
+after each step; DeepSpeed's buffers and accumulated gradients are static. Every coefficient is counted from
+the tensors HF's modules and lstune's tiling keep alive (checked against the fake-tensor trace's live tensors at
+its peak, lstune.train.trace) and against the device peaks measured on an H100 (docs/estimate.md).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Settings:
     checkpointing: bool
     offload_checkpoints: bool
     host_mem_budget: int | None
+    grad_accum: int = 1  # micro-batches per optimizer step
     liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
     fuse_norms: bool = True  # mini-sequence fuses the MLP's norms (a probe on real weights finds them)
     load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
@@ -169,7 +171,8 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
     if e.kind == "torch":
         _frozen(b, p, s, d["frozen"])
         b.add("trainable parameters", p.trainable * d["trainable"], detail=f"{p.trainable:,} × fp32")
-        b.add("gradients", p.trainable * 4, detail=f"{p.trainable:,} × fp32")
+        if not _gradients_build_up(s):
+            b.add("gradients", p.trainable * 4, detail=f"{p.trainable:,} × fp32, kept between micro-batches")
         b.add("optimizer state", p.trainable * ADAM_BYTES, detail="Adam m, v: 2 × fp32")
         return
     wb = d["trainable"]
@@ -212,29 +215,90 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
     ckpt = t * h * res
     b.checkpoint_bytes_per_token_layer = h * res
     b.add("inputs, positions, labels, rotary tables", t * (3 * 8 + 2 * shape.head_dim * act))
+    head_grad, layer_grad, all_grad = _gradient_split(shape, p, s)
+    layer = _layer_parts(shape, p, s, act, res)
     if not s.checkpointing:
-        saved = t * _saved_per_token(shape, p, s, act)
-        b.add("saved activations (no checkpointing)", (shape.layers - 1) * saved,
-              detail=f"{shape.layers - 1} layers × {saved / t:,.0f} B/token")
-        for name, nbytes in _layer_parts(shape, p, s, act):
-            b.add(name, nbytes)
-        b.phase = "layer backward"
+        saved = t * _saved_per_token(shape, p, s, act) + (_autocast_layer_copies(p, t * h, act) if res > act else 0)
+
+        # With frozen embeddings (LoRA) nothing before the first layer's input norm needs a gradient: it saves nothing.
+        first = t * 4 * h if s.lora_r else 0
+
+        def kept(n: int) -> tuple[str, int]:
+            return (f"saved activations (no checkpointing): {n} layers × {saved / t:,.0f} B/token",
+                    n * saved - (first if n == shape.layers else 0))
+
+        phases = [Phase("loss head", [kept(shape.layers), *_loss_parts(shape, s, act, res)], head_grad),
+                  Phase("layer backward", [kept(shape.layers - 1), *layer], head_grad + layer_grad),
+                  Phase("optimizer step", [], all_grad)]
+        _add_peak_phase(b, s, phases, all_grad)
         return
     offloaded = _offloaded_layers(shape, s, ckpt)
     host = offloaded * pinned_copy_bytes(ckpt, res)
-    layer, loss = _layer_parts(shape, p, s, act), _loss_parts(shape, s, act)
     kept_fwd = shape.layers - offloaded
     kept_bwd = kept_fwd + (1 if offloaded else 0)  # one prefetched back during the layer above's backward
-    if _total(loss) + kept_fwd * ckpt >= _total(layer) + kept_bwd * ckpt:
-        b.phase, on_device, working = "loss head", kept_fwd, loss
-    else:
-        b.phase, on_device, working = "layer backward", kept_bwd, layer
-    b.add("activation checkpoints", on_device * ckpt, host,
-          f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
-          + (f", {pinned_copy_bytes(ckpt, res):,} B pinned each" if offloaded else ""))
-    for name, nbytes in working:
-        b.add(name, nbytes)
+    where = (f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
+             + (f", {pinned_copy_bytes(ckpt, res):,} B pinned each" if offloaded else ""))
+
+    def checkpoints(n: int) -> tuple[str, int]:
+        return (f"activation checkpoints: {n} on the device; {where}", n * ckpt)
+
+    phases = [
+        Phase("loss head", [checkpoints(kept_fwd), *_loss_parts(shape, s, act, res)], head_grad),
+        Phase("layer backward", [checkpoints(kept_bwd), *layer], head_grad + layer_grad),  # the last layer's
+        # The first layer's backward: one checkpoint left, every layer's gradients (they matter in a full fine-tune).
+        Phase("first layer's backward", [checkpoints(1), *layer], head_grad + shape.layers * layer_grad),
+        Phase("optimizer step", [checkpoints(0)], all_grad),
+    ]
+    _add_peak_phase(b, s, phases, all_grad, host)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
+
+
+@dataclass
+class Phase:
+    """One moment of a step that may hold the peak: its activation parts and the gradients alive then."""
+
+    name: str
+    parts: list[tuple[str, int]]
+    gradients: int
+
+    @property
+    def total(self) -> int:
+        return _total(self.parts) + self.gradients
+
+
+def _add_peak_phase(b: Breakdown, s: Settings, phases: list[Phase], all_grad: int, host: int = 0) -> None:
+    """The phase with the most bytes is the peak: its parts (and, when gradients build up during backward, the
+    gradients alive at that moment) go into the breakdown."""
+    peak = max(phases, key=lambda phase: phase.total)
+    b.phase = peak.name
+    if _gradients_build_up(s):
+        b.add("gradients", peak.gradients, detail=f"fp32, those alive at the peak ({peak.name}) of {all_grad:,} B "
+                                                  "after backward (set to None after each step)")
+    for name, nbytes in peak.parts:
+        if name.startswith("activation checkpoints: "):
+            b.add("activation checkpoints", nbytes, host, name.removeprefix("activation checkpoints: "))
+        else:
+            b.add(name, nbytes)
+
+
+def _gradients_build_up(s: Settings) -> bool:
+    """The single-device engine frees gradients after each step (`zero_grad(set_to_none=True)`): with one
+    micro-batch per step they exist only for the layers backward has reached. DeepSpeed keeps its gradient buffers
+    and gradient accumulation keeps them between micro-batches: all of them, all the time."""
+    return s.engine.kind == "torch" and s.grad_accum == 1
+
+
+def _gradient_split(shape: ModelShape, p: ParamCounts, s: Settings) -> tuple[int, int, int]:
+    """fp32 gradient bytes of the single-device engine: (the output head's, one decoder layer's, all). A full
+    fine-tune trains the head (with tied embeddings the shared weight, whose gradient the head starts) and the
+    input embedding (its gradient comes last); LoRA's adapters sit in the layers. (0, 0, 0) when the gradients
+    are static (counted with the engine's state)."""
+    if not _gradients_build_up(s):
+        return 0, 0, 0
+    total = p.trainable * 4
+    head = 0 if s.lora_r else 4 * shape.vocab * shape.hidden
+    embedding = head if head and not shape.tied else 0
+    return head, max(0, total - head - embedding) // max(shape.layers, 1), total
 
 
 def pinned_copy_bytes(nbytes: int, element_size: int) -> int:
@@ -263,48 +327,112 @@ def _total(parts: list[tuple[str, int]]) -> int:
     return sum(nbytes for _, nbytes in parts)
 
 
-def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> list[tuple[str, int]]:
-    """One checkpointed layer's recompute + backward, by part (module doc)."""
-    h, t = shape.hidden, s.local_tokens
-    attention = act * (4 * h + 6 * shape.q_width + 4 * shape.kv_width) + _norm_upcast(act) * h
+def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: int) -> list[tuple[str, int]]:
+    """One checkpointed layer's recompute + backward, by part (module doc): what the recomputed attention block
+    saves, then the largest of the three moments of the layer's backward (each holds the residual stream's
+    gradient, `res · h` per token):
+
+    - the MLP's: its norm's fp32 input and output (unless mini-sequence fused the norm into the tiles) and the
+      MLP's working set (untiled: saved gate, activation and up outputs and the input gradients of the down
+      projection; tiled: one tile's);
+    - the MLP norm's: HF's RMSNorm backward in fp32 holds its input as fp32 and five fp32 temporaries (pow, mean
+      and mul backward): 24 B per hidden value (none when fused: it runs inside the tiles);
+    - attention's: the gradients of q, k, v, the output and the input norm's output.
+    """
+    h, t, q, kv = shape.hidden, s.local_tokens, shape.q_width, shape.kv_width
+    upcast = _norm_upcast(act) * h
     fused = s.mini_sequence and s.fuse_norms and s.tiled_mlp != "off"
-    mlp_norm = 0 if fused else 3 * 4 * h
     extra_norms = max(0, p.norms_per_layer - 2) - (1 if fused and p.norms_per_layer >= 4 else 0)
-    parts = [
-        ("layer backward: attention block (q, k, v, output, gradients, input norm)", t * attention),
-        ("layer backward: norms around the MLP" + (" (fused into the tiles: none)" if fused else ""),
-         t * (mlp_norm + 4 * h * max(0, extra_norms))),
-    ]
+    grad = res * h
     if s.tiled_mlp == "off":
-        return parts + [("layer backward: MLP (untiled)", t * _mlp_per_token(shape, act))]
-    return parts + [("layer backward: one MLP tile", _mlp_tile(shape, s, act))]
+        mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=_lora_on_tokens(s, p))
+    else:
+        mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act, p)
+    moments = [
+        (f"the MLP's: {mlp_name}" + (", its norms fused" if fused else ", its norm's input and output"),
+         t * ((0 if fused else upcast + act * h) + grad) + mlp_work),
+        ("the MLP norm's (fp32 temporaries)", 0 if fused else t * (24 * h + grad)),
+        ("attention's (gradients of q, k, v, output, input norm)", t * act * (3 * h + 3 * q + 2 * kv)),
+    ]
+    name, working = max(moments, key=lambda moment: moment[1])
+    parts = [
+        ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
+         t * (upcast + act * (h + 3 * q + 2 * kv))),
+        (f"layer backward: peak moment, {name}", working),
+        ("layer backward: further norms (fp32 inputs)", t * 4 * h * max(0, extra_norms)),
+    ]
+    if res > act:
+        parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs",
+                      _autocast_layer_copies(p, t * h, act)))
+    if s.lora_r and p.lora_wrapped:
+        parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
+    return parts
 
 
-def _mlp_per_token(shape: ModelShape, act: int) -> int:
+def _autocast_layer_copies(p: ParamCounts, token_values: int, act: int) -> int:
+    """fp32 weights under 16-bit autocast (a single-device full fine-tune): a layer's forward casts every linear's
+    weight, and q, k and v each cast the (fp32) normalised input; the matmuls keep the copies for backward."""
+    return p.largest_layer * act + 3 * token_values * act
+
+
+def _merged_experts(shape: ModelShape, p: ParamCounts, act: int) -> int:
+    """peft's ParamWrapper adds B·A to each adapted expert weight in every forward (the recompute's included): the
+    merged weights take the weights' size, and backward computes a gradient for each merged weight — the down
+    projection's while all are merged, then the gate/up projection's once the down projection's is freed."""
+    total = p.lora_wrapped // max(shape.layers, 1)
+    largest = min(p.lora_wrapped_largest, total)
+    return act * max(total + (total - largest), 2 * largest)
+
+
+def _mlp_per_token(shape: ModelShape, act: int, lora: bool = False) -> int:
+    """Bytes per token of an MLP's backward at its peak (the down projection's): a gated MLP's saved gate,
+    activation and up outputs with the product, the product's gradient, and with LoRA the second part of that
+    gradient before the two are summed; an ungated MLP's up and activation outputs and their gradients. MoE adds
+    the routed copies of the tokens and the fp32 router logits."""
     width = shape.active_intermediate
-    per = act * (3.5 if shape.gated else 2.5) * width
+    per = act * ((5 if shape.gated else 4) + (1 if lora else 0)) * width
     if shape.experts:
         per += act * shape.hidden * shape.top_k + 4 * shape.experts  # routed copies, fp32 router logits
     return int(per)
 
 
-def _mlp_tile(shape: ModelShape, s: Settings, act: int) -> int:
+def _lora_on_tokens(s: Settings, p: ParamCounts) -> bool:
+    """LoRA adds its own path through the MLP's linears (not so for expert weights: peft merges B·A into them)."""
+    return bool(s.lora_r) and not p.lora_wrapped
+
+
+def _mlp_tile(shape: ModelShape, s: Settings, act: int, p: ParamCounts) -> int:
     """One MLP tile's working set (constant in the sequence length once tiled)."""
     if s.tiled_mlp == "off":
         return 0
     t = s.local_tokens
     tiles = ceil_div(t, shape.hidden) if s.tiled_mlp == "auto" else min(int(s.tiled_mlp), t)
     tile = ceil_div(t, max(tiles, 1))
-    return tile * (_mlp_per_token(shape, act) + 2 * act * shape.hidden)
+    return tile * (_mlp_per_token(shape, act, lora=_lora_on_tokens(s, p)) + 2 * act * shape.hidden)
 
 
 def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> int:
-    """Bytes per token one layer keeps from forward to backward without checkpointing."""
-    h = shape.hidden
-    attention = act * (3 * shape.q_width + 2 * shape.kv_width + 2 * h)
-    norms = _norm_upcast(act) * h * p.norms_per_layer
-    mlp = act * h if s.tiled_mlp != "off" else int(act * 4 * shape.active_intermediate)
-    return attention + norms + mlp + h * act
+    """Bytes per token one layer keeps from forward to backward without checkpointing: each RMSNorm's input as fp32
+    (a copy in a 16-bit run, the residual itself in fp32) and its output; rotated q and k, v and the attention output;
+    the MLP's saved gate, up, activation and product when it is not tiled (tiled, it keeps only its input)."""
+    h, res = shape.hidden, _residual_bytes(s)
+    norms = _norm_saved(s, res) * h * p.norms_per_layer
+    if res > act:  # fp32 weights under autocast: q, k and v keep 16-bit casts of the input norm's output, not it
+        norms -= res * h
+    attention = act * (3 * shape.q_width + 2 * shape.kv_width)
+    mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
+    return norms + attention + mlp
+
+
+def _norm_saved(s: Settings, res: int) -> int:
+    """Bytes per hidden value an RMSNorm keeps for backward (HF computes it in fp32): its input as fp32 (a copy in a
+    16-bit run, the residual itself in an fp32 one), its output, and with a trainable weight (full fine-tune) the
+    normalised input the weight's gradient needs."""
+    return 4 + res + (0 if s.lora_r else res)
+
+
+def _residual_bytes(s: Settings) -> int:
+    return dtypes(s)["residual"]
 
 
 def loss_backend(s: Settings) -> str:
@@ -319,38 +447,43 @@ def loss_backend(s: Settings) -> str:
     return "off" if s.tiled_loss == "off" else "count"
 
 
-def _loss_parts(shape: ModelShape, s: Settings, act: int) -> list[tuple[str, int]]:
+def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tuple[str, int]]:
     """The final norm and the loss head, forward + backward, by part (module doc)."""
     t, h, v = s.local_tokens, shape.hidden, shape.vocab
-    final_norm = t * (_norm_upcast(act) + act) * h
+    final_norm = t * h * _norm_saved(s, res)
     backend = loss_backend(s)
     if backend == "liger":
         chunk = ceil_div(t, ceil_div(v, h))  # Liger's chunks hold about as many logits as hidden states
         return [("loss head: final norm", final_norm), ("loss head: Liger's gradient of its input", t * act * h),
                 ("loss head: one Liger chunk of logits", 2 * chunk * v * 4)]
     if backend == "mst":
-        tile = ceil_div(t, ceil_div(v, h))
+        tiles = ceil_div(v, h)
     elif backend == "alst":
-        tile = min(t, max(1, LOSS_TILE_BYTES // (4 * v)))
+        tiles = ceil_div(t, max(1, LOSS_TILE_BYTES // (4 * v)))
     elif backend == "off":
-        tile = t
+        tiles = 1
     else:
-        tile = ceil_div(t, min(int(s.tiled_loss), t))
-    # Per logit of a tile at its peak: the fp32 logits and log-softmax's fp32 output or their fp32 gradients, and
-    # the 16-bit matmul output or gradient: 4 + 4 + act, plus ~1 B for what overlaps tile to tile (fitted on
-    # traces of Llama-3.1-8B and Qwen3-0.6B shapes, docs/estimate.md).
-    per_logit = 4 + 4 + act + 1
+        tiles = min(int(s.tiled_loss), t)
+    tile = ceil_div(t, tiles)
+    # Two moments of a tile's backward. Log-softmax's: its saved fp32 output, the fp32 gradient nll_loss hands it
+    # and the fp32 gradient it returns, 12 B per logit. A trainable head's weight gradient for the tile (the
+    # logits gone by then): in the weight's dtype, and first in the 16-bit autocast dtype when that differs;
+    # the sum over tiles is the head's gradient, counted with the gradients.
+    logits = tile * v * 12
+    weight_grad = 0 if s.lora_r else v * h * (res + (act if res > act else 0))
+    moment = (f"one tile of logits ({tile:,} tokens, {backend})" if logits >= weight_grad
+              else "the head's weight gradient for one tile")
     return [
         ("loss head: final norm", final_norm),
-        ("loss head: its input and fp32 gradient", t * (act + 4) * h),  # the head's saved input, fp32 accumulator
-        (f"loss head: one tile of logits ({tile:,} tokens, {backend})", tile * v * per_logit),
-        ("loss head: weight gradient buffers", _head_weight_grad(shape, s)),
+        ("loss head: gradient of its input", t * h * res),  # sequence_tiled's accumulator, in the input's dtype
+        (f"loss head: peak moment, {moment}", max(logits, weight_grad)),
+        ("loss head: autocast copies", _autocast_copies(shape, tile, act, res)),
     ]
 
 
-def _head_weight_grad(shape: ModelShape, s: Settings) -> int:
-    """A trainable head (full fine-tune) adds autocast's bf16 copy of its fp32 weight; its gradient, summed over
-    the tiles, becomes `.grad` (counted with the gradients). Fitted on traces, docs/estimate.md."""
-    if s.lora_r or not s.bf16:
+def _autocast_copies(shape: ModelShape, tile: int, act: int, res: int) -> int:
+    """fp32 weights under 16-bit autocast (a single-device full fine-tune): the head's weight cast for the matmul,
+    and a tile's hidden states cast, in forward and in the recompute."""
+    if res <= act:
         return 0
-    return 2 * shape.vocab * shape.hidden
+    return act * shape.vocab * shape.hidden + 2 * act * tile * shape.hidden

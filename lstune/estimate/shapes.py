@@ -128,6 +128,8 @@ class ParamCounts:
     largest_layer: int  # parameters of the largest decoder layer (ZeRO-3 gathers one at a time)
     norms_per_layer: int
     embeddings: int  # input embedding (+ output head when not tied)
+    lora_wrapped: int = 0  # parameters peft adapts directly (MoE's 3-D expert weights): it materialises B·A for them
+    lora_wrapped_largest: int = 0  # the largest of those parameters
 
     @property
     def frozen(self) -> int:
@@ -136,7 +138,8 @@ class ParamCounts:
     def to_dict(self) -> dict:
         return {"total": self.total, "trainable": self.trainable, "frozen": self.frozen, "adapters": self.adapters,
                 "adapted_linears": self.adapted_linears, "largest_layer": self.largest_layer,
-                "norms_per_layer": self.norms_per_layer, "embeddings": self.embeddings}
+                "norms_per_layer": self.norms_per_layer, "embeddings": self.embeddings,
+                "lora_wrapped": self.lora_wrapped, "lora_wrapped_largest": self.lora_wrapped_largest}
 
 
 def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto",
@@ -163,7 +166,16 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
         peft_model = apply_lora(model, r=lora_r, alpha=None, dropout=0.0, targets=lora_targets)
     adapters = _unique_numel(p for p in peft_model.parameters() if p.requires_grad)
     adapted = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A")) > 0)
-    return ParamCounts(base + adapters, adapters, adapters, adapted, largest, norms, embeddings)
+    wrapped = _wrapped(peft_model)
+    return ParamCounts(base + adapters, adapters, adapters, adapted, largest, norms, embeddings,
+                       _unique_numel(wrapped), max((p.numel() for p in wrapped), default=0))
+
+
+def _wrapped(peft_model) -> list:
+    """Parameters peft adapts as parameters, not through a Linear (`ParamWrapper`: MoE's stacked expert weights);
+    its forward builds the weight-sized delta B·A for each of them."""
+    return [m.get_param() for m in peft_model.modules()
+            if type(m).__name__ == "ParamWrapper" and m.get_param().dim() == 3]
 
 
 def _unique_numel(params) -> int:

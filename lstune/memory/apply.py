@@ -127,8 +127,9 @@ def apply_memory_techniques(
         _apply_attention_chunks(plan, memory, probing)
         _apply_mlp(plan, probing)
         _apply_loss(model, plan, memory.tiled_loss)
+        # 'auto' offload is the estimate's to resolve (lstune.estimate.choose_memory); unresolved it stays off.
         _apply_checkpointing(
-            model, plan, memory.checkpointing, memory.offload_checkpoints, memory.host_mem_budget
+            model, plan, memory.checkpointing, memory.offload_checkpoints is True, memory.host_mem_budget
         )
     except BaseException:
         run_undos(plan._undos)

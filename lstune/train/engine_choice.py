@@ -5,7 +5,10 @@ runs on (its device, the processes per node and nodes of the launch, this machin
 loaded. The engine is the estimate's: with `--zero-stage auto`, the first of single-device AdamW (one process),
 ZeRO-1, -2, -3, ZeRO-3 with Adam state on the host, and with the weights on the host too, whose predicted
 device and host peaks fit; `--zero-stage N`, `--offload-optimizer` and `--offload-params` are taken as given.
-On CPU one process always trains with plain AdamW and several with ZeRO-1 (nothing to offload to).
+On CPU one process always trains with plain AdamW and several with ZeRO-1 (nothing to offload to). The `auto`
+memory settings come from the same estimate (`Estimate.memory_choice`, lstune.estimate.choose_memory): the
+fewest MLP / loss tiles that keep the peak within 90% of the device, checkpoint offload only when the run does not
+fit without it; train prepares the model with them (`MemoryChoice.applied_to`) and its plan says why.
 
 `check_fits` stops a run the estimate says will not fit, with exit code 2 and the cheapest changes that
 would, unless `--force`. On CPU the "device" is this machine's RAM, so only a run predicted to need more than
@@ -52,7 +55,9 @@ def zero_plan(prediction):
 
 
 def prediction_note(prediction) -> str:
-    return f"estimate: {prediction.engine.describe()}; {_peaks(prediction)}; {prediction.verdict()}"
+    choice = prediction.memory_choice
+    memory = f"; {choice.describe()}" if choice is not None else ""
+    return f"estimate: {prediction.engine.describe()}; {_peaks(prediction)}; {prediction.verdict()}{memory}"
 
 
 def _peaks(prediction) -> str:

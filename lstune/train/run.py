@@ -88,7 +88,9 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     runtime.set_dims(config.parallel.sp, spec.config)
     for note in _adapt_positions(config, spec, runtime):
         reporter.note(note)
-    prediction = plan_run(config, runtime, spec.config)
+    # Rank 0's answer for every rank: nodes with different host memory must not pick different engines or tile
+    # counts (ZeRO-3 gathers weights once per tile, so the ranks' collectives would no longer match).
+    prediction = runtime.comm.broadcast(plan_run(config, runtime, spec.config))
     check_fits(config, prediction, runtime)  # before any data or weights are loaded
     tokenizer, notes = _setup_tokenizer(config, spec)
     template_note = set_chat_template(tokenizer, config.data.chat_template)
@@ -97,7 +99,8 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         dataset = _setup_data(config, tokenizer, spec.config)
         dataset, eval_dataset = _setup_eval_data(config, tokenizer, spec.config, dataset)
     reporter.note(prediction_note(prediction))  # the predicted peak, just before the weights load
-    loaded, prepared = _setup_model(config, runtime, spec, tokenizer, notes)
+    # The `auto` memory settings as the estimate resolved them (lstune.estimate.choose_memory).
+    loaded, prepared = _setup_model(prediction.memory_choice.applied_to(config), runtime, spec, tokenizer, notes)
     for note in runtime.notes + loaded.notes:
         reporter.note(note)
     warning = truncation_warning(dataset.summary())
@@ -117,7 +120,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         folder.clear_previous()  # --overwrite: only now, with every check of the new run passed
         write_config_snapshot(folder, _recipe_view(config))
 
-    reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state))
+    reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state, prediction.memory_choice))
     if warning:
         reporter.note(warning)
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
@@ -375,7 +378,7 @@ def _recipe_view(config: TrainConfig) -> dict[str, Any]:
     return view
 
 
-def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Runtime, state) -> dict[str, Any]:
+def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Runtime, state, choice=None) -> dict[str, Any]:
     model = prepared.model
     plan = {
         "model": f"{config.model.name} ({loaded.source.kind})",
@@ -388,7 +391,7 @@ def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Run
         "start_step": state.step,
         "samples_per_step": config.optim.micro_batch_size * config.optim.grad_accum * runtime.world_size,
         "output_dir": str(output_dir),
-        "memory": _describe_memory(prepared.memory),
+        "memory": _describe_memory(prepared.memory) + (f" (auto: {choice.reason})" if choice is not None else ""),
     }
     if runtime.distributed:
         plan["parallelism"] = f"{runtime.world_size} processes: SP {runtime.sp} × DP {runtime.dims.dp}"

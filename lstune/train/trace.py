@@ -27,6 +27,7 @@ windows and softcapping do not trace on CPU). A model lstune cannot prepare on C
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 from typing import Any
@@ -57,38 +58,44 @@ class TraceResult:
 
 
 def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp: int = 1,
-               static_bytes: int | None = None) -> TraceResult:
+               static_bytes: int | None = None, zero3: bool = False) -> TraceResult:
     """Trace one steady-state training step of one rank (module doc). `static_bytes`: the rank's weights + gradients +
-    optimizer state when a ZeRO engine shards them (None: the single-device engine's, as traced)."""
+    optimizer state when a ZeRO engine shards them (None: the single-device engine's, as traced). `zero3`: the
+    target is ZeRO-3, whose partitioned weights take lstune's tiling's `.grad` route (lstune.memory.tiling)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from lstune.memory.measure import LiveBytes
     from lstune.models.attention import stated_document_spans
     from lstune.models.hf_internals import no_packed_sequence_detection
 
     start = time.perf_counter()
     local = replace(config, data=replace(config.data, seq_len=-(-config.data.seq_len // sp)))
-    runtime = _runtime(config, target_cuda)
-    batch_real = _positions(local)
+    whole = replace(config, data=replace(config.data, seq_len=local.data.seq_len * sp))
     holder: dict[str, Any] = {}
-    live = LiveBytes(exclude=lambda: _host_bytes(holder))
-    model = _on_meta(local, model_config, target_cuda)
-    with stated_document_spans(batch_real), FakeTensorMode(allow_non_fake_inputs=True):
+    live = _meter(exclude=lambda: _host_bytes(holder))
+    model = _on_meta(local, model_config, _bf16_weights(config, target_cuda, zero=static_bytes is not None))
+    # Ulysses' attention sees the whole sequence: its documents are stated for all of it.
+    with _sp_group(sp, model_config) as dims, stated_document_spans(_positions(whole)), \
+            FakeTensorMode(allow_non_fake_inputs=True):
+        runtime = _runtime(config, target_cuda, dims)
         model.to_empty(device="cpu")
         model.tie_weights()  # to_empty gives each module its own copy of a shared weight; tie them again
         base_bytes = _storage_bytes(model)  # allocated before the meter starts; alive throughout
+        if zero3:
+            _mark_partitioned(model)
         with live, no_packed_sequence_detection():
-            prepared, optimizer = _prepare(model, local, runtime)
+            prepared, optimizer = _prepare(model, whole, runtime)  # apply_techniques takes its rank's share
             holder["plan"] = prepared.memory
             parameter_bytes = base_bytes + live.current
             layer_input = _watch_layer_input(prepared)
             _create_optimizer_state(optimizer)
             live.peak = live.current
-            gradient_bytes, optimizer_bytes = _one_step(prepared, optimizer, local, runtime)
+            gradient_bytes, optimizer_bytes = _one_step(prepared, optimizer, local, runtime, live)
     live.peak += base_bytes
     traced = live.peak
     if static_bytes is not None:
-        traced_static = parameter_bytes + gradient_bytes + optimizer_bytes
+        # The single-device state alive at the peak (weights, Adam's moments, the gradients backward had made by
+        # then) makes way for the ZeRO engine's per-rank state.
+        traced_static = parameter_bytes + live.gradients_at_peak + optimizer_bytes
         device_peak = traced - traced_static + static_bytes
     else:
         device_peak = traced
@@ -103,13 +110,68 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
     )
 
 
-def _runtime(config: TrainConfig, target_cuda: bool):
-    """One CPU rank standing in for the target's rank: its autocast dtype is the target run's."""
+def _runtime(config: TrainConfig, target_cuda: bool, dims=None):
+    """One CPU rank standing in for the target's rank: its autocast dtype is the target run's, and so is its AdamW
+    (fused on CUDA, as lstune.train.engine.TorchEngine makes it: no per-parameter temporaries); `dims`: its
+    sequence-parallel layout (`_sp_group`), None without SP."""
     import torch
 
     bf16 = (target_cuda and config.model.dtype != "fp32") or config.model.dtype == "bf16"
-    return SimpleNamespace(device=torch.device("cpu"), sp=1, dims=None,
-                           autocast_dtype=torch.bfloat16 if bf16 else None)
+    return SimpleNamespace(device=torch.device("cpu"), sp=dims.sp if dims else 1, dims=dims,
+                           autocast_dtype=torch.bfloat16 if bf16 else None, fused_adamw=True if target_cuda else None)
+
+
+@contextmanager
+def _sp_group(sp: int, model_config):
+    """Rank 0 of an SP group of `sp` ranks on torch's `fake` process-group backend, whose collectives return
+    buffers of the real shapes and move no data: lstune's Ulysses attention then runs in the trace as on the
+    real run, its all-to-all and all-gather buffers included. Yields its ParallelDims (None when sp is 1)."""
+    if sp == 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lstune.parallel.dims import ParallelDims
+
+    if dist.is_initialized():
+        raise ConfigError([f"--trace at SP {sp} needs a process of its own (torch.distributed is initialised)."])
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
+    try:
+        yield ParallelDims.for_model(sp, sp, model_config).build_groups()
+    finally:
+        dist.destroy_process_group()
+
+
+def _meter(exclude):
+    """`LiveBytes` (torch is imported lazily) that also tells which storages were alive at the peak: each storage
+    is numbered as it is allocated, and the peak remembers the number reached."""
+    from lstune.memory.measure import LiveBytes
+
+    class PeakMeter(LiveBytes):
+        allocations = 0
+        peak_allocation = 0
+
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self._number: dict[int, int] = {}
+
+        def _track(self, storage) -> None:
+            if id(storage) in self._live:
+                return
+            self.allocations += 1
+            self._number[id(storage)] = self.allocations
+            before = self.peak
+            super()._track(storage)
+            if self.peak > before:
+                self.peak_allocation = self.allocations
+
+        def alive_at_peak(self, tensors) -> int:
+            """Bytes of these (still alive) tensors' storages that existed when the peak was reached."""
+            storages = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors}
+            return sum(n for key, n in storages.items() if self._number.get(key, 0) <= self.peak_allocation)
+
+    return PeakMeter(exclude=exclude)
 
 
 def _positions(config: TrainConfig):
@@ -119,21 +181,36 @@ def _positions(config: TrainConfig):
     return torch.arange(s).expand(b, s)
 
 
-def _on_meta(config: TrainConfig, model_config, target_cuda: bool):
+def _bf16_weights(config: TrainConfig, target_cuda: bool, *, zero: bool) -> bool:
+    """Whether the target keeps its weights in bf16: a LoRA base on CUDA (lstune.train.prepare.adapt_model), or
+    every weight under DeepSpeed's bf16 mode (fp32 master copies live in its optimizer, counted analytically)."""
+    from lstune.estimate.memory import lora_base_in_bf16
+
+    bf16_run = (target_cuda and config.model.dtype != "fp32") or config.model.dtype == "bf16"
+    return lora_base_in_bf16(config.model.lora_r, config.model.dtype, target_cuda) or (zero and bf16_run)
+
+
+def _on_meta(config: TrainConfig, model_config, bf16: bool):
     """The model on the meta device, in the dtype the target run keeps its base in, with its LoRA adapters: all of
     it before faking, since `Module.to` (which peft calls to place adapters) cannot swap fake parameters."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lstune.estimate.memory import lora_base_in_bf16
     from lstune.train.prepare import add_lora
 
-    bf16 = lora_base_in_bf16(config.model.lora_r, config.model.dtype, target_cuda)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16 if bf16 else torch.float32,
                                                  trust_remote_code=config.model.trust_remote_code)
     model.config.use_cache = False
     return add_lora(model, config.model)
+
+
+def _mark_partitioned(model) -> None:
+    """Mark the trainable weights the way lstune.memory.tiling.is_zero3_partitioned recognises ZeRO-3's, so the
+    tiled MLP and loss accumulate weight gradients tile by tile into `.grad` as under ZeRO-3, instead of the
+    single-device route's fp32 sums. Nothing else is partitioned: ZeRO's shard is counted analytically."""
+    for index, param in enumerate(p for p in model.parameters() if p.requires_grad):
+        param.ds_id = index
 
 
 def _storage_bytes(model) -> int:
@@ -149,7 +226,7 @@ def _prepare(model, config: TrainConfig, runtime):
 
     prepared = apply_techniques(model, config, runtime)
     params = [p for p in prepared.model.parameters() if p.requires_grad]
-    return prepared, make_adamw(params, OptimConfig.from_section(config.optim, 10))
+    return prepared, make_adamw(params, OptimConfig.from_section(config.optim, 10), fused=runtime.fused_adamw)
 
 
 def _watch_layer_input(prepared) -> dict:
@@ -179,8 +256,9 @@ def _create_optimizer_state(optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _one_step(prepared, optimizer, config: TrainConfig, runtime) -> tuple[int, int]:
-    """Forward, backward and AdamW as lstune.train.step runs them; (gradient bytes, optimizer bytes) at the end."""
+def _one_step(prepared, optimizer, config: TrainConfig, runtime, live) -> tuple[int, int]:
+    """Forward, backward and AdamW as lstune.train.step runs them; (gradient bytes, optimizer bytes) at the end.
+    `live.gradients_at_peak` is set to the gradient bytes that existed at the step's peak."""
     import torch
 
     s, b = config.data.seq_len, config.optim.micro_batch_size
@@ -191,10 +269,12 @@ def _one_step(prepared, optimizer, config: TrainConfig, runtime) -> tuple[int, i
         loss, count = prepared.loss_sum(batch)
     (loss / count).backward()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    gradients = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+    grads = [p.grad for p in params if p.grad is not None]
+    gradients = sum(g.untyped_storage().nbytes() for g in grads)
     optimizer.step()
     state = sum(t.untyped_storage().nbytes() for st in optimizer.state.values() for t in st.values()
                 if isinstance(t, torch.Tensor) and t.dim() > 0)
+    live.gradients_at_peak = live.alive_at_peak(grads)
     optimizer.zero_grad(set_to_none=True)
     return gradients, state
 
@@ -221,6 +301,7 @@ def trace_estimate(config: TrainConfig, hardware):
     from lstune.estimate import estimate, traced_settings_estimate
 
     analytic = estimate(config, hardware)
+    config = analytic.memory_choice.applied_to(config)  # trace what train would run: `auto` as the estimate chose
     if analytic.engine.kind == "deepspeed":
         static = sum(i.device for i in analytic.breakdown.items if i.name.startswith(("param", "grad", "optim")))
     else:
@@ -230,7 +311,7 @@ def trace_estimate(config: TrainConfig, hardware):
         raise ConfigError([f"--trace runs PyTorch's SDPA kernel on CPU; drop --attn {config.model.attn} for the trace."])
     try:
         traced = trace_step(config, model_config=model_config, target_cuda=hardware.on_cuda, sp=analytic.sp,
-                            static_bytes=static)
+                            static_bytes=static, zero3=analytic.engine.zero_stage == 3)
     except ModelError as exc:
         raise ConfigError([f"--trace runs the step on this CPU, where lstune cannot prepare this model: {exc} "
                            "Drop --trace for the analytic estimate."]) from None
@@ -285,6 +366,8 @@ GRID_SETTINGS = {
     "LoRA, SP 2 ZeRO-1": {"lora_r": 16, "gpus": 2, "zero_stage": "1"},
     "LoRA, SP 4 ZeRO-3": {"lora_r": 16, "gpus": 4, "zero_stage": "3"},
     "full, SP 4 ZeRO-3": {"gpus": 4, "zero_stage": "3"},
+    "LoRA, no checkpointing": {"lora_r": 16, "checkpointing": False},
+    "full, no checkpointing": {"checkpointing": False},
 }
 
 
@@ -304,7 +387,7 @@ def grid_row(arch: str, setting: str, seq_len: int, *, layers: int = 2, gpu: str
     if analytic.engine.kind == "deepspeed":
         static = sum(i.device for i in comparable.breakdown.items if i.name.startswith(("param", "grad", "optim")))
     traced = trace_step(config, model_config=model_config, target_cuda=hardware.on_cuda, sp=analytic.sp,
-                        static_bytes=static)
+                        static_bytes=static, zero3=analytic.engine.zero_stage == 3)
     a, t = comparable.device_peak_bytes, traced.device_peak_bytes
     return {"arch": arch, "setting": setting, "seq_len": seq_len, "sp": analytic.sp,
             "engine": analytic.engine.describe(), "analytic": a, "trace": t, "error": (a - t) / t,
@@ -350,9 +433,12 @@ def bench_rows(path: str) -> list[dict]:
     for r in records:
         if r["kind"] != "step" or r["outcome"] != "ok" or r["rung"] not in BENCH_RUNGS:
             continue
-        config = TrainConfig.from_flat({"model": r["preset"], "seq_len": r["seq"], "lora_r": r["lora_r"],
-                                        "zero_stage": "0", **BENCH_RUNGS[r["rung"]]})
         model_config = preset_config(r["preset"], num_hidden_layers=r["layers"])
+        rung = BENCH_RUNGS[r["rung"]]
+        # The rungs ran ALST's MLP tiles (`auto` then): pinned, since `auto` is now the estimate's choice.
+        alst = {"tiled_mlp": -(-r["seq"] // model_config.hidden_size)} if "tiled_mlp" not in rung else {}
+        config = TrainConfig.from_flat({"model": r["preset"], "seq_len": r["seq"], "lora_r": r["lora_r"],
+                                        "zero_stage": "0", **rung, **alst})
         e = estimate(config, hardware, model_config=model_config, suggest=False)
         predicted = e.device_peak_bytes - CUDA_CONTEXT_BYTES + (ballast.get(r["rung"], 0) if r["layers"] < 32 else 0)
         rows.append({"rung": r["rung"], "seq": r["seq"], "layers": r["layers"], "run": 2 if ("fit" in r or "search" in r) else 1,

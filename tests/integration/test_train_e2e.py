@@ -31,6 +31,8 @@ def test_embedded_demo_recipe_learns(cli, tmp_path):
     assert [m["step"] for m in evals] == [20, 40, 60] and all(m["eval_samples"] == 16 for m in evals)
     assert all(0.0 <= m["eval_passkey_acc"] <= 1.0 for m in evals)
     assert "passkey_acc" in result.out and "passkey accuracy (step 60)" in result.out
+    # `auto` tiling from the estimate: a tiny model at 4K on a CPU is not cut into tiles (it was cut into 32).
+    assert "tiled MLP off" in result.out and "loss plain (1 tile)" in result.out
 
 
 def test_final_model_reloads_with_from_pretrained(cli, tmp_path, text_data):

@@ -93,7 +93,7 @@ def test_70b_lora_on_8_gpus_shards_the_bf16_base():
 
 def test_offload_moves_checkpoints_to_the_host_and_lengthens_the_longest_sequence():
     hw = resolve_hardware(gpu="h100-80gb", host_mem=1024 * GiB)
-    plain = estimate(_config(model="llama-3.1-8b", seq_len=65536, lora_r=16), hw)
+    plain = estimate(_config(model="llama-3.1-8b", seq_len=65536, lora_r=16, offload_checkpoints=False), hw)
     offload = estimate(_config(model="llama-3.1-8b", seq_len=65536, lora_r=16, offload_checkpoints=True), hw)
     assert offload.device_peak_bytes < plain.device_peak_bytes
     assert offload.host_peak_bytes > plain.host_peak_bytes
@@ -102,7 +102,7 @@ def test_offload_moves_checkpoints_to_the_host_and_lengthens_the_longest_sequenc
 
 def test_a_run_that_does_not_fit_gets_suggestions_that_do():
     hw = resolve_hardware(gpu="h100-80gb", host_mem=1024 * GiB)
-    e = estimate(_config(model="llama-3.1-8b", seq_len=300 * 1024, lora_r=16), hw)
+    e = estimate(_config(model="llama-3.1-8b", seq_len=300 * 1024, lora_r=16, offload_checkpoints=False), hw)
     assert not e.fits
     assert e.suggestions and all(s.fits for s in e.suggestions)
     assert e.to_dict()["suggestions"][0]["flags"].startswith("--")

@@ -69,7 +69,8 @@ def test_stage_zero_with_several_processes_is_refused_with_the_config_rule():
 
 
 def test_a_run_that_will_not_fit_stops_with_the_changes_that_would_and_force_overrides():
-    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, lora_r=16, seq_len=300 * 1024)
+    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, lora_r=16, seq_len=300 * 1024,
+                                     offload_checkpoints=False)
     assert not prediction.fits
     with pytest.raises(ConfigError) as exc:
         check_fits(config, prediction, runtime)
@@ -78,3 +79,59 @@ def test_a_run_that_will_not_fit_stops_with_the_changes_that_would_and_force_ove
     assert exc.value.exit_code == 2
     forced = TrainConfig.from_flat({**config.to_dict(), "force": True})
     check_fits(forced, prediction, runtime)  # no error
+
+
+def test_auto_tiling_leaves_a_tiny_model_at_4k_uncut_on_the_cpu():
+    # The CPU's "device" is this machine's RAM: the untiled step of tiny-llama at 4K is far below it.
+    _, prediction, _ = _plan(seq_len=4096, host=16 * GiB)
+    assert (prediction.memory_choice.tiled_mlp, prediction.memory_choice.tiled_loss) == ("off", "off")
+
+
+def test_auto_tiling_cuts_llama_8b_at_128k_on_an_80gb_device_and_keeps_what_is_given():
+    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", lora_r=16, seq_len=131072)
+    mlp = prediction.memory_choice.tiled_mlp
+    assert isinstance(mlp, int) and 1 < mlp <= 131072 // 4096  # a few tiles, at most ALST's tiles of hidden size
+    assert prediction.memory_choice.tiled_loss == "auto"  # Liger's chunks on CUDA
+    assert prediction.fits and prediction.device_peak_bytes <= 0.9 * prediction.device_capacity
+    fewer = _plan("llama-3.1-8b", gpu="h100-80gb", lora_r=16, seq_len=131072, tiled_mlp=mlp // 2)[1]
+    assert fewer.device_peak_bytes > 0.9 * fewer.device_capacity or fewer.engine != prediction.engine
+    given = _plan("llama-3.1-8b", gpu="h100-80gb", lora_r=16, seq_len=131072, tiled_mlp=5, tiled_loss=7)[1]
+    assert (given.memory_choice.tiled_mlp, given.memory_choice.tiled_loss) == (5, 7)
+
+
+def test_the_tiles_the_estimate_chose_are_what_the_model_is_prepared_with():
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.models.presets import build_model
+
+    config, prediction, _ = _plan(seq_len=4096, host=16 * GiB)
+    plan = apply_memory_techniques(build_model("tiny-llama"), prediction.memory_choice.applied_to(config).memory, seq_len=4096)
+    assert plan.tiled_mlp == "off" and plan.loss_tiles_at_seq_len == 1
+    assert plan.summary()["tiled_loss"]["backend"] == "plain"
+
+
+@pytest.mark.parametrize("seq_len, host, offload", [
+    (131072, 500 * GiB, False),  # fits the device with ALST's tiles: no offload
+    (262144, 500 * GiB, True),  # does not without it, and the host holds 31 checkpoints
+    (262144, 16 * GiB, False),  # does not, but the host cannot hold them either
+])
+def test_auto_checkpoint_offload_turns_on_exactly_when_the_device_needs_it_and_the_host_holds_it(seq_len, host, offload):
+    flat = dict(lora_r=16, seq_len=seq_len, zero_stage="0")
+    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", host=host, **flat)
+    assert prediction.memory_choice.offload_checkpoints is offload
+    off = _plan("llama-3.1-8b", gpu="h100-80gb", host=host, tiled_mlp="auto", offload_checkpoints=False, **flat)[1]
+    on = _plan("llama-3.1-8b", gpu="h100-80gb", host=host, offload_checkpoints=True, **flat)[1]
+    if offload:  # needed (the device cannot hold the run without it) and enough (with it the run fits)
+        assert not off.fits_device and on.fits and prediction.fits
+    else:  # not needed, or the host cannot hold the offloaded checkpoints
+        assert off.fits_device or not on.fits_host
+
+
+def test_auto_checkpoint_offload_stays_off_on_the_cpu_and_is_applied_as_chosen():
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.models.presets import build_model
+
+    config, prediction, _ = _plan(seq_len=4096, host=16 * GiB)
+    assert prediction.memory_choice.offload_checkpoints is False
+    plan = apply_memory_techniques(build_model("tiny-llama"), prediction.memory_choice.applied_to(config).memory,
+                                   seq_len=4096)
+    assert plan.checkpointing and not plan.offload
