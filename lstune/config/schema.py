@@ -263,6 +263,13 @@ class MemorySection:
         p.parse_bytes,
         metavar="BYTES",
     )
+    checkpoint_device_budget: int | None = _opt(
+        None,
+        "Device memory activation checkpoints may use, e.g. 8G: past it (host budget full) some layers' checkpoints "
+        "are not stored but recomputed in backward from the one below (MEMO placement; docs/memory.md).",
+        p.parse_bytes,
+        metavar="BYTES",
+    )
 
     def problems(self) -> list[str]:
         problems = [
@@ -281,7 +288,18 @@ class MemorySection:
             )
         if budget is not None and not self.offload_checkpoints:
             problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
+        problems += _device_budget_problems(self.checkpoint_device_budget, self.checkpointing)
         return problems
+
+
+def _device_budget_problems(budget, checkpointing: bool) -> list[str]:
+    if budget is None:
+        return []
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        return [f"--checkpoint-device-budget must be a number of bytes >= 0 (e.g. 8G), not {budget!r}."]
+    if not checkpointing:
+        return ["--checkpoint-device-budget places activation checkpoints: it needs --checkpointing on, or drop it."]
+    return []
 
 
 def zero_problems(stage: str | int, *, processes: int, offload_optimizer: bool, offload_params: bool) -> list[str]:
