@@ -32,7 +32,9 @@ on fake tensors for any model.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from lstune.estimate.placement import checkpoint_terms
 from lstune.estimate.shapes import ModelShape, ParamCounts, ceil_div
 from lstune.models.quant import frozen_weight_bytes
 
@@ -83,6 +85,7 @@ class Settings:
     checkpointing: bool
     offload_checkpoints: bool
     host_mem_budget: int | None
+    checkpoint_device_budget: int | None = None  # device bytes checkpoints may use (MEMO placement, issue 14)
     liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
     fuse_norms: bool = True  # mini-sequence fuses the MLP's norms (a probe on real weights finds them)
     load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
@@ -115,6 +118,7 @@ class Breakdown:
     phase: str = ""  # where the activation peak sits: "loss head" or "layer backward"
     dtypes: dict = field(default_factory=dict)
     checkpoint_bytes_per_token_layer: int = 0
+    placement: Any = None  # the checkpoint placement (lstune.memory.placement), None without an offloader
 
     def add(self, name: str, device: int = 0, host: int = 0, detail: str = "") -> None:
         self.items.append(Item(name, int(device), int(host), detail))
@@ -220,18 +224,18 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
             b.add(name, nbytes)
         b.phase = "layer backward"
         return
-    offloaded = _offloaded_layers(shape, s, ckpt)
-    host = offloaded * pinned_copy_bytes(ckpt, res)
+    # Issue 14 (MEMO placement): host / device / recomputed checkpoints from lstune.estimate.placement.
+    placed = checkpoint_terms(shape, s, ckpt, res)
+    offloaded, host, kept_fwd, kept_bwd = placed.offloaded, placed.host, placed.kept_fwd, placed.kept_bwd
+    b.placement = placed.placement
     layer, loss = _layer_parts(shape, p, s, act), _loss_parts(shape, s, act)
-    kept_fwd = shape.layers - offloaded
-    kept_bwd = kept_fwd + (1 if offloaded else 0)  # one prefetched back during the layer above's backward
     if _total(loss) + kept_fwd * ckpt >= _total(layer) + kept_bwd * ckpt:
         b.phase, on_device, working = "loss head", kept_fwd, loss
     else:
         b.phase, on_device, working = "layer backward", kept_bwd, layer
     b.add("activation checkpoints", on_device * ckpt, host,
           f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
-          + (f", {pinned_copy_bytes(ckpt, res):,} B pinned each" if offloaded else ""))
+          + (f"; {placed.placement.describe()}" if placed.placement else ""))
     for name, nbytes in working:
         b.add(name, nbytes)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)

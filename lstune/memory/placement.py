@@ -87,7 +87,8 @@ class CheckpointPlacement:
     def device_peak_bytes(self) -> int:
         """`device_bytes` plus backward's transients: one checkpoint fetched back ahead of its layer, and the
         inputs of the longest recomputed segment kept until their layers' backward."""
-        return self.device_bytes() + (1 + self.longest_segment) * self.checkpoint_bytes
+        fetched = 1 if self.offloads or self.recomputed else 0
+        return self.device_bytes() + (fetched + self.longest_segment) * self.checkpoint_bytes
 
     def extra_layer_forwards(self) -> int:
         """Layer forwards beyond checkpointing's one recompute per layer: one per layer not stored."""
