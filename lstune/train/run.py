@@ -415,7 +415,7 @@ def _describe_placement(placed: dict | None) -> str | None:
     if placed is None:
         return None
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
-    return (f"checkpoint placement [{placed['layers']}] (host {mib(placed['host_bytes'])}, device "
+    return (f"checkpoint placement: {placed['layers']} (host {mib(placed['host_bytes'])}, device "
             f"{mib(placed['device_bytes'])}, recompute +{placed.get('extra_recompute_pct', 0.0)}% of step FLOPs)")
 
 
