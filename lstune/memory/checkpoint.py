@@ -20,6 +20,11 @@ layer's checkpoint goes to (pinned, on CUDA) host memory:
    stream. The last layer stays on the device: its backward comes first, a copy would not hide.
 3. `host_mem_budget` caps the host bytes: once the next checkpoint would exceed it, it stays on the
    device (so the earliest layers, whose checkpoints live longest, are the ones offloaded).
+4. Placement (MEMO Sec. 4; lstune.memory.placement): a `CheckpointPlacement` gives each layer a host
+   fraction α of its tokens (the rest stays on the device) or marks it not stored; backward then re-runs
+   the layers from the segment's stored base once, without grad, under each layer's forward RNG and
+   autocast state, and keeps the segment's inputs until their layers' backward. The default placement
+   is 1-3 above (all but the last layer on the host).
 
 Memory: device checkpoints O(L · S · D) → O(1 · S · D) (the kept last layer, one in flight out, one
 prefetched in); host gets L-1 of them (Llama-8B: 2 · L · D = 256 KiB per token in bf16). Cost: two
@@ -163,6 +168,8 @@ class _Saved:
         self.replay = replay
         self.host: _HostCopy | None = None
         self.device: torch.Tensor | None = None
+        self.below: weakref.ref | None = None  # layer index-1's checkpoint of the same forward
+        self.rerun: torch.Tensor | None = None  # not stored: its input, once backward re-ran its segment
 
     @property
     def stored(self) -> bool:
@@ -210,7 +217,6 @@ class CheckpointOffloader:
         self._latest: dict[int, weakref.ref] = {}
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._saving: tuple[int, weakref.ref, Callable] | None = None
-        self._segment: dict[int, torch.Tensor] = {}  # inputs of a recomputed segment, until their layer's backward
 
     @contextlib.contextmanager
     def saving(self, index: int, hidden: torch.Tensor, run: Callable | None = None):
@@ -228,6 +234,7 @@ class CheckpointOffloader:
         if tensor is not expected():  # not a layer input: nothing of ours (index -2 prefetches nothing)
             return _OnDevice(-2, tensor)
         saved = _Saved(index, run, _Replay(tensor.device) if self._replaying else None)
+        saved.below = self._latest.get(index - 1)
         self._latest[index] = weakref.ref(saved)
         fraction = self.placement.host_fraction[index]
         if fraction is None:
@@ -267,9 +274,9 @@ class CheckpointOffloader:
         if handle.stored:
             tensor = self._take(handle)
         else:
-            tensor = self._segment.pop(handle.index, None)
+            tensor, handle.rerun = handle.rerun, None
             if tensor is None:
-                tensor = self._recompute_segment(handle.index)
+                tensor = self._recompute_segment(handle)
         self._prefetch(self._fetch_next(handle.index))
         return tensor
 
@@ -277,18 +284,24 @@ class CheckpointOffloader:
         """Whose host part backward needs next below `index`: the layer below, or its segment's base."""
         return self.placement.base(index - 1) if index > 0 else -1
 
-    def _recompute_segment(self, top: int) -> torch.Tensor:
+    def _recompute_segment(self, top: _Saved) -> torch.Tensor:
         """Re-run layers base..top-1 without grad from the stored base; keep every input of the segment for its
-        layer's backward (each is popped when its layer unpacks), return layer `top`'s."""
-        base = self.placement.base(top)
-        saved = [self._latest[i]() for i in range(base, top)]
+        layer's backward (on its handle, dropped when its layer unpacks), return layer `top`'s."""
+        saved = []
+        layer = top.below()
+        while True:  # down the same forward's chain (another micro-batch's forward may have run since)
+            saved.insert(0, layer)
+            if layer.stored:
+                break
+            layer = layer.below()
+        base, top = saved[0].index, top.index
         hidden = self._take(saved[0])
         with torch.no_grad():
-            for layer in saved:
+            for layer, above in zip(saved, saved[1:] + [None]):
                 with layer.replay.restored():
                     hidden = _hidden_of(layer.run(hidden))
-                if layer.index + 1 < top:
-                    self._segment[layer.index + 1] = hidden
+                if above is not None:
+                    above.rerun = hidden
         self.stats.recomputed_in_backward += top - base
         return hidden
 

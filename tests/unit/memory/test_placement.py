@@ -187,3 +187,25 @@ def test_a_bad_device_budget_is_a_config_error():
     with pytest.raises(ConfigError, match="--checkpoint-device-budget must be"):
         apply_memory_techniques(build_model("tiny-llama"), MemorySection(checkpoint_device_budget=-1), seq_len=64)
     assert MemorySection(checkpointing=False, checkpoint_device_budget=10).problems()
+
+
+def test_two_forwards_before_one_backward_recompute_their_own_segments():
+    """A segment re-runs from its own forward's base, not the latest forward's (e.g. two micro-batches)."""
+    model = build_model("tiny-llama", num_hidden_layers=N)
+    batches = [long_batch(SEQ, seed=1), long_batch(SEQ, seed=2)]
+
+    def both(fractions):
+        offloader, undos = _with_placement(model, fractions) if fractions else (None, ckpt.install_checkpointing(
+            decoder_layers(model), None))
+        try:
+            model.zero_grad(set_to_none=True)
+            losses = [hf_loss_sum(model, b)[0] for b in batches]
+            sum(losses).backward()
+            return [loss.item() for loss in losses], {n: p.grad.clone() for n, p in model.named_parameters()}
+        finally:
+            run_undos(undos)
+
+    ref_losses, ref_grads = both(None)
+    losses, grads = both(PLANS["alpha_half"])
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    assert_grads_match(grads, ref_grads, rtol=1e-5)
