@@ -85,9 +85,9 @@ class CheckpointPlacement:
         return int(sum(1 - a for a in self.host_fraction if a is not None) * self.checkpoint_bytes)
 
     def device_peak_bytes(self) -> int:
-        """`device_bytes` plus backward's transients: one checkpoint fetched back ahead of its layer, and the
-        inputs of the longest recomputed segment kept until their layers' backward."""
-        fetched = 1 if self.offloads or self.recomputed else 0
+        """`device_bytes` plus backward's transients: one host part fetched back ahead of its layer (when any
+        layer has one), and the inputs of the longest recomputed segment kept until their layers' backward."""
+        fetched = 1 if self.offloads else 0
         return self.device_bytes() + (fetched + self.longest_segment) * self.checkpoint_bytes
 
     def extra_layer_forwards(self) -> int:
@@ -156,7 +156,8 @@ def plan_placement(
     3. Recompute: while that exceeds `device_budget`, one more layer is not stored; the r recomputed layers are
        spread evenly between stored ones (segments differ by at most one layer), so the longest segment — the
        inputs backward keeps on the device at once — is as short as r allows. The first r that fits wins: each
-       recomputed layer costs one layer forward, so fewer is cheaper.
+       recomputed layer costs one layer forward, so fewer is cheaper. If none fits, the one needing the least
+       device memory (fewest recomputed among equals) is returned with a note.
 
     With no budgets (or budgets that hold everything) this is `CheckpointPlacement.offload_all`. `tokens`: the
     checkpoint's length, to round fractions down to whole tokens (what the offloader splits).
@@ -169,9 +170,11 @@ def plan_placement(
         stored = _spread(n_layers, recomputed)
         if stored is None:
             break
-        best = _fill_host(stored, checkpoint_bytes, alpha, host_budget, host_bytes_of, tokens)
-        if device_budget is None or best.device_peak_bytes() <= device_budget:
-            return best
+        plan = _fill_host(stored, checkpoint_bytes, alpha, host_budget, host_bytes_of, tokens)
+        if device_budget is None or plan.device_peak_bytes() <= device_budget:
+            return plan
+        if best is None or plan.device_peak_bytes() < best.device_peak_bytes():
+            best = plan  # nothing fits yet: keep the smallest device need (fewest recomputed among equals)
     need = best.device_peak_bytes()
     note = (f"checkpoints need {need:,} B on the device even with {len(best.recomputed)} of {n_layers} layers "
             f"recomputed; the device budget is {device_budget:,} B")

@@ -148,13 +148,18 @@ def test_a_tight_budget_recomputes_the_fewest_layers_in_even_segments():
     assert (plan.host_bytes(), plan.device_bytes(), plan.device_peak_bytes()) == (2 * C, 3 * C, 5 * C)
     assert plan.extra_layer_forwards() == 3 and plan.longest_segment == 1
     assert plan.summary(step_layer_forwards=32)["extra_recompute_pct"] == pytest.approx(100 * 3 / 32, abs=0.01)
-    # Device 4: r=4: 2+1+2 = 5; r=5: 1+1+3 = 5 (runs of 2 and 3); r=6: 1+1+6 = 8 -> nothing fits: r=6 kept, noted.
+    # Device 4: r=4: 2+1+2 = 5; r=5: 1+1+3 = 5 (runs of 2 and 3); r=6: 1+1+6 = 8 -> nothing fits: the least
+    # device need (5) with the fewest recomputed (r=3) is kept, noted.
     tight = plan_placement(8, C, host_budget=2 * C, device_budget=4 * C)
+    assert len(tight.recomputed) == 3 and tight.device_peak_bytes() == 5 * C
     assert tight.notes and "device budget is 4,000 B" in tight.notes[0]
 
 
 def test_a_device_budget_nothing_fits_keeps_the_cheapest_plan_with_a_note():
+    # All 4 on the device need 4C; recomputing 1 or 2 needs 3+1 or 2+2 = 4C too (the stored ones plus the re-run
+    # inputs): recompute cannot help, so none is done.
     plan = plan_placement(4, C, host_budget=0, device_budget=C)
+    assert plan.recomputed == [] and plan.device_peak_bytes() == 4 * C
     assert plan.notes and "device budget" in plan.notes[0]
 
 
