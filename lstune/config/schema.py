@@ -268,6 +268,13 @@ class MemorySection:
         p.parse_bytes,
         metavar="BYTES",
     )
+    checkpoint_device_budget: int | None = _opt(
+        None,
+        "Device memory activation checkpoints may use, e.g. 8G: past it (host budget full) some layers' checkpoints "
+        "are not stored but recomputed in backward from the one below (MEMO placement; docs/memory.md).",
+        p.parse_bytes,
+        metavar="BYTES",
+    )
     attn_chunks: Any = _opt(
         "off",
         "Run each layer's attention block over the sequence in chunks (FPDT): 'auto' = chunks of 64K tokens "
@@ -295,7 +302,18 @@ class MemorySection:
             )
         if budget is not None and self.offload_checkpoints is False:
             problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
+        problems += _device_budget_problems(self.checkpoint_device_budget, self.checkpointing)
         return problems
+
+
+def _device_budget_problems(budget, checkpointing: bool) -> list[str]:
+    if budget is None:
+        return []
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        return [f"--checkpoint-device-budget must be a number of bytes >= 0 (e.g. 8G), not {budget!r}."]
+    if not checkpointing:
+        return ["--checkpoint-device-budget places activation checkpoints: it needs --checkpointing on, or drop it."]
+    return []
 
 
 def zero_problems(stage: str | int, *, processes: int, offload_optimizer: bool, offload_params: bool) -> list[str]:

@@ -20,6 +20,7 @@ from lstune.errors import ConfigError
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import LOSS_TILE_BYTES, Breakdown, Engine, Settings, breakdown, loss_backend, reserve_bytes
+from lstune.estimate.placement import extra_layer_forwards, placement_summary
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
 
 MIN_SEQ = 1024
@@ -93,6 +94,7 @@ class Estimate:
             "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
+            "checkpoint_placement": placement_summary(self.breakdown.placement, self.flops),
             "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
             "memory_choice": self.memory_choice.to_dict() if self.memory_choice else None,
             "suggestions": [s.to_dict() for s in self.suggestions], "notes": list(self.notes),
@@ -171,6 +173,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
         dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence,
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
+        checkpoint_device_budget=m.checkpoint_device_budget,
     )
 
 
@@ -333,7 +336,8 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
     b = breakdown(shape, params, s)
     flops = step_flops(model_config, config.data.seq_len, lora=bool(config.model.lora_r),
                        checkpointing=config.memory.checkpointing, lora_r=config.model.lora_r or 16,
-                       tiled_mlp=config.memory.tiled_mlp != "off", tiled_loss=loss_backend(s) not in ("off",))
+                       tiled_mlp=config.memory.tiled_mlp != "off", tiled_loss=loss_backend(s) not in ("off",),
+                       extra_layer_forwards=extra_layer_forwards(b.placement))  # issue 14: recomputed checkpoints
     flops = _scaled(flops, config.optim.micro_batch_size)
     return Estimate(
         model=config.model.name, seq_len=config.data.seq_len, hardware=hardware, engine=engine, sp=sp, breakdown=b,
@@ -347,7 +351,8 @@ def _scaled(flops: StepFlops, micro_batch: int) -> StepFlops:
     if micro_batch == 1:
         return flops
     return StepFlops(*(x * micro_batch for x in (flops.model, flops.hardware, flops.hardware_matmul,
-                                                 flops.hardware_attention)), flops.tokens * micro_batch)
+                                                 flops.hardware_attention)), flops.tokens * micro_batch,
+                     flops.recompute_extra * micro_batch)
 
 
 def step_seconds(flops: StepFlops, hardware: Cluster, sp: int, engine: Engine, params: ParamCounts) -> float:

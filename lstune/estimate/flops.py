@@ -32,6 +32,7 @@ class StepFlops:
     hardware_matmul: float  # the part of `hardware` that runs as dense matmuls
     hardware_attention: float  # the part that runs in attention kernels
     tokens: int
+    recompute_extra: float = 0.0  # the part of `hardware` for checkpoints not stored (lstune.memory.placement)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -39,11 +40,12 @@ class StepFlops:
 
 def step_flops(
     model_config: Any, seq_len: int, *, lora: bool, checkpointing: bool, lora_r: int = 16,
-    tiled_mlp: bool = False, tiled_loss: bool = False,
+    tiled_mlp: bool = False, tiled_loss: bool = False, extra_layer_forwards: int = 0,
 ) -> StepFlops:
     """FLOPs of a step over one sequence of `seq_len` tokens (module doc). `lora`: LoRA of rank `lora_r` on every
     linear layer but the head (adapter FLOPs are r·(in + out) per linear); `tiled_mlp` / `tiled_loss`: their
-    recompute counts in `hardware`."""
+    recompute counts in `hardware`; `extra_layer_forwards`: layers whose checkpoint is not stored, re-run once more in
+    backward (lstune.memory.placement)."""
     shape = ModelShape.from_config(model_config)
     s = seq_len
     layer_fwd = 2 * shape.layer_matmul_params() * s * shape.layers
@@ -60,9 +62,14 @@ def step_flops(
         recompute += 2 * shape.mlp_matrices * shape.hidden * shape.active_intermediate * s * shape.layers
     if tiled_loss:
         recompute += head_fwd
-    attention_hw = attention_fwd * (1 + ATTENTION_BACKWARD_KERNEL + (1 if checkpointing else 0))
+    # Not stored: one more forward of the layer (its matmuls and adapters, and its share of the attention).
+    placed = extra_layer_forwards / shape.layers
+    extra = placed * (layer_fwd + adapter_fwd + attention_fwd)
+    recompute += placed * (layer_fwd + adapter_fwd)
+    attention_hw = attention_fwd * (1 + ATTENTION_BACKWARD_KERNEL + (1 if checkpointing else 0) + placed)
     matmul_hw = matmul_model + recompute
-    return StepFlops(float(model), float(matmul_hw + attention_hw), float(matmul_hw), float(attention_hw), s)
+    return StepFlops(float(model), float(matmul_hw + attention_hw), float(matmul_hw), float(attention_hw), s,
+                     float(extra))
 
 
 def _adapter_widths(shape: ModelShape) -> int:

@@ -33,7 +33,9 @@ its peak, lstune.train.trace) and against the device peaks measured on an H100 (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from lstune.estimate.placement import checkpoint_terms
 from lstune.estimate.shapes import ModelShape, ParamCounts, ceil_div
 from lstune.models.quant import frozen_weight_bytes
 
@@ -85,6 +87,7 @@ class Settings:
     offload_checkpoints: bool
     host_mem_budget: int | None
     grad_accum: int = 1  # micro-batches per optimizer step
+    checkpoint_device_budget: int | None = None  # device bytes checkpoints may use (MEMO placement, issue 14)
     liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
     fuse_norms: bool = True  # mini-sequence fuses the MLP's norms (a probe on real weights finds them)
     load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
@@ -117,6 +120,7 @@ class Breakdown:
     phase: str = ""  # where the activation peak sits: "loss head" or "layer backward"
     dtypes: dict = field(default_factory=dict)
     checkpoint_bytes_per_token_layer: int = 0
+    placement: Any = None  # the checkpoint placement (lstune.memory.placement), None without an offloader
 
     def add(self, name: str, device: int = 0, host: int = 0, detail: str = "") -> None:
         self.items.append(Item(name, int(device), int(host), detail))
@@ -232,24 +236,23 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
                   Phase("optimizer step", [], all_grad)]
         _add_peak_phase(b, s, phases, all_grad)
         return
-    offloaded = _offloaded_layers(shape, s, ckpt)
-    host = offloaded * pinned_copy_bytes(ckpt, res)
-    kept_fwd = shape.layers - offloaded
-    kept_bwd = kept_fwd + (1 if offloaded else 0)  # one prefetched back during the layer above's backward
-    where = (f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {offloaded} on the host"
-             + (f", {pinned_copy_bytes(ckpt, res):,} B pinned each" if offloaded else ""))
+    # Issue 14 (MEMO placement): host / device / recomputed checkpoints from lstune.estimate.placement.
+    placed = checkpoint_terms(shape, s, ckpt, res)
+    b.placement = placed.placement
+    where = (f"{shape.layers} layers × {h * res:,} B/token ({_dt(res)}); {placed.offloaded} on the host"
+             + (f"; {placed.placement.describe()}" if placed.placement else ""))
 
-    def checkpoints(n: int) -> tuple[str, int]:
-        return (f"activation checkpoints: {n} on the device; {where}", n * ckpt)
+    def checkpoints(n: float) -> tuple[str, int]:
+        return (f"activation checkpoints: {n:g} on the device; {where}", round(n * ckpt))
 
     phases = [
-        Phase("loss head", [checkpoints(kept_fwd), *_loss_parts(shape, s, act, res)], head_grad),
-        Phase("layer backward", [checkpoints(kept_bwd), *layer], head_grad + layer_grad),  # the last layer's
+        Phase("loss head", [checkpoints(placed.kept_fwd), *_loss_parts(shape, s, act, res)], head_grad),
+        Phase("layer backward", [checkpoints(placed.kept_bwd), *layer], head_grad + layer_grad),  # the last layer's
         # The first layer's backward: one checkpoint left, every layer's gradients (they matter in a full fine-tune).
         Phase("first layer's backward", [checkpoints(1), *layer], head_grad + shape.layers * layer_grad),
         Phase("optimizer step", [checkpoints(0)], all_grad),
     ]
-    _add_peak_phase(b, s, phases, all_grad, host)
+    _add_peak_phase(b, s, phases, all_grad, placed.host)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
 
 
@@ -307,15 +310,6 @@ def pinned_copy_bytes(nbytes: int, element_size: int) -> int:
     from lstune.memory.checkpoint import host_copy_bytes  # imports torch: not for `lstune estimate`'s fast path
 
     return host_copy_bytes(nbytes // element_size, element_size, pinned=True)
-
-
-def _offloaded_layers(shape: ModelShape, s: Settings, ckpt: int) -> int:
-    if not s.offload_checkpoints:
-        return 0
-    offloadable = shape.layers - 1
-    if s.host_mem_budget is not None and ckpt:
-        offloadable = min(offloadable, s.host_mem_budget // ckpt)
-    return max(0, offloadable)
 
 
 def _norm_upcast(act: int) -> int:

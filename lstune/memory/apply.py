@@ -36,6 +36,7 @@ from lstune.memory.loss import (
     vocab_rows,
 )
 from lstune.memory.patching import Undo, run_undos
+from lstune.memory.placement import CheckpointPlacement, plan_placement
 from lstune.memory.probe import probe_hidden_states, probe_inputs
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy
 from lstune.models.introspect import ModelParts, find_parts
@@ -74,6 +75,7 @@ class MemoryPlan:
     attn_chunks_at_seq_len: int = 1
     attn_chunk_stats: chunked_attn.ChunkStats | None = None
     attn_fused_norms: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
+    placement: CheckpointPlacement | None = None
     notes: list[str] = field(default_factory=list)
     _undos: list[Undo] = field(default_factory=list, repr=False)
 
@@ -87,8 +89,15 @@ class MemoryPlan:
             "checkpointing": self.checkpointing,
             "offload_checkpoints": {"enabled": self.offload, "note": self.offload_note},
             "attn_chunks": {"setting": self.attn_chunks, "chunks": self.attn_chunks_at_seq_len},
+            "checkpoint_placement": self._placement_summary(),
             "notes": list(self.notes),
         }
+
+    def _placement_summary(self) -> dict | None:
+        if self.placement is None:
+            return None
+        # A checkpointed step runs each layer forward, again in backward, and backward (~2 forwards): 4 per layer.
+        return self.placement.summary(step_layer_forwards=4 * self.placement.n_layers)
 
     def loss_sum(self, model: "nn.Module", batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """`causal_lm_loss_sum` with this plan's loss tiles and parts (`model` may be an engine's view of it)."""
@@ -128,9 +137,7 @@ def apply_memory_techniques(
         _apply_mlp(plan, probing)
         _apply_loss(model, plan, memory.tiled_loss)
         # 'auto' offload is the estimate's to resolve (lstune.estimate.choose_memory); unresolved it stays off.
-        _apply_checkpointing(
-            model, plan, memory.checkpointing, memory.offload_checkpoints is True, memory.host_mem_budget
-        )
+        _apply_checkpointing(model, plan, memory)
     except BaseException:
         run_undos(plan._undos)
         raise
@@ -166,7 +173,7 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
         return
     plan.attn_chunk_stats = chunked_attn.ChunkStats()
     install = partial(chunked_attn.install_chunked_attention, plan.parts.layers, memory.attn_chunks,
-                      offload=memory.offload_checkpoints, stats=plan.attn_chunk_stats)
+                      offload=memory.offload_checkpoints is True, stats=plan.attn_chunk_stats)
     fused = _attention_norms(plan.parts) if probing else {}
     if fused:
         inputs = probe_inputs(plan.parts)
@@ -276,17 +283,46 @@ def _apply_loss(model, plan: MemoryPlan, tiled_loss) -> None:
     logger.info("loss head: %s (%d tiles at %d tokens)", plan.loss_backend, plan.loss_tiles_at_seq_len, plan.seq_len)
 
 
-def _apply_checkpointing(model, plan: MemoryPlan, checkpointing: bool, offload: bool, budget: int | None) -> None:
-    if not checkpointing:
+def _apply_checkpointing(model, plan: MemoryPlan, memory: MemorySection) -> None:
+    if not memory.checkpointing:
         return
     layers = plan.parts.layers
     plan.checkpointing = True
-    if offload:
-        plan.offload, plan.offload_note = _offload_decision(plan.parts, plan.seq_len, budget)
-    if plan.offload:
-        plan.offloader = ckpt.CheckpointOffloader(len(layers), host_mem_budget=budget)
+    if memory.offload_checkpoints is True:
+        plan.offload, plan.offload_note = _offload_decision(plan.parts, plan.seq_len, memory.host_mem_budget)
+    if plan.offload or memory.checkpoint_device_budget is not None:
+        plan.placement = checkpoint_placement(plan.parts, plan.seq_len, memory, offload=plan.offload)
+        for note in plan.placement.notes:
+            _note(plan, note)
+        budget = memory.host_mem_budget if plan.offload else 0
+        plan.offloader = ckpt.CheckpointOffloader(len(layers), host_mem_budget=budget, placement=plan.placement)
     plan._undos.extend(ckpt.install_checkpointing(layers, plan.offloader))
-    logger.info("checkpointing: %d layers%s", len(layers), f"; {plan.offload_note}" if offload else "")
+    placed = f"; placement: {plan.placement.describe()}" if plan.placement else ""
+    logger.info("checkpointing: %d layers%s%s", len(layers),
+                f"; {plan.offload_note}" if memory.offload_checkpoints is True else "", placed)
+
+
+def checkpoint_placement(parts: ModelParts, seq_len: int, memory: MemorySection, *, offload: bool) -> CheckpointPlacement:
+    """The planner's placement for this model at `seq_len` (lstune.memory.placement): host budget (none without
+    offload), device budget, and on CUDA the fraction whose copy hides under one layer's forward (MEMO Eq. 1)."""
+    layers, config = parts.layers, parts.text_config
+    param = next(p for p in layers[0].parameters() if p.is_floating_point())
+    checkpoint_bytes = seq_len * config.hidden_size * param.element_size()
+    on_cuda = param.device.type == "cuda"
+    forward_s = None
+    if on_cuda:
+        flops = 2 * layer_flop_params(layers[0], config) * seq_len + 2 * seq_len**2 * _attention_width(config)
+        forward_s = flops / ckpt.SUSTAINED_FLOPS
+    return plan_placement(
+        len(layers), checkpoint_bytes,
+        host_budget=memory.host_mem_budget if offload else 0, device_budget=memory.checkpoint_device_budget,
+        copy_bytes_per_s=ckpt.PCIE_BYTES_PER_S if on_cuda else None, layer_forward_s=forward_s,
+        host_bytes_of=partial(_host_bytes, param.element_size(), on_cuda), tokens=seq_len,
+    )
+
+
+def _host_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
+    return ckpt.host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
 
 
 def _offload_decision(parts: ModelParts, seq_len: int, budget: int | None) -> tuple[bool, str]:

@@ -20,6 +20,11 @@ layer's checkpoint goes to (pinned, on CUDA) host memory:
    stream. The last layer stays on the device: its backward comes first, a copy would not hide.
 3. `host_mem_budget` caps the host bytes: once the next checkpoint would exceed it, it stays on the
    device (so the earliest layers, whose checkpoints live longest, are the ones offloaded).
+4. Placement (MEMO Sec. 4; lstune.memory.placement): a `CheckpointPlacement` gives each layer a host
+   fraction α of its tokens (the rest stays on the device) or marks it not stored; backward then re-runs
+   the layers from the segment's stored base once, without grad, under each layer's forward RNG and
+   autocast state, and keeps the segment's inputs until their layers' backward. The default placement
+   is 1-3 above (all but the last layer on the host).
 
 Memory: device checkpoints O(L · S · D) → O(1 · S · D) (the kept last layer, one in flight out, one
 prefetched in); host gets L-1 of them (Llama-8B: 2 · L · D = 256 KiB per token in bf16). Cost: two
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
@@ -44,6 +50,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from lstune.memory.patching import Undo, patch_forward
+from lstune.memory.placement import CheckpointPlacement
 
 if TYPE_CHECKING:
     from torch import nn
@@ -98,7 +105,10 @@ class OffloadStats:
     """Counters of one offloader, cumulative except the host byte counts."""
 
     offloaded: int = 0  # checkpoints copied to host
-    kept: int = 0  # checkpoints left on the device (last layer, or over the host budget)
+    kept: int = 0  # checkpoints left on the device (placed there, or over the host budget)
+    split: int = 0  # checkpoints with their first tokens on the host and the rest on the device (0 < alpha < 1)
+    recomputed: int = 0  # checkpoints not stored (their layers re-run from the segment's base in backward)
+    recomputed_in_backward: int = 0  # layer forwards backward re-ran without grad for them
     prefetched: int = 0  # fetched back one layer ahead of their backward
     fetched_on_demand: int = 0  # fetched back when their backward needed them (no prefetch)
     host_bytes: int = 0  # host bytes held by live checkpoints now
@@ -147,23 +157,72 @@ class _HostCopy:
             start += block.numel()
 
 
-class CheckpointOffloader:
-    """Moves decoder-layer checkpoints to host memory in forward and brings them back in backward."""
+class _Saved:
+    """One layer's checkpoint as the placement put it: a host part (the first tokens), a device part (the rest),
+    or neither (not stored: backward re-runs the layers from its segment's base). `run` re-runs the layer on a
+    hidden state (its other arguments bound), `replay` the RNG and autocast state its forward ran under."""
 
-    def __init__(self, n_layers: int, *, host_mem_budget: int | None = None, keep_last: int = 1):
+    def __init__(self, index: int, run: Callable, replay: "_Replay | None"):
+        self.index = index
+        self.run = run
+        self.replay = replay
+        self.host: _HostCopy | None = None
+        self.device: torch.Tensor | None = None
+        self.below: weakref.ref | None = None  # layer index-1's checkpoint of the same forward
+        self.rerun: torch.Tensor | None = None  # not stored: its input, once backward re-ran its segment
+
+    @property
+    def stored(self) -> bool:
+        return self.host is not None or self.device is not None
+
+
+class _Replay:
+    """The RNG and autocast state a layer's forward ran under, restored when backward re-runs it without grad
+    (what torch's checkpoint does for its own recompute), so dropout masks and casts come out identical."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.autocast = {kind: (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                         for kind in {"cpu", device.type}}
+
+    @contextlib.contextmanager
+    def restored(self):
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, device_type="cuda"), contextlib.ExitStack() as stack:
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng is not None:
+                torch.cuda.set_rng_state(self.cuda_rng, self.device)
+            for kind, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            yield
+
+
+class CheckpointOffloader:
+    """Places decoder-layer checkpoints as `placement` says: host parts copied out in forward and fetched back one
+    layer ahead in backward, device parts kept, layers not stored re-run from their segment's base."""
+
+    def __init__(self, n_layers: int, *, host_mem_budget: int | None = None, keep_last: int = 1,
+                 placement: CheckpointPlacement | None = None):
         self.n_layers = n_layers
         self.host_mem_budget = host_mem_budget
-        self.keep_last = keep_last
+        if placement is None:
+            placement = CheckpointPlacement((1.0,) * max(n_layers - keep_last, 0) + (0.0,) * min(keep_last, n_layers))
+        if placement.n_layers != n_layers:
+            raise ValueError(f"placement covers {placement.n_layers} layers, the model has {n_layers}")
+        self.placement = placement
+        self._replaying = bool(placement.recomputed)
         self.stats = OffloadStats()
         self._latest: dict[int, weakref.ref] = {}
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
-        self._saving: tuple[int, weakref.ref] | None = None
+        self._saving: tuple[int, weakref.ref, Callable] | None = None
 
     @contextlib.contextmanager
-    def saving(self, index: int, hidden: torch.Tensor):
+    def saving(self, index: int, hidden: torch.Tensor, run: Callable | None = None):
         """Scope of layer `index`'s checkpoint call: the tensor checkpoint saves goes through our hooks."""
         # The pack hook must not close over `hidden`: autograd keeps the hooks with the saved variable.
-        self._saving = (index, weakref.ref(hidden))
+        self._saving = (index, weakref.ref(hidden), run)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
@@ -171,33 +230,107 @@ class CheckpointOffloader:
             self._saving = None
 
     def _pack(self, tensor: torch.Tensor):
-        index, expected = self._saving if self._saving else (-1, lambda: None)
+        index, expected, run = self._saving if self._saving else (-1, lambda: None, None)
         if tensor is not expected():  # not a layer input: nothing of ours (index -2 prefetches nothing)
             return _OnDevice(-2, tensor)
-        if self._keep_on_device(index, tensor):
+        saved = _Saved(index, run, _Replay(tensor.device) if self._replaying else None)
+        saved.below = self._latest.get(index - 1)
+        self._latest[index] = weakref.ref(saved)
+        fraction = self.placement.host_fraction[index]
+        if fraction is None:
+            self.stats.recomputed += 1
+            return saved
+        tokens = self._host_tokens(fraction, tensor)
+        if tokens:
+            saved.host = self._copy_out(index, tensor[..., :tokens, :])
+            self._track_host(saved.host, saved.host.nbytes)
+        if tokens < tensor.shape[-2]:
+            # A slice would keep the whole tensor's storage alive: the device part gets its own.
+            saved.device = tensor if not tokens else tensor[..., tokens:, :].clone()
+        self._count(tokens, tensor.shape[-2])
+        return saved
+
+    def _host_tokens(self, fraction: float, tensor: torch.Tensor) -> int:
+        """Tokens of each sample that go to the host: the placement's fraction, or none past the host budget."""
+        tokens = math.floor(fraction * tensor.shape[-2] + 1e-6)  # the planner's fractions are whole tokens
+        if tokens and self.host_mem_budget is not None:
+            numel = tensor[..., :tokens, :].numel()
+            nbytes = host_copy_bytes(numel, tensor.element_size(), pinned=tensor.device.type == "cuda")
+            if self.stats.host_bytes + nbytes > self.host_mem_budget:
+                return 0
+        return tokens
+
+    def _count(self, tokens: int, length: int) -> None:
+        if tokens == length:
+            self.stats.offloaded += 1
+        elif tokens:
+            self.stats.split += 1
+        else:
             self.stats.kept += 1
-            return _OnDevice(index, tensor)
-        handle = self._copy_out(index, tensor)
-        self._track_host(handle, handle.nbytes)
-        self._latest[index] = weakref.ref(handle)
-        self.stats.offloaded += 1
-        return handle
 
     def _unpack(self, handle) -> torch.Tensor:
         if isinstance(handle, _OnDevice):
-            tensor = handle.tensor
-        else:
+            return handle.tensor
+        if handle.stored:
             tensor = self._take(handle)
-        self._prefetch(handle.index - 1)
+        else:
+            tensor, handle.rerun = handle.rerun, None
+            if tensor is None:
+                tensor = self._recompute_segment(handle)
+        self._prefetch(self._fetch_next(handle.index))
         return tensor
 
-    def _keep_on_device(self, index: int, tensor: torch.Tensor) -> bool:
-        if index >= self.n_layers - self.keep_last:
-            return True
-        if self.host_mem_budget is None:
-            return False
-        nbytes = host_copy_bytes(tensor.numel(), tensor.element_size(), pinned=tensor.device.type == "cuda")
-        return self.stats.host_bytes + nbytes > self.host_mem_budget
+    def _fetch_next(self, index: int) -> int:
+        """Whose host part backward needs next below `index`: the layer below, or its segment's base."""
+        return self.placement.base(index - 1) if index > 0 else -1
+
+    def _recompute_segment(self, top: _Saved) -> torch.Tensor:
+        """Re-run layers base..top-1 without grad from the stored base; keep every input of the segment for its
+        layer's backward (on its handle, dropped when its layer unpacks), return layer `top`'s."""
+        saved = []
+        layer = top.below()
+        while True:  # down the same forward's chain (another micro-batch's forward may have run since)
+            saved.insert(0, layer)
+            if layer.stored:
+                break
+            layer = layer.below()
+        base, top = saved[0].index, top.index
+        hidden = self._take(saved[0])
+        with torch.no_grad():
+            for layer, above in zip(saved, saved[1:] + [None]):
+                with layer.replay.restored():
+                    hidden = _hidden_of(layer.run(hidden))
+                if above is not None:
+                    above.rerun = hidden
+        self.stats.recomputed_in_backward += top - base
+        return hidden
+
+    def _take(self, saved: _Saved) -> torch.Tensor:
+        """The stored checkpoint on the device: its fetched host part before its device part."""
+        if saved.host is None:
+            return saved.device
+        host = self._arrived(saved.host)
+        return host if saved.device is None else torch.cat([host, saved.device], dim=-2)
+
+    def _prefetch(self, index: int) -> None:
+        ref = self._latest.get(index)
+        saved = ref() if ref is not None else None
+        if saved is None or saved.host is None or saved.host.incoming is not None:
+            return
+        saved.host.incoming = self._copy_in(saved.host)
+        self.stats.prefetched += 1
+
+    def _arrived(self, handle: _HostCopy) -> torch.Tensor:
+        if handle.incoming is None:
+            handle.incoming = self._copy_in(handle)
+            self.stats.fetched_on_demand += 1
+        tensor, arrived = handle.incoming
+        handle.incoming = None
+        if arrived is not None:
+            compute = torch.cuda.current_stream(handle.device)
+            compute.wait_event(arrived)
+            tensor.record_stream(compute)
+        return tensor
 
     def _copy_out(self, index: int, tensor: torch.Tensor) -> _HostCopy:
         flat = tensor.detach().contiguous().view(-1)
@@ -216,26 +349,6 @@ class CheckpointOffloader:
             handle.ready.record(stream)
         flat.record_stream(stream)
         return handle
-
-    def _prefetch(self, index: int) -> None:
-        ref = self._latest.get(index)
-        handle = ref() if ref is not None else None
-        if handle is None or handle.incoming is not None:
-            return
-        handle.incoming = self._copy_in(handle)
-        self.stats.prefetched += 1
-
-    def _take(self, handle: _HostCopy) -> torch.Tensor:
-        if handle.incoming is None:
-            handle.incoming = self._copy_in(handle)
-            self.stats.fetched_on_demand += 1
-        tensor, arrived = handle.incoming
-        handle.incoming = None
-        if arrived is not None:
-            compute = torch.cuda.current_stream(handle.device)
-            compute.wait_event(arrived)
-            tensor.record_stream(compute)
-        return tensor
 
     def _copy_in(self, handle: _HostCopy) -> tuple[torch.Tensor, object]:
         if handle.device.type != "cuda":
@@ -280,7 +393,7 @@ class CheckpointedForward:
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         hidden, run = self._bind(args, _without_cache(kwargs))
-        scope = self.offloader.saving(self.index, hidden) if self.offloader else contextlib.nullcontext()
+        scope = self.offloader.saving(self.index, hidden, run) if self.offloader else contextlib.nullcontext()
         with scope:
             return checkpoint(run, hidden, use_reentrant=False)
 
@@ -292,6 +405,11 @@ class CheckpointedForward:
         kwargs = dict(kwargs)
         hidden = kwargs.pop("hidden_states")
         return hidden, lambda h: self.forward(hidden_states=h, **kwargs)
+
+
+def _hidden_of(output) -> torch.Tensor:
+    """A decoder layer's output hidden state (HF layers return it alone or first in a tuple)."""
+    return output if isinstance(output, torch.Tensor) else output[0]
 
 
 def _without_cache(kwargs: dict) -> dict:

@@ -408,8 +408,18 @@ def _describe_memory(memory_plan) -> str:
         f"loss {loss['backend']} ({tiles(loss['tiles'])})",
         "checkpointing" if s["checkpointing"] else "no checkpointing",
         "offloaded checkpoints" if offload["enabled"] else (f"no offload ({offload['note']})" if offload["note"] else None),
+        _describe_placement(s["checkpoint_placement"]),
     ]
     return ", ".join(p for p in parts if p)
+
+
+def _describe_placement(placed: dict | None) -> str | None:
+    """The checkpoint placement: which layers where, host and device bytes, the extra recompute."""
+    if placed is None:
+        return None
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    return (f"checkpoint placement: {placed['layers']} (host {mib(placed['host_bytes'])}, device "
+            f"{mib(placed['device_bytes'])}, recompute +{placed.get('extra_recompute_pct', 0.0)}% of step FLOPs)")
 
 
 def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, result, reporter, folder,

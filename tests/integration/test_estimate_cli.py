@@ -96,3 +96,26 @@ def test_train_prints_the_predicted_peak_before_loading_weights(cli, tmp_path, t
     note = next(line for line in result.out.splitlines() if "estimate:" in line)
     assert "predicted peak" in note and "fits" in note
     assert result.out.index("estimate:") < result.out.index("engine:")
+
+
+def test_the_checkpoint_placement_is_predicted_and_shown(cli):
+    """A host budget of 10 checkpoints and a device budget of 8 leave some of Llama-8B's 32 layers recomputed."""
+    one = 65536 * 4096 * 2  # one bf16 checkpoint of 64K tokens: 512 MiB
+    args = ("estimate", "--model", "llama-3.1-8b", "--seq-len", "64k", "--lora-r", "16", *H100,
+            "--offload-checkpoints", "--host-mem-budget", str(10 * one), "--checkpoint-device-budget", str(8 * one))
+    data = json.loads(cli(*args, "--json").out)
+    placed = data["checkpoint_placement"]
+    assert placed["recomputed_layers"] and placed["host_bytes"] <= 10 * one
+    assert placed["device_bytes"] + (1 + 2) * one <= 8 * one  # device parts + fetched back + longest segment
+    assert 0 < placed["extra_recompute_pct"] < 100
+    checkpoints = next(i for i in data["breakdown"] if i["name"] == "activation checkpoints")
+    assert checkpoints["host_bytes"] == placed["host_bytes"] and "recompute" in checkpoints["detail"]
+    plain = json.loads(cli(*args[:-4], "--json").out)
+    assert data["flops"]["hardware"] > plain["flops"]["hardware"]
+    table = cli(*args)
+    assert table.code == 0 and "recompute" in table.out
+
+
+def test_a_bad_checkpoint_device_budget_exits_2(cli):
+    result = cli("estimate", "--model", "llama-3.1-8b", "--seq-len", "64k", *H100, "--checkpoint-device-budget", "-5")
+    _assert_user_error(result, "--checkpoint-device-budget")

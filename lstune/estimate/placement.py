@@ -1,0 +1,75 @@
+"""The estimate's view of the checkpoint placement (lstune.memory.placement): the same planner on the same
+numbers train gives it, so `lstune estimate` predicts the plan `lstune train` prints.
+
+`checkpoint_terms` is the one call the byte model makes (lstune.estimate.memory); it returns the checkpoint
+bytes on the host and on the device (in checkpoints, at the forward's end and in backward) and the placement,
+which the step's FLOPs read for the layers backward re-runs (`extra_layer_forwards`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from lstune.estimate.shapes import ModelShape
+from lstune.memory.placement import CheckpointPlacement, plan_placement
+
+
+@dataclass(frozen=True)
+class CheckpointTerms:
+    placement: CheckpointPlacement | None  # None: no offloader (every checkpoint on the device, as before)
+    offloaded: int  # layers with a host part
+    host: int  # host bytes
+    kept_fwd: float  # device checkpoints held between forward and backward (in checkpoints; α makes fractions)
+    kept_bwd: float  # ... at a layer's backward: plus the one fetched back and a recomputed segment's inputs
+
+
+def checkpoint_terms(shape: ModelShape, s: Any, ckpt: int, element_size: int) -> CheckpointTerms:
+    """Where the `shape.layers` checkpoints of `ckpt` bytes each live under `s` (lstune.estimate.memory.Settings,
+    not imported: that module imports this one)."""
+    device_budget = s.checkpoint_device_budget
+    if not s.offload_checkpoints and device_budget is None:
+        return CheckpointTerms(None, 0, 0, shape.layers, shape.layers)
+    placement = planned_placement(shape, s, ckpt, element_size, device_budget)
+    kept_fwd = placement.device_bytes() / ckpt if ckpt else shape.layers
+    kept_bwd = placement.device_peak_bytes() / ckpt if ckpt else shape.layers
+    offloaded = sum(1 for a in placement.host_fraction if a)
+    return CheckpointTerms(placement, offloaded, placement.host_bytes(), kept_fwd, kept_bwd)
+
+
+def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
+                      device_budget: int | None) -> CheckpointPlacement:
+    """`plan_placement` with train's inputs (lstune.memory.apply.checkpoint_placement): the host budget (none
+    without offload), the device budget, and on CUDA the fraction whose copy hides under one layer's forward."""
+    from lstune.memory import checkpoint as ckpt_mod  # imports torch: only when checkpoints are placed
+
+    tokens = s.local_tokens // max(s.micro_batch, 1)
+    forward_s = None
+    if s.on_cuda:
+        flops = 2 * shape.layer_matmul_params() * tokens + 2 * tokens**2 * shape.q_width
+        forward_s = flops / ckpt_mod.SUSTAINED_FLOPS
+    host_bytes_of = partial(_pinned_bytes, element_size, s.on_cuda, ckpt_mod.host_copy_bytes)
+    return plan_placement(
+        shape.layers, ckpt, host_budget=s.host_mem_budget if s.offload_checkpoints else 0,
+        device_budget=device_budget, copy_bytes_per_s=ckpt_mod.PCIE_BYTES_PER_S if s.on_cuda else None,
+        layer_forward_s=forward_s, host_bytes_of=host_bytes_of, tokens=tokens,
+    )
+
+
+def _pinned_bytes(element_size: int, pinned: bool, host_copy_bytes, nbytes: int) -> int:
+    return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
+
+
+def extra_layer_forwards(placement: CheckpointPlacement | None) -> int:
+    """Layer forwards backward adds for checkpoints not stored (0 without a placement)."""
+    return placement.extra_layer_forwards() if placement is not None else 0
+
+
+def placement_summary(placement: CheckpointPlacement | None, flops) -> dict | None:
+    """The plan as train prints it, with the extra recompute in % of the step's FLOPs (`flops`: StepFlops)."""
+    if placement is None:
+        return None
+    out = placement.summary()
+    out["extra_recompute_pct"] = round(100 * flops.recompute_extra / flops.hardware, 2) if flops.hardware else 0.0
+    return out
