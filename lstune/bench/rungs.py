@@ -84,8 +84,7 @@ def ladder(config: TrainConfig) -> list[Rung]:
     """hf → tiled_loss → tiled_mlp → offload → mini_seq, then the flags' own configuration when it differs
     from every rung's, then SP over --gpus processes."""
     rungs = [RUNGS[name] for name in LADDER]
-    given = {key: value for key, value in config.to_dict().items() if key in MEMORY_KEYS}
-    if all(given != r.memory for r in rungs):
+    if same_as(config) is None:
         rungs.append(RUNGS["lstune"])
     if config.parallel.gpus > 1:
         rungs.append(RUNGS["sp"])

@@ -95,6 +95,11 @@ def hf_loss_sum(batch: dict, model) -> tuple[torch.Tensor, torch.Tensor]:
 # ---- the step trial --------------------------------------------------------------------------------------------
 
 
+# Rungs that run the flags as `lstune train` does. The ladder's rungs keep `auto` as the memory techniques read it on
+# their own (ALST's tile counts), so each rung adds its technique whatever the estimate would pick.
+TRAIN_AS_IS = ("lstune", "sp")
+
+
 def run_step_trial(job: Job) -> dict[str, Any]:
     """The record of `job` (kind "step"); an out-of-memory error or a failure is a result, not an exception."""
     from lstune.config.schema import TrainConfig
@@ -127,6 +132,8 @@ def _train_steps(job: Job, config, runtime, spec, prediction, batches) -> list[d
     from lstune.train.step import RunState, Stepper
 
     total = job.warmup + job.steps
+    if job.rung in TRAIN_AS_IS:  # what `lstune train` prepares: `auto` as the estimate resolved it
+        config = prediction.memory_choice.applied_to(config)
     engine, loss_sum = (_plain_hf if job.plain_hf else _lstune)(config, runtime, spec, prediction, total)
     stepper = Stepper(config, engine, runtime, loss_sum)
     state = RunState()

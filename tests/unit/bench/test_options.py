@@ -57,9 +57,11 @@ def test_search_settings_without_the_search_are_refused():
 
 
 def test_the_ladder_adds_the_flags_own_settings_only_when_they_differ_and_sp_with_several_gpus():
-    assert [r.name for r in ladder(_config())] == list(LADDER)  # the defaults are the tiled_mlp rung's
+    # The defaults' `auto` settings are the estimate's, no rung's; flags equal to a rung's add nothing.
+    assert [r.name for r in ladder(_config())] == [*LADDER, "lstune"]
+    assert [r.name for r in ladder(_config(offload_checkpoints=False))] == list(LADDER)  # the tiled_mlp rung's
     assert [r.name for r in ladder(_config(tiled_loss=4))] == [*LADDER, "lstune"]
-    assert [r.name for r in ladder(_config(gpus=2))] == [*LADDER, "sp"]
+    assert [r.name for r in ladder(_config(gpus=2))] == [*LADDER, "lstune", "sp"]
     rungs, problems = select_rungs(_config(), None, False)
     assert [r.name for r in rungs] == ["lstune"] and not problems
 
