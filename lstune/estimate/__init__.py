@@ -303,8 +303,9 @@ def placement_budgets(shape: ModelShape, params: ParamCounts, s: Settings,
     if host is None:
         elsewhere = breakdown(shape, params, replace(s, host_mem_budget=0, checkpoint_device_budget=None)).host_peak
         host = max(hardware.host_bytes // hardware.gpus - elsewhere, 0)
-        why.append(f"host {_gib(host)} (the host's {_gib(hardware.host_bytes)} / {hardware.gpus} ranks less "
-                   f"{_gib(elsewhere)} else on it)")
+        ranks = f" / {hardware.gpus} ranks" if hardware.gpus > 1 else ""
+        why.append(f"host {_gib(host)} (the host's {_gib(hardware.host_bytes)}{ranks} less {_gib(elsewhere)} else "
+                   "on it)")
     if device is None:
         b = breakdown(shape, params, replace(s, host_mem_budget=host, checkpoint_device_budget=None))
         every = breakdown(shape, params, replace(s, host_mem_budget=None, checkpoint_device_budget=None)).placement
