@@ -264,14 +264,16 @@ class MemorySection:
     )
     host_mem_budget: int | None = _opt(
         None,
-        "Host memory offloaded checkpoints may use, e.g. 64G; layers beyond it stay on the device.",
+        "Host memory offloaded checkpoints may use, e.g. 64G; layers beyond it stay on the device or are "
+        "recomputed. Default: the host's RAM per local rank less what else the run keeps there.",
         p.parse_bytes,
         metavar="BYTES",
     )
     checkpoint_device_budget: int | None = _opt(
         None,
         "Device memory activation checkpoints may use, e.g. 8G: past it (host budget full) some layers' checkpoints "
-        "are not stored but recomputed in backward from the one below (MEMO placement; docs/memory.md).",
+        "are not stored but recomputed in backward from the one below (MEMO placement; docs/memory.md). Default "
+        "with offload, when the host budget cannot hold every checkpoint: the device's headroom per the estimate.",
         p.parse_bytes,
         metavar="BYTES",
     )

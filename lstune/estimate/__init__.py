@@ -19,7 +19,8 @@ from lstune.config.schema import TrainConfig, zero_problems
 from lstune.errors import ConfigError
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
-from lstune.estimate.memory import LOSS_TILE_BYTES, Breakdown, Engine, Settings, breakdown, loss_backend, reserve_bytes
+from lstune.estimate.memory import (GIB, LOSS_TILE_BYTES, Breakdown, Engine, Settings, breakdown, loss_backend,
+                                    reserve_bytes)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
 
@@ -218,17 +219,20 @@ def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
 class MemoryChoice:
     """What the `auto` memory settings resolve to for one run — `tiled_mlp` / `tiled_loss`: "off", a tile count, or
     "auto" where a policy decides per batch (Liger's chunks on CUDA, MST's tiles with --mini-sequence);
-    `offload_checkpoints`: on or off — and why."""
+    `offload_checkpoints`: on or off; the checkpoint placement's budgets (`placement_budgets`) — and why."""
 
     tiled_mlp: str | int
     tiled_loss: str | int
     offload_checkpoints: bool
     reason: str
+    host_mem_budget: int | None = None  # bytes of host the offloaded checkpoints may use (None: no cap)
+    checkpoint_device_budget: int | None = None  # device bytes checkpoints may use (None: no cap)
 
     def applied_to(self, config: TrainConfig) -> TrainConfig:
         """`config` with these settings in its memory section (what lstune train prepares the model with)."""
         memory = replace(config.memory, tiled_mlp=self.tiled_mlp, tiled_loss=self.tiled_loss,
-                         offload_checkpoints=self.offload_checkpoints)
+                         offload_checkpoints=self.offload_checkpoints, host_mem_budget=self.host_mem_budget,
+                         checkpoint_device_budget=self.checkpoint_device_budget)
         return replace(config, memory=memory)
 
     def describe(self) -> str:
@@ -237,7 +241,8 @@ class MemoryChoice:
 
     def to_dict(self) -> dict:
         return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss,
-                "offload_checkpoints": self.offload_checkpoints, "reason": self.reason}
+                "offload_checkpoints": self.offload_checkpoints, "host_mem_budget": self.host_mem_budget,
+                "checkpoint_device_budget": self.checkpoint_device_budget, "reason": self.reason}
 
 
 def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,
@@ -247,24 +252,73 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     Checkpoint offload (`auto`): on only when the run with ALST's tiles does not fit the device without it, the
     host holds the offloaded checkpoints, and (on CUDA) the sequence is long enough for the copies to hide under
     compute (MEMO Eq. 1, lstune.memory.checkpoint.offload_min_tokens); never on a CPU, where host and device are
-    one memory. Tiles (`auto`): the fewest (1 = off, then powers of two, up to ALST's counts: MLP tiles of
-    `hidden` tokens, loss tiles of ~1 GiB fp32 logits) that keep the predicted device peak within AUTO_HEADROOM
-    of the device; ALST's counts when none does. Tiling never changes the numbers, only memory and time (an MLP
-    tile recomputes its forward; many small tiles run small kernels), so a tiny model at 4K tokens is not cut
-    into 32 tiles. Under --mini-sequence, MST's tiles; on CUDA the loss is Liger's (chunked, and faster than
-    plain logits) wherever it applies."""
+    one memory. With offload on, the placement's budgets the config leaves unset are `placement_budgets`'s. Tiles
+    (`auto`): the fewest (1 = off, then powers of two, up to ALST's counts: MLP tiles of `hidden` tokens, loss
+    tiles of ~1 GiB fp32 logits) that keep the predicted device peak within AUTO_HEADROOM of the device; ALST's
+    counts when none does. Tiling never changes the numbers, only memory and time (an MLP tile recomputes its
+    forward; many small tiles run small kernels), so a tiny model at 4K tokens is not cut into 32 tiles. Under
+    --mini-sequence, MST's tiles; on CUDA the loss is Liger's (chunked, and faster than plain logits) wherever it
+    applies."""
     options = _offload_options(config, hardware, shape, params, sp, engine)
-    peaks = {o: breakdown(shape, params, settings(config, hardware, sp, engine, o)) for o in options}
+    placed = {o: placed_settings(config, hardware, shape, params, sp, engine, o) for o in options}
+    peaks = {o: breakdown(shape, params, placed[o][0]) for o in options}
     fitting = [o for o in options if _fits(peaks[o], hardware)]
     # When nothing fits, offload still lowers the device peak, but only where the host holds it.
     host_ok = [o for o in options if peaks[o].host_peak * hardware.gpus <= hardware.host_bytes]
     offload = fitting[0] if fitting else (host_ok[-1] if host_ok else options[0])
     why = ("it does not fit the device without" if offload and config.memory.offload_checkpoints == "auto" else "")
-    base = settings(config, hardware, sp, engine, offload)
+    base, budgets = placed[offload]
     mlp, loss, settled = _choose_tiles(config, hardware, shape, params, base)
     reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
               else f"ALST's tiles: the peak is above {AUTO_HEADROOM:.0%} of the device even so")
-    return MemoryChoice(mlp, loss, offload, f"{reason}{'; checkpoints offloaded: ' + why if why else ''}")
+    reason += f"; checkpoints offloaded: {why}" if why else ""
+    reason += f"; checkpoint budgets: {budgets}" if budgets else ""
+    return MemoryChoice(mlp, loss, offload, reason, base.host_mem_budget, base.checkpoint_device_budget)
+
+
+def placed_settings(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,
+                    engine: Engine, offload: bool) -> tuple[Settings, str]:
+    """The byte model's settings with checkpoint offload `offload` and the placement's budgets resolved
+    (`placement_budgets`), and what the defaults were (empty when none applied)."""
+    s = settings(config, hardware, sp, engine, offload)
+    host, device, why = placement_budgets(shape, params, s, hardware)
+    return replace(s, host_mem_budget=host, checkpoint_device_budget=device), why
+
+
+def placement_budgets(shape: ModelShape, params: ParamCounts, s: Settings,
+                      hardware: Cluster) -> tuple[int | None, int | None, str]:
+    """The checkpoint placement's (host budget, device budget, why) for offloaded checkpoints (MEMO, issue 14);
+    the user's --host-mem-budget / --checkpoint-device-budget win, and without offload none is added.
+
+    - Host: the node's RAM per local rank less what else the rank keeps there (the process itself, an offloaded
+      optimizer or parameters), so a long run gets a placement plan instead of exhausting host memory.
+    - Device: only when the host budget cannot hold every checkpoint, the device's headroom — AUTO_HEADROOM of it
+      (the margin auto tiles keep) less everything else at the phase where that is highest — so the planner
+      recomputes only the layers neither memory holds.
+    """
+    host, device = s.host_mem_budget, s.checkpoint_device_budget
+    if not (s.offload_checkpoints and s.checkpointing):
+        return host, device, ""
+    why = []
+    if host is None:
+        elsewhere = breakdown(shape, params, replace(s, host_mem_budget=0, checkpoint_device_budget=None)).host_peak
+        host = max(hardware.host_bytes // hardware.gpus - elsewhere, 0)
+        ranks = f" / {hardware.gpus} ranks" if hardware.gpus > 1 else ""
+        why.append(f"host {_gib(host)} (the host's {_gib(hardware.host_bytes)}{ranks} less {_gib(elsewhere)} else "
+                   "on it)")
+    if device is None:
+        b = breakdown(shape, params, replace(s, host_mem_budget=host, checkpoint_device_budget=None))
+        every = breakdown(shape, params, replace(s, host_mem_budget=None, checkpoint_device_budget=None)).placement
+        if b.placement is not None and b.placement.host_bytes() < every.host_bytes():
+            target = int(AUTO_HEADROOM * device_capacity(hardware))
+            device = max(target - b.device_besides_checkpoints, 0)
+            why.append(f"device {_gib(device)} ({AUTO_HEADROOM:.0%} of the device less "
+                       f"{_gib(b.device_besides_checkpoints)} else at the peak)")
+    return host, device, ", ".join(why)
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
 
 
 def _offload_options(config, hardware, shape, params, sp, engine) -> list[bool]:
@@ -284,8 +338,8 @@ def _offload_options(config, hardware, shape, params, sp, engine) -> list[bool]:
 
 def _fits_some_offload(config, hardware, shape, params, sp, engine) -> bool:
     """Whether the run fits with one of the checkpoint offload settings it may take."""
-    return any(_fits(breakdown(shape, params, settings(config, hardware, sp, engine, offload)), hardware)
-               for offload in _offload_options(config, hardware, shape, params, sp, engine))
+    return any(_fits(breakdown(shape, params, placed_settings(config, hardware, shape, params, sp, engine, o)[0]),
+                     hardware) for o in _offload_options(config, hardware, shape, params, sp, engine))
 
 
 def _choose_tiles(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts,

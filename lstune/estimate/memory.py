@@ -121,6 +121,8 @@ class Breakdown:
     dtypes: dict = field(default_factory=dict)
     checkpoint_bytes_per_token_layer: int = 0
     placement: Any = None  # the checkpoint placement (lstune.memory.placement), None without an offloader
+    # Device bytes the peak would shed with no checkpoint on the device (the phase peaking without them may differ).
+    checkpoint_share: int = 0
 
     def add(self, name: str, device: int = 0, host: int = 0, detail: str = "") -> None:
         self.items.append(Item(name, int(device), int(host), detail))
@@ -132,6 +134,11 @@ class Breakdown:
     @property
     def host_peak(self) -> int:
         return sum(i.host for i in self.items)
+
+    @property
+    def device_besides_checkpoints(self) -> int:
+        """The device peak of everything but the checkpoints, at whichever phase it is highest."""
+        return self.device_peak - self.checkpoint_share
 
 
 def dtypes(s: Settings) -> dict:
@@ -274,6 +281,7 @@ def _add_peak_phase(b: Breakdown, s: Settings, phases: list[Phase], all_grad: in
     gradients alive at that moment) go into the breakdown."""
     peak = max(phases, key=lambda phase: phase.total)
     b.phase = peak.name
+    b.checkpoint_share = peak.total - max(phase.total - _checkpoint_part(phase) for phase in phases)
     if _gradients_build_up(s):
         b.add("gradients", peak.gradients, detail=f"fp32, those alive at the peak ({peak.name}) of {all_grad:,} B "
                                                   "after backward (set to None after each step)")
@@ -282,6 +290,10 @@ def _add_peak_phase(b: Breakdown, s: Settings, phases: list[Phase], all_grad: in
             b.add("activation checkpoints", nbytes, host, name.removeprefix("activation checkpoints: "))
         else:
             b.add(name, nbytes)
+
+
+def _checkpoint_part(phase: Phase) -> int:
+    return sum(nbytes for name, nbytes in phase.parts if name.startswith("activation checkpoints: "))
 
 
 def _gradients_build_up(s: Settings) -> bool:
