@@ -279,8 +279,9 @@ class MemorySection:
     )
     attn_chunks: Any = _opt(
         "off",
-        "Run each layer's attention block over the sequence in chunks (FPDT): 'auto' = chunks of 64K tokens "
-        "(off up to that length), 'off', or a chunk count. With --offload-checkpoints the saved chunks go to host "
+        "Run each layer's attention block over the sequence in chunks (FPDT): 'auto' = the shortest chunks whose "
+        "host fetch hides under their attention (4K tokens for Llama-3.1-8B; off up to that length), 'off', or a "
+        "chunk count. With --offload-checkpoints the saved chunks go to host "
         "memory.",
         p.parse_auto_off_int,
         metavar="auto|off|N",

@@ -174,7 +174,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
         dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence,
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
-        checkpoint_device_budget=m.checkpoint_device_budget,
+        checkpoint_device_budget=m.checkpoint_device_budget, attn_chunks=m.attn_chunks,
     )
 
 

@@ -32,7 +32,7 @@ its peak, lstune.train.trace) and against the device peaks measured on an H100 (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lstune.estimate.placement import checkpoint_terms
@@ -91,6 +91,8 @@ class Settings:
     liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
     fuse_norms: bool = True  # mini-sequence fuses the MLP's norms (a probe on real weights finds them)
     load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
+    attn_chunks: str | int = "off"  # --attn-chunks as configured
+    attn_chunk_count: int = 1  # FPDT chunks of the local sequence, resolved by `breakdown`; 1: not chunked
 
     @property
     def local_tokens(self) -> int:
@@ -141,6 +143,15 @@ class Breakdown:
         return self.device_peak - self.checkpoint_share
 
 
+def attn_chunk_count(setting: str | int, shape: ModelShape, local_seq: int) -> int:
+    """`--attn-chunks` resolved as lstune.memory.apply resolves it (the same functions) for `local_seq` tokens."""
+    if setting == "off":
+        return 1
+    from lstune.memory import attention_chunks as chunked  # imports torch: only when chunking is asked for
+
+    return chunked.chunk_count(setting, local_seq, chunked.auto_chunk_tokens(shape.q_width, shape.kv_width))
+
+
 def dtypes(s: Settings) -> dict:
     """Bytes per element: frozen weights, trainable weights, the residual stream, other activations."""
     act = 2 if s.bf16 else 4
@@ -159,6 +170,7 @@ def lora_base_in_bf16(lora_r: int, dtype: str, on_cuda: bool) -> bool:
 
 def breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
     """Per-rank device and host bytes at the peak of one step (module doc)."""
+    s = replace(s, attn_chunk_count=attn_chunk_count(s.attn_chunks, shape, ceil_div(s.seq_len, s.sp)))
     b = Breakdown(dtypes=dtypes(s))
     _static(b, params, s)
     _activations(b, shape, params, s)
@@ -260,6 +272,8 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
         Phase("optimizer step", [checkpoints(0)], all_grad),
     ]
     _add_peak_phase(b, s, phases, all_grad, placed.host)
+    if chunk_host_bytes(shape, s):
+        b.add("attention chunks on the host (FPDT, the live layer's)", 0, chunk_host_bytes(shape, s))
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
 
 
@@ -354,16 +368,21 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=_lora_on_tokens(s, p))
     else:
         mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act, p)
+    if s.attn_chunk_count > 1:
+        saved, attention = _chunked_attention(shape, s, act, res)
+    else:
+        saved = ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
+                 t * (upcast + act * (h + 3 * q + 2 * kv)))
+        attention = ("attention's (gradients of q, k, v, output, input norm)", t * act * (3 * h + 3 * q + 2 * kv))
     moments = [
         (f"the MLP's: {mlp_name}" + (", its norms fused" if fused else ", its norm's input and output"),
          t * ((0 if fused else upcast + act * h) + grad) + mlp_work),
         ("the MLP norm's (fp32 temporaries)", 0 if fused else t * (24 * h + grad)),
-        ("attention's (gradients of q, k, v, output, input norm)", t * act * (3 * h + 3 * q + 2 * kv)),
+        attention,
     ]
     name, working = max(moments, key=lambda moment: moment[1])
     parts = [
-        ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
-         t * (upcast + act * (h + 3 * q + 2 * kv))),
+        saved,
         (f"layer backward: peak moment, {name}", working),
         ("layer backward: further norms (fp32 inputs)", t * 4 * h * max(0, extra_norms)),
     ]
@@ -373,6 +392,62 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
     return parts
+
+
+def _chunks_saved_per_token(shape: ModelShape, act: int) -> int:
+    """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output in the
+    activation dtype, and the output's log-sum-exp in fp32 (one per head)."""
+    return act * (2 * shape.kv_width + shape.q_width) + 4 * shape.heads
+
+
+def _chunks_backward_per_token(shape: ModelShape, act: int) -> int:
+    """What FPDT's backward adds per token of the live layer: q and the output gradient dO (activation dtype),
+    rowsum(dO ∘ o) and the dq accumulators (fp32): all of them after the first key chunk's iteration."""
+    return act * 2 * shape.q_width + 4 * shape.heads + 4 * shape.q_width
+
+
+def _chunk_tokens(s: Settings) -> int:
+    return s.micro_batch * ceil_div(ceil_div(s.seq_len, s.sp), s.attn_chunk_count)
+
+
+def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
+    """Host bytes of the offloaded chunks at the peak (the live layer's attention backward): what its forward saved
+    and what its backward stores (`_chunks_*_per_token`), plus one chunk's fp32 dk and dv. Copies are exact here;
+    CUDA's pinned allocator rounds each chunk's copy up to a power of two (none for power-of-two chunk lengths)."""
+    if s.attn_chunk_count <= 1 or not s.offload_checkpoints:
+        return 0
+    act = dtypes(s)["act"]
+    per_token = _chunks_saved_per_token(shape, act) + _chunks_backward_per_token(shape, act)
+    return s.local_tokens * per_token + _chunk_tokens(s) * 8 * shape.kv_width
+
+
+def _chunked_attention(shape: ModelShape, s: Settings, act: int, res: int) -> tuple[tuple[str, int], tuple[str, int]]:
+    """FPDT's attention block (lstune.memory.attention_chunks) in one layer's backward: (saved part, peak moment).
+
+    Saved: the input norm's fp32 input and output (the Function's input; none when the norm runs inside the
+    chunks, fused), the token ids (int64 index and document, on the device), and k, v, output and lse — on the host
+    with offload. The moment: the incoming gradient and the input's gradient (whole sequence), the backward's q,
+    dO, rowsum and fp32 dq accumulators (on the host with offload), then one chunk's share: fp32 dk and dv, the
+    fetched k, v, q, dO, lse and dq (with offload; the next chunk's prefetched too), and the larger of the block
+    kernel's fp32 score tiles (scores, probabilities, dP, dP − rowsum and dS: five, plus the bool mask of the
+    block) and the chunk's projections re-run with their gradients."""
+    h, t, q, kv, heads = shape.hidden, s.local_tokens, shape.q_width, shape.kv_width, shape.heads
+    c, offload = _chunk_tokens(s), s.offload_checkpoints
+    fused = s.fuse_norms
+    norm = 0 if fused else t * (_norm_upcast(act) + act) * h
+    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act)
+    where = "on the host" if offload else "on the device"
+    saved = (f"layer backward: chunked attention saved ({s.attn_chunk_count} chunks; k, v, output, lse {where}"
+             + (")" if fused else "; input norm's input and output)"), norm + t * 16 + chunks_saved)
+    whole = t * (res * h + (res if fused else act) * h)  # incoming gradient, the input's gradient
+    backward_store = 0 if offload else t * _chunks_backward_per_token(shape, act)
+    fetched = 2 * c * (act * 2 * kv + _chunks_backward_per_token(shape, act)) if offload else 0
+    rows = min(c, max(1, (1 << 26) // max(1, heads * c)))  # attention_chunks._row_tiles, per sample
+    tiles = s.micro_batch * (5 * heads * rows * c * 4 + c * c)
+    projections = c * act * (3 * h + 3 * q + 2 * kv)
+    one_chunk = c * 8 * kv + fetched + max(tiles, projections)
+    return saved, (f"attention's, chunked ({c:,}-token chunks: score tiles, dq/dk/dv)",
+                   whole + backward_store + one_chunk)
 
 
 def _autocast_layer_copies(p: ParamCounts, token_values: int, act: int) -> int:
@@ -426,6 +501,8 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
     if res > act:  # fp32 weights under autocast: q, k and v keep 16-bit casts of the input norm's output, not it
         norms -= res * h
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)
+    if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
+        attention = _chunks_saved_per_token(shape, act) + 16
     mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
     return norms + attention + mlp
 

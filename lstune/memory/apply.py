@@ -168,11 +168,13 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
     """Chunked attention (FPDT), with the norms around each attention run per chunk when a probe confirms that is
     exact; its saved chunks go to host memory with --offload-checkpoints."""
     plan.attn_chunks = memory.attn_chunks
-    plan.attn_chunks_at_seq_len = chunked_attn.chunk_count(memory.attn_chunks, plan.seq_len)
+    auto_tokens = chunked_attn.auto_chunk_tokens(*chunked_attn.attention_widths(plan.parts.lm.config))
+    plan.attn_chunks_at_seq_len = chunked_attn.chunk_count(memory.attn_chunks, plan.seq_len, auto_tokens)
     if memory.attn_chunks == "off":
         return
     plan.attn_chunk_stats = chunked_attn.ChunkStats()
     install = partial(chunked_attn.install_chunked_attention, plan.parts.layers, memory.attn_chunks,
+                      auto_tokens=auto_tokens,
                       offload=memory.offload_checkpoints is True, stats=plan.attn_chunk_stats)
     fused = _attention_norms(plan.parts) if probing else {}
     if fused:

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -62,6 +63,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lstune.errors import DataError, ModelError, UserError
+from lstune.memory.checkpoint import MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS
 from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.tiling import (
     TilePolicy,
@@ -82,25 +84,49 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lstune")
 
-# FPDT's sweet spot: from ~32-64K tokens per chunk the host fetch of a chunk hides under its attention compute.
-AUTO_CHUNK_TOKENS = 65536
 # Score tiles of the block kernel hold at most this many fp32 elements (256 MiB), whatever the chunk size.
 _SCORE_ELEMENTS = 1 << 26
 # Arguments of an attention module's forward that run along the sequence, and their sequence dimension.
 _PER_TOKEN_ARGS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
 
 
-def chunk_policy(setting: str | int) -> TilePolicy | None:
-    """`--attn-chunks`: "off" → None; "auto" → chunks of AUTO_CHUNK_TOKENS (one chunk, i.e. off, up to that
-    length); N → N chunks."""
+def auto_chunk_tokens(q_width: int, kv_width: int, *, pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
+                      flops_per_s: float = SUSTAINED_FLOPS) -> int:
+    """`--attn-chunks auto`'s chunk length: the shortest whose host fetch hides under its attention (FPDT), from the
+    constants of the checkpoint offload threshold (lstune.memory.checkpoint). Block (j, i) fetches chunk i's k and
+    v, c · 2 · h_kv · b bytes (bf16, b = 2), and computes c queries against its c keys, 4 · c² · h_q FLOPs (QKᵀ and
+    PV); the fetch hides when 2 · c · h_kv · b / BW <= 4 · c² · h_q / F, i.e. c >= h_kv · b · F / (2 · h_q · BW).
+    Rounded up to a power of two; a chunk's k copy is at least MIN_COPY_BYTES. With F/BW = 16000 FLOP/B:
+    Llama-3.1-8B (h_q 4096, h_kv 1024) → 4,000 → 4,096 tokens; MHA (h_kv = h_q, Phi-3) → 16,384; Qwen2.5-7B (3584 /
+    512) → 2,286 → 4,096; MQA (8192 / 128) → 250, but a 1 MiB k copy needs 4,096. FPDT measured ~64K-token chunks
+    for its kernels; these are the constants' bound, so chunks are shorter (more, cheaper block calls)."""
+    bytes_per_element = 2
+    hidden_under = kv_width * bytes_per_element * flops_per_s / (2 * q_width * pcie_bytes_per_s)
+    floor = MIN_COPY_BYTES / (kv_width * bytes_per_element)
+    return 1 << math.ceil(math.log2(max(hidden_under, floor, 1)))
+
+
+def attention_widths(config: Any) -> tuple[int, int]:
+    """(h_q, h_kv) = (heads, kv heads) · head_dim of a transformers (text) config."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+
+
+def chunk_policy(setting: str | int, auto_tokens: int | None) -> TilePolicy | None:
+    """`--attn-chunks`: "off" → None; "auto" → chunks of `auto_tokens` (`auto_chunk_tokens`: one chunk, i.e. off,
+    up to that length); N → N chunks."""
     if setting == "off":
         return None
-    return TilePolicy(tile_len=AUTO_CHUNK_TOKENS) if setting == "auto" else TilePolicy(count=int(setting))
+    if setting == "auto" and not auto_tokens:
+        raise ValueError("--attn-chunks auto needs the chunk length (auto_chunk_tokens of the model's widths)")
+    return TilePolicy(tile_len=auto_tokens) if setting == "auto" else TilePolicy(count=int(setting))
 
 
-def chunk_count(setting: str | int, seq_len: int) -> int:
+def chunk_count(setting: str | int, seq_len: int, auto_tokens: int) -> int:
     """Chunks one sample of `seq_len` tokens is cut into (1 = unchunked)."""
-    policy = chunk_policy(setting)
+    policy = chunk_policy(setting, auto_tokens)
     return 1 if policy is None else len(tile_bounds(seq_len, policy.tiles(seq_len, width=1)))
 
 
@@ -122,7 +148,7 @@ class ChunkStats:
 
 
 def install_chunked_attention(
-    layers: nn.ModuleList, setting: str | int, *, offload: bool, stats: ChunkStats | None = None,
+    layers: nn.ModuleList, setting: str | int, *, auto_tokens: int | None = None, offload: bool, stats: ChunkStats | None = None,
     fused: dict[int, tuple[str | None, str | None]] | None = None,
 ) -> list[Undo]:
     """Make every layer's attention module run in chunks (module doc); returns the undos.
@@ -130,7 +156,7 @@ def install_chunked_attention(
     `fused[i] = (pre_norm_name, post_norm_name)`: layer i's norms feeding only the attention / fed only by it (found
     by `mlp.find_fusable_norms` from a probe) run inside each chunk instead — the layer calls them as identities —
     so their fp32 copies (HF RMSNorm upcasts) and the normed hidden state are O(chunk), as in mini-sequence."""
-    policy = chunk_policy(setting)
+    policy = chunk_policy(setting, auto_tokens)
     if policy is None:
         return []
     undos = []
@@ -492,11 +518,10 @@ class _ChunkStore:
         self._arriving: dict[tuple[str, int], tuple[Tensor, Any]] = {}
 
     def put(self, key: tuple[str, int], tensor: Tensor, *, offload: bool = True) -> None:
-        from torch._subclasses.fake_tensor import is_fake
-
         self._arriving.pop(key, None)
-        # Fake tensors (memory traces) stay where they are: no streams, no pinned buffers.
-        self.items[key] = self._to_host(tensor) if self.offload and offload and not is_fake(tensor) else tensor
+        # Fake tensors (memory traces, on CPU) take the CPU path: a separate copy, counted in `stats`, which the
+        # trace moves from its device peak to the host.
+        self.items[key] = self._to_host(tensor) if self.offload and offload else tensor
 
     def _to_host(self, tensor: Tensor) -> Tensor:
         if not tensor.is_cuda:

@@ -280,20 +280,25 @@ def _one_step(prepared, optimizer, config: TrainConfig, runtime, live) -> tuple[
 
 
 def _host_bytes(holder: dict) -> int:
+    """Bytes of the host copies alive now: offloaded checkpoints and offloaded attention chunks."""
     plan = holder.get("plan")
     offloader = getattr(plan, "offloader", None)
-    return offloader.stats.host_bytes if offloader is not None else 0
+    chunks = getattr(plan, "attn_chunk_stats", None)
+    return ((offloader.stats.host_bytes if offloader is not None else 0)
+            + (chunks.host_bytes if chunks is not None else 0))
 
 
 def _pinned_host_bytes(prepared, config: TrainConfig, per_token: int, element_size: int) -> int:
     """The traced host copies (exact on CPU) counted as a CUDA run holds them, in pinned blocks."""
     from lstune.estimate.memory import pinned_copy_bytes
 
-    offloader = prepared.memory.offloader
+    offloader, chunks = prepared.memory.offloader, prepared.memory.attn_chunk_stats
+    # Offloaded attention chunks (FPDT): their peak as traced; they live during one layer's attention only.
+    chunk_bytes = chunks.peak_host_bytes if chunks is not None else 0
     if offloader is None or not per_token:
-        return 0
+        return chunk_bytes
     per_layer = config.optim.micro_batch_size * config.data.seq_len * per_token
-    return (offloader.stats.peak_host_bytes // per_layer) * pinned_copy_bytes(per_layer, element_size)
+    return (offloader.stats.peak_host_bytes // per_layer) * pinned_copy_bytes(per_layer, element_size) + chunk_bytes
 
 
 def trace_estimate(config: TrainConfig, hardware):
@@ -368,6 +373,10 @@ GRID_SETTINGS = {
     "full, SP 4 ZeRO-3": {"gpus": 4, "zero_stage": "3"},
     "LoRA, no checkpointing": {"lora_r": 16, "checkpointing": False},
     "full, no checkpointing": {"checkpointing": False},
+    "LoRA, attn chunks 4": {"lora_r": 16, "attn_chunks": 4},
+    "LoRA, attn chunks 8": {"lora_r": 16, "attn_chunks": 8},
+    "LoRA + offload, attn chunks 4": {"lora_r": 16, "offload_checkpoints": True, "attn_chunks": 4},
+    "LoRA + offload, attn chunks 8": {"lora_r": 16, "offload_checkpoints": True, "attn_chunks": 8},
 }
 
 

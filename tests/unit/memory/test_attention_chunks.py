@@ -13,7 +13,13 @@ import torch
 from lstune.config.schema import MemorySection
 from lstune.errors import ConfigError, DataError, ModelError
 from lstune.memory.apply import apply_memory_techniques
-from lstune.memory.attention_chunks import AUTO_CHUNK_TOKENS, ChunkStats, chunk_count, install_chunked_attention
+from lstune.memory.attention_chunks import (
+    ChunkStats,
+    attention_widths,
+    auto_chunk_tokens,
+    chunk_count,
+    install_chunked_attention,
+)
 from lstune.memory.measure import peak_bytes
 from lstune.memory.patching import run_undos
 from lstune.models.attention import use_lstune_attention
@@ -187,10 +193,23 @@ def test_attention_block_peak_no_longer_grows_with_its_full_sequence_tensors():
 
 
 def test_chunk_counts():
-    assert chunk_count("off", 10**6) == 1
-    assert chunk_count("auto", AUTO_CHUNK_TOKENS) == 1  # off up to one chunk's length
-    assert chunk_count("auto", 4 * AUTO_CHUNK_TOKENS + 1) == 5
-    assert chunk_count(3, 70) == 3
+    assert chunk_count("off", 10**6, 4096) == 1
+    assert chunk_count("auto", 4096, 4096) == 1  # off up to one chunk's length
+    assert chunk_count("auto", 4 * 4096 + 1, 4096) == 5
+    assert chunk_count(3, 70, 4096) == 3
+
+
+def test_auto_chunks_are_the_shortest_whose_kv_fetch_hides_under_their_attention():
+    from lstune.models.presets import preset_config
+
+    # c >= h_kv · 2 B · F / (2 · h_q · BW) with F / BW = 400e12 / 25e9 = 16000, rounded up to a power of two:
+    assert attention_widths(preset_config("llama-3.1-8b")) == (4096, 1024)
+    assert auto_chunk_tokens(4096, 1024) == 4096  # 1024 · 2 · 16000 / (2 · 4096) = 4000
+    assert auto_chunk_tokens(3072, 3072) == 16384  # MHA (Phi-3): 16000
+    assert auto_chunk_tokens(3584, 512) == 4096  # Qwen2.5-7B: 2286 (its 1 MiB copy floor, 1024, is lower)
+    assert auto_chunk_tokens(8192, 128) == 4096  # MQA: 250 tokens hide the fetch; a 1 MiB k copy needs 4096
+    assert auto_chunk_tokens(4096, 1024, pcie_bytes_per_s=50e9) == 2048  # Gen5: 2000
+    assert chunk_count("auto", 131072, auto_chunk_tokens(4096, 1024)) == 32
 
 
 @pytest.mark.parametrize("value", ["many", 0, -2, True])
