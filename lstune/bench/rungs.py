@@ -22,7 +22,7 @@ from typing import Any
 
 from lstune.config.schema import TrainConfig
 
-_OFF = {"tiled_mlp": "off", "tiled_loss": "off", "mini_sequence": False, "checkpointing": True,
+_OFF = {"tiled_mlp": "off", "tiled_loss": "off", "mini_sequence": False, "checkpointing": True, "attn_chunks": "off",
         "offload_checkpoints": False, "host_mem_budget": None}
 
 

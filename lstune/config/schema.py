@@ -278,11 +278,11 @@ class MemorySection:
         metavar="BYTES",
     )
     attn_chunks: Any = _opt(
-        "off",
-        "Run each layer's attention block over the sequence in chunks (FPDT): 'auto' = the shortest chunks whose "
-        "host fetch hides under their attention (4K tokens for Llama-3.1-8B; off up to that length), 'off', or a "
-        "chunk count. With --offload-checkpoints the saved chunks go to host "
-        "memory.",
+        "auto",
+        "Run each layer's attention block over the sequence in chunks (FPDT; docs/memory.md): 'auto' = only when the "
+        "run would not fit the device without, in the fewest chunks that fit (at most chunks of the shortest length "
+        "whose host fetch hides under their attention: 4K tokens for Llama-3.1-8B), 'off', or a chunk count. With "
+        "--offload-checkpoints the saved chunks go to host memory.",
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )

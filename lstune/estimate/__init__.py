@@ -19,8 +19,8 @@ from lstune.config.schema import TrainConfig, zero_problems
 from lstune.errors import ConfigError
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
-from lstune.estimate.memory import (GIB, LOSS_TILE_BYTES, Breakdown, Engine, Settings, breakdown, loss_backend,
-                                    reserve_bytes)
+from lstune.estimate.memory import (GIB, LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
+                                    loss_backend, reserve_bytes)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
 
@@ -45,7 +45,7 @@ class Estimate:
     step_seconds: float
     device_capacity: int  # bytes the allocator can hand out on one device
     host_capacity: int  # bytes of host memory on one node
-    longest_seq_len: int  # the longest sequence (multiple of 1024) this configuration fits
+    longest_seq_len: int  # the longest sequence (multiple of 1024) this configuration fits (`longest_reach`)
     memory_choice: "MemoryChoice | None" = None  # what the `auto` memory settings resolved to (what train applies)
     suggestions: list["Suggestion"] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -132,7 +132,7 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
     choice = choose_memory(config, hardware, shape, params, sp, engine)
     result = _evaluate(choice.applied_to(config), hardware, shape, params, sp, engine, model_config)
     result.memory_choice = choice
-    result.longest_seq_len = longest_seq_len(config, hardware, shape, params, sp, engine)
+    result.longest_seq_len = longest_reach(config, hardware, shape, params, sp)
     if suggest and not result.fits:
         result.suggestions = cheapest_changes(config, hardware, model_config, params)
     return result
@@ -209,17 +209,26 @@ def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     sequence (the first of equals)."""
     candidates = engine_candidates(config, hardware)
     for engine in candidates:
-        if _fits_some_offload(config, hardware, shape, params, sp, engine):
+        if _fits_some_choice(config, hardware, shape, params, sp, engine):
             return engine
     reach = [longest_seq_len(config, hardware, shape, params, sp, engine) for engine in candidates]
     return candidates[reach.index(max(reach))]
+
+
+def longest_reach(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int) -> int:
+    """The longest sequence the configuration fits with the engine `--zero-stage auto` would pick at that length:
+    the most of `longest_seq_len` over the engines it may pick (at a longer sequence it may pick a more offloaded
+    engine than at this one — Llama-3.1-8B LoRA on one H100: 730K with AdamW on the device, 886K with ZeRO-3 and
+    the parameters on the host)."""
+    return max(longest_seq_len(config, hardware, shape, params, sp, e) for e in engine_candidates(config, hardware))
 
 
 @dataclass(frozen=True)
 class MemoryChoice:
     """What the `auto` memory settings resolve to for one run — `tiled_mlp` / `tiled_loss`: "off", a tile count, or
     "auto" where a policy decides per batch (Liger's chunks on CUDA, MST's tiles with --mini-sequence);
-    `offload_checkpoints`: on or off; the checkpoint placement's budgets (`placement_budgets`) — and why."""
+    `offload_checkpoints`: on or off; `attn_chunks`: "off" or a chunk count (FPDT); the checkpoint placement's
+    budgets (`placement_budgets`) — and why."""
 
     tiled_mlp: str | int
     tiled_loss: str | int
@@ -227,21 +236,24 @@ class MemoryChoice:
     reason: str
     host_mem_budget: int | None = None  # bytes of host the offloaded checkpoints may use (None: no cap)
     checkpoint_device_budget: int | None = None  # device bytes checkpoints may use (None: no cap)
+    attn_chunks: str | int = "off"
 
     def applied_to(self, config: TrainConfig) -> TrainConfig:
         """`config` with these settings in its memory section (what lstune train prepares the model with)."""
         memory = replace(config.memory, tiled_mlp=self.tiled_mlp, tiled_loss=self.tiled_loss,
                          offload_checkpoints=self.offload_checkpoints, host_mem_budget=self.host_mem_budget,
-                         checkpoint_device_budget=self.checkpoint_device_budget)
+                         checkpoint_device_budget=self.checkpoint_device_budget, attn_chunks=self.attn_chunks)
         return replace(config, memory=memory)
 
     def describe(self) -> str:
         offload = "offloaded checkpoints" if self.offload_checkpoints else "no checkpoint offload"
-        return f"tiled MLP {self.tiled_mlp}, tiled loss {self.tiled_loss}, {offload} ({self.reason})"
+        chunks = "" if self.attn_chunks == "off" else f", attention in {self.attn_chunks} chunks"
+        return f"tiled MLP {self.tiled_mlp}, tiled loss {self.tiled_loss}, {offload}{chunks} ({self.reason})"
 
     def to_dict(self) -> dict:
         return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss,
-                "offload_checkpoints": self.offload_checkpoints, "host_mem_budget": self.host_mem_budget,
+                "offload_checkpoints": self.offload_checkpoints, "attn_chunks": self.attn_chunks,
+                "host_mem_budget": self.host_mem_budget,
                 "checkpoint_device_budget": self.checkpoint_device_budget, "reason": self.reason}
 
 
@@ -249,31 +261,38 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
                   engine: Engine) -> MemoryChoice:
     """The `auto` memory settings from the memory model, cheapest first.
 
-    Checkpoint offload (`auto`): on only when the run with ALST's tiles does not fit the device without it, the
-    host holds the offloaded checkpoints, and (on CUDA) the sequence is long enough for the copies to hide under
-    compute (MEMO Eq. 1, lstune.memory.checkpoint.offload_min_tokens); never on a CPU, where host and device are
-    one memory. With offload on, the placement's budgets the config leaves unset are `placement_budgets`'s. Tiles
-    (`auto`): the fewest (1 = off, then powers of two, up to ALST's counts: MLP tiles of `hidden` tokens, loss
-    tiles of ~1 GiB fp32 logits) that keep the predicted device peak within AUTO_HEADROOM of the device; ALST's
-    counts when none does. Tiling never changes the numbers, only memory and time (an MLP tile recomputes its
-    forward; many small tiles run small kernels), so a tiny model at 4K tokens is not cut into 32 tiles. Under
-    --mini-sequence, MST's tiles; on CUDA the loss is Liger's (chunked, and faster than plain logits) wherever it
-    applies."""
-    options = _offload_options(config, hardware, shape, params, sp, engine)
-    placed = {o: placed_settings(config, hardware, shape, params, sp, engine, o) for o in options}
-    peaks = {o: breakdown(shape, params, placed[o][0]) for o in options}
-    fitting = [o for o in options if _fits(peaks[o], hardware)]
-    # When nothing fits, offload still lowers the device peak, but only where the host holds it.
-    host_ok = [o for o in options if peaks[o].host_peak * hardware.gpus <= hardware.host_bytes]
-    offload = fitting[0] if fitting else (host_ok[-1] if host_ok else options[0])
-    why = ("it does not fit the device without" if offload and config.memory.offload_checkpoints == "auto" else "")
-    base, budgets = placed[offload]
-    mlp, loss, settled = _choose_tiles(config, hardware, shape, params, base)
+    Checkpoint offload and chunked attention (`auto`) are tried together, cheapest first (`_memory_options`):
+    nothing, offload (its copies hide under compute), then attention in 2, 4, ... chunks (each without, then with,
+    offload; chunking re-runs the attention block's projections, the dearer technique). The first that fits the
+    device and the host wins; when none does, the one with the lowest device peak the host holds. Offload is an
+    option only when the sequence is long enough for the copies to hide (MEMO Eq. 1,
+    lstune.memory.checkpoint.offload_min_tokens) and never on a CPU, where host and device are one memory;
+    chunking goes up to the chunks of `--attn-chunks auto`'s length (the shortest whose host fetch hides,
+    lstune.memory.attention_chunks.auto_chunk_tokens). With offload on, the placement's budgets the config leaves
+    unset are `placement_budgets`'s. Tiles (`auto`): the fewest (1 = off, then powers of two, up to ALST's counts:
+    MLP tiles of `hidden` tokens, loss tiles of ~1 GiB fp32 logits) that keep the predicted device peak within
+    AUTO_HEADROOM of the device; ALST's counts when none does. Tiling never changes the numbers, only memory and
+    time (an MLP tile recomputes its forward; many small tiles run small kernels), so a tiny model at 4K tokens is
+    not cut into 32 tiles. Under --mini-sequence, MST's tiles; on CUDA the loss is Liger's (chunked, and faster
+    than plain logits) wherever it applies."""
+    options = _memory_options(config, hardware, shape, sp, engine)
+    placed = [placed_settings(_chunked(config, chunks), hardware, shape, params, sp, engine, offload)
+              for offload, chunks in options]
+    peaks = [breakdown(shape, params, s) for s, _ in placed]
+    fitting = [i for i, b in enumerate(peaks) if _fits(b, hardware)]
+    # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
+    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= hardware.host_bytes] or [0]
+    pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
+    (offload, chunks), (base, budgets) = options[pick], placed[pick]
+    mlp, loss, settled = _choose_tiles(_chunked(config, chunks), hardware, shape, params, base)
     reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
               else f"ALST's tiles: the peak is above {AUTO_HEADROOM:.0%} of the device even so")
-    reason += f"; checkpoints offloaded: {why}" if why else ""
+    if offload and config.memory.offload_checkpoints == "auto":
+        reason += "; checkpoints offloaded: it does not fit the device without"
+    if chunks != "off" and config.memory.attn_chunks == "auto":
+        reason += f"; attention in {chunks} chunks: " + ("the fewest that fit" if fitting else "the lowest device peak the host holds")
     reason += f"; checkpoint budgets: {budgets}" if budgets else ""
-    return MemoryChoice(mlp, loss, offload, reason, base.host_mem_budget, base.checkpoint_device_budget)
+    return MemoryChoice(mlp, loss, offload, reason, base.host_mem_budget, base.checkpoint_device_budget, chunks)
 
 
 def placed_settings(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,
@@ -321,7 +340,7 @@ def _gib(nbytes: int) -> str:
     return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
 
 
-def _offload_options(config, hardware, shape, params, sp, engine) -> list[bool]:
+def _offload_options(config, hardware, shape, sp, engine) -> list[bool]:
     """The checkpoint offload settings `auto` may take, off first (module doc of choose_memory)."""
     m = config.memory
     if m.offload_checkpoints != "auto":
@@ -336,10 +355,37 @@ def _offload_options(config, hardware, shape, params, sp, engine) -> list[bool]:
     return [False, True] if hides else [False]
 
 
-def _fits_some_offload(config, hardware, shape, params, sp, engine) -> bool:
-    """Whether the run fits with one of the checkpoint offload settings it may take."""
-    return any(_fits(breakdown(shape, params, placed_settings(config, hardware, shape, params, sp, engine, o)[0]),
-                     hardware) for o in _offload_options(config, hardware, shape, params, sp, engine))
+def _chunk_options(config: TrainConfig, shape: ModelShape, sp: int) -> list[str | int]:
+    """The --attn-chunks settings `auto` may take: off, then 2, 4, ... up to the chunks of `auto`'s length."""
+    setting = config.memory.attn_chunks
+    if setting != "auto":
+        return [setting]
+    top = attn_chunk_count("auto", shape, math.ceil(config.data.seq_len / sp))
+    return ["off"] + [n for n in _ladder(top) if n > 1]
+
+
+def _memory_options(config, hardware, shape, sp, engine, *, extremes: bool = False) -> list[tuple[bool, str | int]]:
+    """(checkpoint offload, attention chunks) pairs `auto` may take, cheapest first (choose_memory's doc);
+    `extremes`: only unchunked and the most chunks (enough to tell whether some choice fits: more chunks only
+    lower the device peak)."""
+    chunks = _chunk_options(config, shape, sp)
+    if extremes:
+        chunks = list(dict.fromkeys([chunks[0], chunks[-1]]))
+    offloads = _offload_options(config, hardware, shape, sp, engine)
+    return [(offload, n) for n in chunks for offload in offloads]
+
+
+def _chunked(config: TrainConfig, chunks: str | int) -> TrainConfig:
+    if config.memory.attn_chunks == chunks:
+        return config
+    return replace(config, memory=replace(config.memory, attn_chunks=chunks))
+
+
+def _fits_some_choice(config, hardware, shape, params, sp, engine) -> bool:
+    """Whether the run fits with one of the checkpoint offload and attention chunk settings it may take."""
+    return any(_fits(breakdown(shape, params, placed_settings(_chunked(config, chunks), hardware, shape, params, sp,
+                                                              engine, offload)[0]), hardware)
+               for offload, chunks in _memory_options(config, hardware, shape, sp, engine, extremes=True))
 
 
 def _choose_tiles(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts,
@@ -391,7 +437,8 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
     flops = step_flops(model_config, config.data.seq_len, lora=bool(config.model.lora_r),
                        checkpointing=config.memory.checkpointing, lora_r=config.model.lora_r or 16,
                        tiled_mlp=config.memory.tiled_mlp != "off", tiled_loss=loss_backend(s) not in ("off",),
-                       extra_layer_forwards=extra_layer_forwards(b.placement))  # issue 14: recomputed checkpoints
+                       extra_layer_forwards=extra_layer_forwards(b.placement),  # issue 14: recomputed checkpoints
+                       attn_chunked=attn_chunk_count(s.attn_chunks, shape, math.ceil(s.seq_len / sp)) > 1)
     flops = _scaled(flops, config.optim.micro_batch_size)
     return Estimate(
         model=config.model.name, seq_len=config.data.seq_len, hardware=hardware, engine=engine, sp=sp, breakdown=b,
@@ -424,7 +471,7 @@ def longest_seq_len(config, hardware, shape, params, sp, engine) -> int:
     step = MIN_SEQ * sp
 
     def fits(n: int) -> bool:
-        return _fits_some_offload(_with(config, seq_len=n), hardware, shape, params, sp, engine)
+        return _fits_some_choice(_with(config, seq_len=n), hardware, shape, params, sp, engine)
 
     if not fits(step):
         return 0
@@ -452,6 +499,7 @@ _CHANGES: list[tuple[str, dict]] = [
     ("--offload-checkpoints", {"checkpointing": True, "offload_checkpoints": True}),
     ("--mini-sequence --offload-checkpoints", {"checkpointing": True, "offload_checkpoints": True,
                                                "mini_sequence": True, "tiled_mlp": "auto"}),
+    ("--attn-chunks auto", {"attn_chunks": "auto"}),
     ("--zero-stage 3 --offload-optimizer", {"zero_stage": "3", "offload_optimizer": True}),
     ("--zero-stage 3 --offload-optimizer --offload-params", {"zero_stage": "3", "offload_optimizer": True,
                                                              "offload_params": True}),
@@ -504,4 +552,4 @@ def _notes(config: TrainConfig, shape: ModelShape, sp: int) -> list[str]:
 
 
 __all__ = ["Estimate", "Suggestion", "MemoryChoice", "choose_memory", "estimate", "StepFlops", "step_flops", "Cluster", "choose_engine",
-           "engine_candidates", "longest_seq_len", "cheapest_changes"]
+           "engine_candidates", "longest_seq_len", "longest_reach", "cheapest_changes"]

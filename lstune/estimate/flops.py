@@ -8,8 +8,10 @@ PV), twice that backward.
 
 `model` is the MFU numerator: forward + backward, no recompute. `hardware` adds what lstune runs again:
 checkpointing's second forward of every layer, the tiled MLP's recompute of each tile in backward, the tiled
-loss head's recompute of the logits, and attention kernels' own backward recompute (FlashAttention's backward
-is 2.5 × its forward, the convention of the rates in lstune.estimate.hardware).
+loss head's recompute of the logits, attention kernels' own backward recompute (FlashAttention's backward
+is 2.5 × its forward, the convention of the rates in lstune.estimate.hardware), and under chunked attention
+(FPDT, lstune.memory.attention_chunks) two more forwards of the attention block's projections (q, k, v, o and their
+adapters): it runs them per chunk in forward, once to replay the output gradient and once to backpropagate.
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ class StepFlops:
 
 def step_flops(
     model_config: Any, seq_len: int, *, lora: bool, checkpointing: bool, lora_r: int = 16,
-    tiled_mlp: bool = False, tiled_loss: bool = False, extra_layer_forwards: int = 0,
+    tiled_mlp: bool = False, tiled_loss: bool = False, extra_layer_forwards: int = 0, attn_chunked: bool = False,
 ) -> StepFlops:
     """FLOPs of a step over one sequence of `seq_len` tokens (module doc). `lora`: LoRA of rank `lora_r` on every
     linear layer but the head (adapter FLOPs are r·(in + out) per linear); `tiled_mlp` / `tiled_loss`: their
     recompute counts in `hardware`; `extra_layer_forwards`: layers whose checkpoint is not stored, re-run once more in
-    backward (lstune.memory.placement)."""
+    backward (lstune.memory.placement); `attn_chunked`: attention in chunks (module doc)."""
     shape = ModelShape.from_config(model_config)
     s = seq_len
     layer_fwd = 2 * shape.layer_matmul_params() * s * shape.layers
@@ -62,6 +64,10 @@ def step_flops(
         recompute += 2 * shape.mlp_matrices * shape.hidden * shape.active_intermediate * s * shape.layers
     if tiled_loss:
         recompute += head_fwd
+    if attn_chunked:
+        projections = 2 * shape.hidden * (2 * shape.q_width + 2 * shape.kv_width) * s * shape.layers
+        adapters = 2 * lora_r * _attention_adapter_widths(shape) * s * shape.layers if lora else 0
+        recompute += 2 * (projections + adapters)
     # Not stored: one more forward of the layer (its matmuls and adapters, and its share of the attention).
     placed = extra_layer_forwards / shape.layers
     extra = placed * (layer_fwd + adapter_fwd + attention_fwd)
@@ -75,7 +81,9 @@ def step_flops(
 def _adapter_widths(shape: ModelShape) -> int:
     """Σ (in + out) over the linear layers of one decoder layer that LoRA 'auto' adapts (dense experts counted
     as the MLP a token passes through)."""
+    return _attention_adapter_widths(shape) + shape.mlp_matrices * (shape.hidden + shape.active_intermediate)
+
+
+def _attention_adapter_widths(shape: ModelShape) -> int:
     h = shape.hidden
-    attention = (h + shape.q_width) + 2 * (h + shape.kv_width) + (shape.q_width + h)
-    mlp = shape.mlp_matrices * (h + shape.active_intermediate)
-    return attention + mlp
+    return (h + shape.q_width) + 2 * (h + shape.kv_width) + (shape.q_width + h)

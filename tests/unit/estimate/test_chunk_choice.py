@@ -1,0 +1,72 @@
+"""`--attn-chunks auto` (the default) is the estimate's choice (issue 14, FPDT): off while the run fits without,
+else the fewest chunks that fit — one MemoryChoice that `lstune estimate` shows and `lstune train` applies.
+Llama-3.1-8B LoRA on one H100 80 GB with a 128 GiB host; auto's chunk length for its widths is 4K tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from lstune.config.schema import TrainConfig
+from lstune.estimate import estimate, step_flops
+from lstune.estimate.hardware import resolve_hardware
+from lstune.models.presets import preset_config
+
+GiB = 2**30
+K = 1024
+
+
+def _estimate(seq_len: int, **flat):
+    config = TrainConfig.from_flat({"model": "llama-3.1-8b", "seq_len": seq_len, "lora_r": 16,
+                                    "offload_checkpoints": True, **flat})
+    return estimate(config, resolve_hardware(gpu="h100-80gb", host_mem=128 * GiB), suggest=False)
+
+
+@pytest.fixture(scope="module")
+def long_run():
+    """512K tokens: does not fit unchunked (the attention block's full-sequence tensors), fits in 4 chunks."""
+    return _estimate(512 * K)
+
+
+def test_auto_is_the_default_and_stays_off_while_the_run_fits_without():
+    assert TrainConfig().memory.attn_chunks == "auto"
+    e = _estimate(128 * K)
+    assert e.fits and e.memory_choice.attn_chunks == "off"
+    assert "chunks" not in e.memory_choice.describe()
+
+
+def test_auto_takes_the_fewest_chunks_that_fit(long_run):
+    choice = long_run.memory_choice
+    assert long_run.fits and choice.attn_chunks == 4
+    assert "attention in 4 chunks: the fewest that fit" in choice.describe()
+    assert not _estimate(512 * K, attn_chunks="off").fits
+    assert not _estimate(512 * K, attn_chunks=2).fits
+    assert choice.applied_to(TrainConfig.from_flat({"seq_len": 512 * K})).memory.attn_chunks == 4
+
+
+def test_chunking_reaches_longer_sequences_than_off(long_run):
+    off = _estimate(512 * K, attn_chunks="off")
+    assert long_run.longest_seq_len > off.longest_seq_len >= 256 * K
+
+
+def test_the_users_setting_wins():
+    assert _estimate(128 * K, attn_chunks=8).memory_choice.attn_chunks == 8
+    assert _estimate(512 * K, attn_chunks="off").memory_choice.attn_chunks == "off"
+
+
+def test_chunks_cost_two_more_forwards_of_the_attention_projections(long_run):
+    """FPDT's per-token parts run per chunk in forward, again to replay the output gradient and once more to
+    backpropagate: 2 × (q, k, v, o) forward FLOPs (and their adapters) more, nothing else."""
+    config = preset_config("llama-3.1-8b")
+    kwargs = dict(lora=True, checkpointing=True, lora_r=16)
+    plain = step_flops(config, 8192, **kwargs)
+    chunked = step_flops(config, 8192, attn_chunked=True, **kwargs)
+    h, q, kv, layers, tokens = 4096, 4096, 1024, 32, 8192
+    projections = 2 * h * (2 * q + 2 * kv) * tokens * layers
+    adapters = 2 * 16 * ((h + q) + 2 * (h + kv) + (q + h)) * tokens * layers
+    assert chunked.hardware - plain.hardware == pytest.approx(2 * (projections + adapters), rel=1e-12)
+    assert chunked.model == plain.model
+    assert long_run.flops.hardware > _estimate(512 * K, attn_chunks="off").flops.hardware
+
+
+def test_json_names_the_choice(long_run):
+    assert long_run.to_dict()["memory_choice"]["attn_chunks"] == 4
