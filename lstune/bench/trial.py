@@ -113,7 +113,8 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
     runtime.set_dims(config.parallel.sp, spec.config)
     record: dict[str, Any] = {"world_size": runtime.world_size, "sp": runtime.sp, "device": str(runtime.device)}
-    prediction = plan_run(config, runtime, spec.config)
+    # A ladder rung runs its `auto` settings unresolved (ALST's tile counts): its estimate must be of that.
+    prediction = plan_run(config, runtime, spec.config, resolve_auto=job.rung in TRAIN_AS_IS)
     record["estimate"] = estimate_summary(prediction, config)
     record["hardware"] = prediction.hardware.to_dict()
     try:

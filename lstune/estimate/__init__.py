@@ -118,10 +118,12 @@ class Suggestion:
 
 
 def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None, params: ParamCounts | None = None,
-             suggest: bool = True) -> Estimate:
+             suggest: bool = True, resolve_auto: bool = True) -> Estimate:
     """The estimate of `config` on `hardware` (a Cluster from `resolve_hardware`). `model_config`: the model's
     transformers config when already resolved (else read from `config.model.name`); `params`: counts when
-    already made (a search calls this many times)."""
+    already made (a search calls this many times). `resolve_auto=False`: the memory settings as the memory plan
+    applies them unresolved (`auto` tiles at ALST's counts, `auto` offload off; no `memory_choice`) — what a
+    bench ladder rung runs."""
     model_config = model_config if model_config is not None else _model_config(config)
     shape = ModelShape.from_config(model_config)
     params = params or count_parameters(model_config, lora_r=config.model.lora_r,
@@ -129,8 +131,9 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
                                         trust_remote_code=config.model.trust_remote_code)
     sp = resolve_sp(config, hardware, model_config)
     engine = choose_engine(config, hardware, shape, params, sp)
-    choice = choose_memory(config, hardware, shape, params, sp, engine)
-    result = _evaluate(choice.applied_to(config), hardware, shape, params, sp, engine, model_config)
+    choice = choose_memory(config, hardware, shape, params, sp, engine) if resolve_auto else None
+    result = _evaluate(choice.applied_to(config) if choice else config, hardware, shape, params, sp, engine,
+                       model_config)
     result.memory_choice = choice
     result.longest_seq_len = longest_reach(config, hardware, shape, params, sp)
     if suggest and not result.fits:

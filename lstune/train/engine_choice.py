@@ -35,11 +35,12 @@ def runtime_cluster(runtime):
     return Cluster(replace(CPU, device_bytes=host // max(local, 1)), local, nodes, host, "this machine's CPU")
 
 
-def plan_run(config: TrainConfig, runtime, model_config, *, cluster=None):
-    """The estimate (lstune.estimate.Estimate) of this run on this machine: engine, peaks, verdict."""
+def plan_run(config: TrainConfig, runtime, model_config, *, cluster=None, resolve_auto: bool = True):
+    """The estimate (lstune.estimate.Estimate) of this run on this machine: engine, peaks, verdict
+    (`resolve_auto`: see lstune.estimate.estimate)."""
     from lstune.estimate import estimate
 
-    return estimate(config, cluster or runtime_cluster(runtime), model_config=model_config)
+    return estimate(config, cluster or runtime_cluster(runtime), model_config=model_config, resolve_auto=resolve_auto)
 
 
 def zero_plan(prediction):

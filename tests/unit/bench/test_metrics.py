@@ -60,3 +60,18 @@ def test_failed_trials_have_no_figures_and_errors_need_a_measurement():
     assert derive({"outcome": "oom"}) == {}
     assert percent_error(10, None) is None and percent_error(None, 5) is None
     assert percent_error(90, 100) == pytest.approx(-10.0)
+
+
+def test_a_ladder_rungs_estimate_is_of_alst_tiles_as_it_runs_them():
+    """A ladder rung runs `auto` tiles unresolved (ALST's MLP tiles of `hidden` tokens; on CUDA Liger's loss); its
+    estimate must be of those, not of the fewest tiles the estimate would choose for train."""
+    seq = 64 * 1024
+    rung = TrainConfig.from_flat({"model": "llama-3.1-8b", "seq_len": seq, "lora_r": 16, "tiled_mlp": "auto",
+                                  "tiled_loss": "auto", "offload_checkpoints": False, "attn_chunks": "off"})
+    hardware = resolve_hardware(gpu="h100-80gb", host_mem=128 * GiB)
+    resolved = estimate(rung, hardware, suggest=False)
+    as_run = estimate(rung, hardware, suggest=False, resolve_auto=False)
+    assert resolved.memory_choice.tiled_mlp != "auto" and as_run.memory_choice is None
+    alst = TrainConfig.from_flat({**rung.to_dict(), "tiled_mlp": seq // 4096})
+    pinned = estimate(alst, hardware, suggest=False, resolve_auto=False)
+    assert as_run.device_peak_bytes == pinned.device_peak_bytes != resolved.device_peak_bytes
