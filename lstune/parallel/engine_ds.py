@@ -28,6 +28,7 @@ that the memory estimate says fits (lstune.estimate.choose_engine).
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,7 +162,8 @@ class DeepSpeedEngine:
         on_cuda = torch.cuda.is_available()
         init_process_group(detect_launch_env())
         # Wraps the process group already initialised (by the launch, or the one-process group).
-        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+        with without_inference_shm_op():
+            deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
         zero_stage = zero.stage
         config = deepspeed_config(
             zero_stage=zero_stage, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
@@ -239,6 +241,26 @@ class DeepSpeedEngine:
 
         export_hf(self.model, Path(out_dir), rank=self.dims.rank, merge_lora=merge_lora,
                   shard_bytes=EXPORT_SHARD_BYTES)
+
+
+@contextmanager
+def without_inference_shm_op():
+    """DeepSpeed's comm backend without its shared-memory all-reduce op. On its CPU accelerator it compiles that C++
+    op when the backend starts (~3 minutes on two cores, on every fresh machine and CI run) but uses it only in
+    `inference_all_reduce`, which training never calls: lstune's collectives go through torch.distributed. Patched
+    around the one call that builds it (`deepspeed.comm.torch.build_shm_op`, looked up when the backend starts),
+    then restored."""
+    import importlib
+
+    # `deepspeed.comm.torch` by attribute is the torch package (deepspeed.comm imports it): fetch the module.
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+
+    build = ds_torch.build_shm_op
+    ds_torch.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_torch.build_shm_op = build
 
 
 def _adamw(params, cfg: OptimConfig, *, on_host: bool):

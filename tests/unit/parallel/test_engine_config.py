@@ -33,3 +33,24 @@ def test_impossible_combinations_are_config_errors(stage, offload_params, match)
 def test_gradient_divisor_follows_deepspeed_per_stage():
     dims = ParallelDims(8, 4)
     assert gradient_divisor(3, dims) == 8 and gradient_divisor(2, dims) == 2 and gradient_divisor(1, dims) == 2
+
+
+def test_deepspeeds_comm_backend_starts_without_compiling_its_inference_shm_op():
+    """The op is compiled when the backend starts on CPU and used only by inference_all_reduce; lstune's engine
+    starts the backend without it, and leaves DeepSpeed as it found it."""
+    import importlib
+
+    ds_torch = importlib.import_module("deepspeed.comm.torch")
+
+    from lstune.parallel.engine_ds import without_inference_shm_op
+
+    original = ds_torch.build_shm_op
+    built = []
+    ds_torch.build_shm_op = lambda: built.append(1) or "compiled"
+    try:
+        with without_inference_shm_op():
+            assert ds_torch.build_shm_op() is None
+        assert not built
+        assert ds_torch.build_shm_op() == "compiled" and built == [1]
+    finally:
+        ds_torch.build_shm_op = original
