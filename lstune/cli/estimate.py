@@ -168,6 +168,12 @@ def _render(e) -> None:
               if e.longest_seq_len else "longest sequence that fits: none (even 1K tokens do not fit)")
     con.print(f"step: {e.flops.hardware:.3g} FLOPs run ({e.flops.model:.3g} model FLOPs), ~{e.step_seconds:,.1f} s, "
               f"~{e.tokens_per_second:,.0f} tokens/s")
+    c = e.copies
+    if c.checkpoint_bytes or c.chunk_out_bytes:
+        chunks = (f"; attention chunks {human_bytes(c.chunk_out_bytes)} out, {human_bytes(c.chunk_in_bytes)} in"
+                  f" ({'hidden under attention' if not c.exposed_seconds else f'~{c.exposed_seconds:,.1f} s not hidden'})"
+                  if c.chunk_out_bytes else "")
+        con.print(f"host copies per step: checkpoints {human_bytes(c.checkpoint_bytes)}{chunks}")
     for note in e.notes:
         con.print(f"[yellow]note[/yellow]: {note}")
     if e.suggestions:

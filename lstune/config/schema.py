@@ -280,8 +280,8 @@ class MemorySection:
     attn_chunks: Any = _opt(
         "auto",
         "Run each layer's attention block over the sequence in chunks (FPDT; docs/memory.md): 'auto' = only when the "
-        "run would not fit the device without, in the fewest chunks that fit (at most chunks of the shortest length "
-        "whose host fetch hides under their attention: 4K tokens for Llama-3.1-8B), 'off', or a chunk count. With "
+        "run would not fit the device without, in the fewest chunks that fit (chunks no shorter than those whose host "
+        "copies hide under their attention: 16K tokens on an H100), 'off', or a chunk count. With "
         "--offload-checkpoints the saved chunks go to host memory.",
         p.parse_auto_off_int,
         metavar="auto|off|N",

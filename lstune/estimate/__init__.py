@@ -17,6 +17,7 @@ from typing import Any
 
 from lstune.config.schema import TrainConfig, zero_problems
 from lstune.errors import ConfigError
+from lstune.estimate.copies import StepCopies, step_copies
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import (GIB, LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
@@ -47,6 +48,7 @@ class Estimate:
     host_capacity: int  # bytes of host memory on one node
     longest_seq_len: int  # the longest sequence (multiple of 1024) this configuration fits (`longest_reach`)
     memory_choice: "MemoryChoice | None" = None  # what the `auto` memory settings resolved to (what train applies)
+    copies: StepCopies = field(default_factory=StepCopies)  # host <-> device bytes of one step
     suggestions: list["Suggestion"] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -97,6 +99,7 @@ class Estimate:
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
             "checkpoint_placement": placement_summary(self.breakdown.placement, self.flops),
             "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
+            "host_copies": self.copies.to_dict(),
             "memory_choice": self.memory_choice.to_dict() if self.memory_choice else None,
             "suggestions": [s.to_dict() for s in self.suggestions], "notes": list(self.notes),
         }
@@ -358,12 +361,18 @@ def _offload_options(config, hardware, shape, sp, engine) -> list[bool]:
     return [False, True] if hides else [False]
 
 
-def _chunk_options(config: TrainConfig, shape: ModelShape, sp: int) -> list[str | int]:
-    """The --attn-chunks settings `auto` may take: off, then 2, 4, ... up to the chunks of `auto`'s length."""
+def _chunk_options(config: TrainConfig, hardware: Cluster, shape: ModelShape, sp: int) -> list[str | int]:
+    """The --attn-chunks settings `auto` may take: off, then 2, 4, ... up to chunks of the shortest length whose
+    copies hide under their attention at this device's rates (attention_chunks.auto_chunk_tokens)."""
     setting = config.memory.attn_chunks
     if setting != "auto":
         return [setting]
-    top = attn_chunk_count("auto", shape, math.ceil(config.data.seq_len / sp))
+    from lstune.memory.attention_chunks import auto_chunk_tokens  # imports torch: only when chunking may be chosen
+
+    d = hardware.device
+    tokens = auto_chunk_tokens(shape.q_width, shape.kv_width, pcie_bytes_per_s=d.host_link_gbps * 1e9,
+                               flops_per_s=d.attention_tflops * 1e12)
+    top = math.ceil(math.ceil(config.data.seq_len / sp) / tokens)
     return ["off"] + [n for n in _ladder(top) if n > 1]
 
 
@@ -371,7 +380,7 @@ def _memory_options(config, hardware, shape, sp, engine, *, extremes: bool = Fal
     """(checkpoint offload, attention chunks) pairs `auto` may take, cheapest first (choose_memory's doc);
     `extremes`: only unchunked and the most chunks (enough to tell whether some choice fits: more chunks only
     lower the device peak)."""
-    chunks = _chunk_options(config, shape, sp)
+    chunks = _chunk_options(config, hardware, shape, sp)
     if extremes:
         chunks = list(dict.fromkeys([chunks[0], chunks[-1]]))
     offloads = _offload_options(config, hardware, shape, sp, engine)
@@ -437,15 +446,18 @@ def device_capacity(hardware: Cluster) -> int:
 def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Estimate:
     s = settings(config, hardware, sp, engine)
     b = breakdown(shape, params, s)
+    chunks = attn_chunk_count(s.attn_chunks, shape, math.ceil(s.seq_len / sp))
     flops = step_flops(model_config, config.data.seq_len, lora=bool(config.model.lora_r),
                        checkpointing=config.memory.checkpointing, lora_r=config.model.lora_r or 16,
                        tiled_mlp=config.memory.tiled_mlp != "off", tiled_loss=loss_backend(s) not in ("off",),
                        extra_layer_forwards=extra_layer_forwards(b.placement),  # issue 14: recomputed checkpoints
-                       attn_chunked=attn_chunk_count(s.attn_chunks, shape, math.ceil(s.seq_len / sp)) > 1)
+                       attn_chunked=chunks > 1)
     flops = _scaled(flops, config.optim.micro_batch_size)
+    copies = step_copies(shape, s, b, flops, hardware, chunks)
     return Estimate(
         model=config.model.name, seq_len=config.data.seq_len, hardware=hardware, engine=engine, sp=sp, breakdown=b,
-        params=params, flops=flops, step_seconds=step_seconds(flops, hardware, sp, engine, params),
+        params=params, flops=flops, copies=copies,
+        step_seconds=step_seconds(flops, hardware, sp, engine, params) + copies.exposed_seconds,
         device_capacity=device_capacity(hardware), host_capacity=hardware.host_bytes, longest_seq_len=0,
         notes=_notes(config, shape, sp),
     )

@@ -91,19 +91,48 @@ _PER_TOKEN_ARGS = {"position_embeddings": -2, "position_ids": -1, "cache_positio
 
 
 def auto_chunk_tokens(q_width: int, kv_width: int, *, pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
-                      flops_per_s: float = SUSTAINED_FLOPS) -> int:
-    """`--attn-chunks auto`'s chunk length: the shortest whose host fetch hides under its attention (FPDT), from the
-    constants of the checkpoint offload threshold (lstune.memory.checkpoint). Block (j, i) fetches chunk i's k and
-    v, c · 2 · h_kv · b bytes (bf16, b = 2), and computes c queries against its c keys, 4 · c² · h_q FLOPs (QKᵀ and
-    PV); the fetch hides when 2 · c · h_kv · b / BW <= 4 · c² · h_q / F, i.e. c >= h_kv · b · F / (2 · h_q · BW).
-    Rounded up to a power of two; a chunk's k copy is at least MIN_COPY_BYTES. With F/BW = 16000 FLOP/B:
-    Llama-3.1-8B (h_q 4096, h_kv 1024) → 4,000 → 4,096 tokens; MHA (h_kv = h_q, Phi-3) → 16,384; Qwen2.5-7B (3584 /
-    512) → 2,286 → 4,096; MQA (8192 / 128) → 250, but a 1 MiB k copy needs 4,096. FPDT measured ~64K-token chunks
-    for its kernels; these are the constants' bound, so chunks are shorter (more, cheaper block calls)."""
-    bytes_per_element = 2
-    hidden_under = kv_width * bytes_per_element * flops_per_s / (2 * q_width * pcie_bytes_per_s)
+                      flops_per_s: float = SUSTAINED_FLOPS, bytes_per_element: int = 2) -> int:
+    """`--attn-chunks auto`'s chunk length where the estimate does not choose the count (lstune.estimate.choose_memory
+    does for train): the shortest whose host copies hide under the attention they serve (FPDT), from the constants
+    of the checkpoint offload threshold (lstune.memory.checkpoint). Two bounds, c tokens a chunk, b bytes an element,
+    F/BW the compute rate over the copy bandwidth:
+    - forward, block (m, i): fetch chunk i's k and v (c · 2 · h_kv · b bytes) under c queries against its c keys
+      (4 · c² · h_q FLOPs, QKᵀ and PV): c >= h_kv · b · F / (2 · h_q · BW);
+    - backward, inner iteration (j, i): fetch q_j and dO_j (2 · c · h_q · b) and read and write the fp32 dq_j
+      accumulator (8 · c · h_q; lse_j and delta_j, 8 · c · heads, are under 1% of it and left out) under
+      FlashAttention's backward of the block (2.5 × the forward: 10 · c² · h_q FLOPs): c >= (2 · b + 8) · F / (10 · BW).
+    The backward bound is the larger whenever h_kv <= h_q in bf16: with F/BW = 16000 FLOP/B, 19,200 tokens → 32,768
+    after rounding up to a power of two, for every model (a PCIe Gen5 host, 50 GB/s: 16,384). A chunk's k copy is
+    at least MIN_COPY_BYTES. FPDT measured a ~64K-token sweet spot for its kernels."""
+    forward = kv_width * bytes_per_element * flops_per_s / (2 * q_width * pcie_bytes_per_s)
+    backward = (2 * bytes_per_element + 8) * flops_per_s / (10 * pcie_bytes_per_s)
     floor = MIN_COPY_BYTES / (kv_width * bytes_per_element)
-    return 1 << math.ceil(math.log2(max(hidden_under, floor, 1)))
+    return 1 << math.ceil(math.log2(max(forward, backward, floor, 1)))
+
+
+def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, heads: int, element_size: int,
+                       forward_runs: int = 1) -> tuple[int, int]:
+    """(device→host, host→device) bytes one layer's chunked attention copies in one step when its saved chunks live
+    on the host (`_ChunkStore` with offload), for `tokens` local tokens (batch × sequence) in `chunks` equal chunks
+    of c tokens, P = M(M+1)/2 (query, key) blocks, activations of `element_size` bytes (fp32 lse, delta, dq, dk,
+    dv). Under Ulysses pass the local tokens and the full widths: a rank's gathered chunk has SP times the tokens
+    and 1/SP of the heads. `forward_runs`: 2 when checkpointing re-runs the forward in backward.
+    - forward, per run: out k, v, o and lse of every chunk; in the keys/values of earlier chunks, (P - M) · c;
+    - backward (a): in o, out q and dO; the rowsums: in o and dO, out delta; (b) per key chunk in k, v, per block
+      in q, dO, lse, delta and (after the first key chunk) the fp32 dq accumulator, out dq; out dk, dv; (c) in o
+      once more (the module's re-run) and the finished dq, dk, dv.
+    `tests/unit/memory/test_attention_chunks.py` counts the store's copies against this."""
+    if chunks <= 1:
+        return 0, 0
+    b, S, M = element_size, tokens, chunks
+    c, blocks = tokens / chunks, chunks * (chunks + 1) // 2
+    lse = 4 * S * heads
+    forward_out = S * (2 * kv_width + q_width) * b + lse
+    forward_in = (blocks - M) * c * 2 * kv_width * b
+    backward_out = 2 * S * q_width * b + lse + blocks * c * 4 * q_width + S * 2 * kv_width * 4
+    backward_in = (4 * S * q_width * b + M * c * 2 * kv_width * b + blocks * c * (2 * q_width * b + 8 * heads)
+                   + (blocks - M) * c * 4 * q_width + S * (4 * q_width + 8 * kv_width))
+    return (int(forward_runs * forward_out + backward_out), int(forward_runs * forward_in + backward_in))
 
 
 def attention_widths(config: Any) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """`--attn-chunks auto` (the default) is the estimate's choice (issue 14, FPDT): off while the run fits without,
 else the fewest chunks that fit — one MemoryChoice that `lstune estimate` shows and `lstune train` applies.
-Llama-3.1-8B LoRA on one H100 80 GB with a 128 GiB host; auto's chunk length for its widths is 4K tokens."""
+Llama-3.1-8B LoRA on one H100 80 GB with a 128 GiB host; chunks are no shorter than 16K tokens there, the shortest
+whose host copies hide under their attention at the H100's rates."""
 
 from __future__ import annotations
 
@@ -70,3 +71,20 @@ def test_chunks_cost_two_more_forwards_of_the_attention_projections(long_run):
 
 def test_json_names_the_choice(long_run):
     assert long_run.to_dict()["memory_choice"]["attn_chunks"] == 4
+
+
+def test_chunks_shorter_than_the_hiding_length_pay_for_their_copies():
+    """At 128K tokens on an H100 (50 GB/s host link, 500 TFLOP/s attention) 32K-token chunks' host copies hide under
+    their attention; 4K-token chunks (32) copy ~4× more and the step pays the difference."""
+    from lstune.memory.attention_chunks import offload_copy_bytes
+
+    hidden, short = (_estimate(128 * K, attn_chunks=n) for n in (4, 32))
+    assert hidden.copies.exposed_seconds == 0 and short.copies.exposed_seconds > 5
+    out, into = offload_copy_bytes(128 * K, 32, 4096, 1024, 32, element_size=2, forward_runs=2)
+    assert (short.copies.chunk_out_bytes, short.copies.chunk_in_bytes) == (32 * out, 32 * into)
+    attention = short.flops.hardware_attention / 500e12
+    assert short.copies.exposed_seconds == pytest.approx(32 * into / 50e9 - attention)
+    assert short.step_seconds - hidden.step_seconds == pytest.approx(short.copies.exposed_seconds, rel=1e-9)
+    assert short.to_dict()["host_copies"]["chunk_in_bytes"] == 32 * into
+    # The checkpoints' copies (out and back, 31 layers on the host) are counted, not timed: they hide (MEMO Eq. 1).
+    assert hidden.copies.checkpoint_bytes == 2 * hidden.breakdown.placement.host_bytes() > 0

@@ -187,6 +187,52 @@ def test_attention_block_peak_no_longer_grows_with_its_full_sequence_tensors():
     assert chunked < 2.25 * hidden_bytes, (chunked / hidden_bytes, plain / hidden_bytes)
 
 
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_offloaded_chunk_copies_are_what_the_estimate_counts(monkeypatch, chunks, kv_heads):
+    """Every copy the chunk store makes to and from the host in one forward + backward of one attention module, counted
+    at the store, equals `offload_copy_bytes` (the estimate's traffic and exposed-copy time come from it). With
+    offload every stored tensor but the token ids ("idx", "doc") lives on the host."""
+    from lstune.memory import attention_chunks as chunked
+
+    counted = {"out": 0, "in": 0}
+    put, get = chunked._ChunkStore.put, chunked._ChunkStore.get
+
+    def on_host(store, key, offload=True) -> bool:
+        return store.offload and offload and key[0] not in ("idx", "doc")
+
+    def counting_put(self, key, tensor, *, offload=True):
+        counted["out"] += tensor.numel() * tensor.element_size() if on_host(self, key, offload) else 0
+        return put(self, key, tensor, offload=offload)
+
+    def counting_get(self, key, device):
+        tensor = get(self, key, device)
+        counted["in"] += tensor.numel() * tensor.element_size() if on_host(self, key) else 0
+        return tensor
+
+    monkeypatch.setattr(chunked._ChunkStore, "put", counting_put)
+    monkeypatch.setattr(chunked._ChunkStore, "get", counting_get)
+    config = dict(WIDE, num_key_value_heads=kv_heads)
+    model = tiny_model("llama", **config)
+    attention = use_lstune_attention(model, backend="sdpa")
+    layers = model.model.layers[:1]
+    seq, batch = 96, 2
+    undos = install_chunked_attention(layers, chunks, offload=True, stats=ChunkStats())
+    try:
+        hidden = torch.randn(batch, seq, config["hidden_size"], requires_grad=True)
+        positions = torch.arange(seq)[None].expand(batch, seq)
+        out = layers[0].self_attn(hidden_states=hidden, position_embeddings=model.model.rotary_emb(hidden, positions),
+                                  attention_mask=None, position_ids=positions)[0]
+        out.backward(torch.randn_like(out))
+    finally:
+        run_undos(undos)
+        attention.undo()
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    expected = chunked.offload_copy_bytes(batch * seq, chunks, config["hidden_size"], kv_heads * head_dim,
+                                          config["num_attention_heads"], element_size=4)
+    assert (counted["out"], counted["in"]) == expected
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Settings and refusals
 # --------------------------------------------------------------------------------------------------------------------
@@ -199,17 +245,19 @@ def test_chunk_counts():
     assert chunk_count(3, 70, 4096) == 3
 
 
-def test_auto_chunks_are_the_shortest_whose_kv_fetch_hides_under_their_attention():
+def test_auto_chunks_are_the_shortest_whose_copies_hide_under_their_attention():
     from lstune.models.presets import preset_config
 
-    # c >= h_kv · 2 B · F / (2 · h_q · BW) with F / BW = 400e12 / 25e9 = 16000, rounded up to a power of two:
+    # Forward: c >= h_kv · b · F / (2 · h_q · BW); backward: c >= (2 · b + 8) · F / (10 · BW); F / BW = 16000.
     assert attention_widths(preset_config("llama-3.1-8b")) == (4096, 1024)
-    assert auto_chunk_tokens(4096, 1024) == 4096  # 1024 · 2 · 16000 / (2 · 4096) = 4000
-    assert auto_chunk_tokens(3072, 3072) == 16384  # MHA (Phi-3): 16000
-    assert auto_chunk_tokens(3584, 512) == 4096  # Qwen2.5-7B: 2286 (its 1 MiB copy floor, 1024, is lower)
-    assert auto_chunk_tokens(8192, 128) == 4096  # MQA: 250 tokens hide the fetch; a 1 MiB k copy needs 4096
-    assert auto_chunk_tokens(4096, 1024, pcie_bytes_per_s=50e9) == 2048  # Gen5: 2000
-    assert chunk_count("auto", 131072, auto_chunk_tokens(4096, 1024)) == 32
+    assert auto_chunk_tokens(4096, 1024) == 32768  # backward 19,200 (forward 4,000)
+    assert auto_chunk_tokens(3072, 3072) == 32768  # MHA (Phi-3): forward 16,000, backward 19,200
+    assert auto_chunk_tokens(8192, 128) == 32768  # MQA: the 1 MiB k copy floor (4,096) is lower
+    assert auto_chunk_tokens(4096, 1024, pcie_bytes_per_s=50e9) == 16384  # Gen5: 9,600
+    assert auto_chunk_tokens(3072, 3072, bytes_per_element=4, flops_per_s=100e12) == 8192  # fp32 MHA: forward 8,000
+    assert auto_chunk_tokens(64, 32) == 32768  # tiny widths: the 1 MiB floor is 16,384
+    assert auto_chunk_tokens(64, 16) == 32768 and auto_chunk_tokens(64, 8) == 65536  # floor 32,768 / 65,536
+    assert chunk_count("auto", 131072, auto_chunk_tokens(4096, 1024)) == 4
 
 
 @pytest.mark.parametrize("value", ["many", 0, -2, True])
