@@ -117,7 +117,7 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     record["estimate"] = estimate_summary(prediction, config)
     record["hardware"] = prediction.hardware.to_dict()
     try:
-        loader = _loader(config, runtime, spec)  # before the baseline: --data's tokenizer and samples are not the step's
+        loader = _loader(config, runtime, spec)  # before the baseline: --data's tokenizer and samples aren't the step's
         record["rss_before_model"] = host_rss_bytes()
         steps = _train_steps(job, config, runtime, spec, prediction, loader)
     except Exception as exc:  # a failure is a result too: the parent records it and goes on
@@ -156,7 +156,8 @@ def _plain_hf(config, runtime, spec, prediction, total: int):
     model = adapt_model(loaded.model, config.model, runtime)
     enable_hf_checkpointing(model)
     model.train()
-    return TorchEngine(model, OptimConfig.from_section(config.optim, total)), lambda batch, m: hf_loss_sum(batch, m), None
+    engine = TorchEngine(model, OptimConfig.from_section(config.optim, total))
+    return engine, lambda batch, m: hf_loss_sum(batch, m), None
 
 
 def enable_hf_checkpointing(model) -> None:
@@ -170,7 +171,8 @@ def enable_hf_checkpointing(model) -> None:
 
 
 def _lstune(config, runtime, spec, prediction, total: int):
-    """`lstune train`'s model and engine: load, adapt, techniques in their order, the estimate's engine."""
+    """`lstune train`'s model and engine: load, adapt, techniques in their order, the estimate's engine; returns
+    (engine, loss function, the chunked attention SP shards are laid out for), as `_plain_hf` (no chunks)."""
     from lstune.models.attention import check_attention_support
     from lstune.models.loading import load_model
     from lstune.train.prepare import prepare_model

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 PROBE_TOKENS = 8
 
 
-def probe_inputs(parts: ModelParts, n: int = PROBE_TOKENS, chunks: AttentionChunks | None = None) -> dict[str, torch.Tensor]:
+def probe_inputs(
+    parts: ModelParts, n: int = PROBE_TOKENS, chunks: AttentionChunks | None = None
+) -> dict[str, torch.Tensor]:
     """`input_ids` and `position_ids` of `n` tokens on the model's device (token ids 1..n, below any vocab).
 
     With chunked attention installed (`chunks`), `n` is rounded up to equal chunks and each chunk is one document
