@@ -401,13 +401,13 @@ class _PositionOrder:
         self.bad = bad if self.bad is None else self.bad | bad
         self.last_BS = positions_BS[:, -1:]
 
-    def check(self, sp: bool) -> None:
+    def check(self, gathered: bool) -> None:
         bad, self.bad, self.last_BS = self.bad, None, None
         if bad is not None and bool(bad):
             raise DataError("chunked attention needs every packed document to start at position 0 (position_ids reset "
                             "to 0); these position_ids restart elsewhere. Fix the data, or use --attn-chunks off."
                             + (" Under sequence parallelism the batch must also be in FPDT's order: shard it with "
-                               "SPDataAdapter or shard_batch given the model's chunk setting." if sp else ""))
+                               "SPDataAdapter or shard_batch given the model's chunk setting." if gathered else ""))
 
 
 # --------------------------------------------------------------------------------------------------------------------

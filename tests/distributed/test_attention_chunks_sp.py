@@ -4,7 +4,8 @@ the whole sequence (which is what SP 1 is proven to equal in tests/unit/memory/t
 Each rank's shard is cut into 3 chunks and laid out in FPDT's order (shard_batch given the plan's chunk setting):
 rank r holds pieces r, r+sp, r+2·sp of 3·sp, so the all-to-all of every rank's chunk m is one contiguous stretch of
 the sample. Windows (16 tokens) and packed documents cross chunk, piece and shard edges; the odd-length sample is
-padded (to a multiple of 3·sp) with tokens that must change nothing. A batch in contiguous shards is refused.
+padded (to a multiple of 3·sp) with tokens that must change nothing. A batch in contiguous shards is refused. The
+setup probes (norms fused into the chunks, mini-sequence) run under SP too.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ TOL = 2e-5
 ARCHS = ["llama", "mistral", "qwen2", "gemma3_text", "qwen3_moe"]
 OPTIONS = {
     "alone": dict(attn_chunks=3, tiled_mlp="off", tiled_loss="off", checkpointing=False),
-    "all": dict(attn_chunks=3, tiled_mlp=2, tiled_loss=2, offload_checkpoints=True),
+    "all": dict(attn_chunks=3, tiled_mlp=2, tiled_loss=2, mini_sequence=True, offload_checkpoints=True),
 }
 
 
@@ -38,7 +39,8 @@ def _chunked_sp_worker(rank: int, world: int, model_types: list[str]) -> dict:
             apply_ulysses(model, dims)
             plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // world)
             shard = shard_batch(batch, dims.sp, dims.sp_rank, plan.attn_chunking if fpdt_order else None)
-            return plan.loss_sum(model, shard)[0], shard, plan.attn_chunks_at_seq_len, shard["input_ids"].shape[1]
+            local = shard["input_ids"].shape[1]
+            return plan.loss_sum(model, shard)[0], shard, plan.attn_chunks_at_seq_len, local, plan.attn_fused_norms
         return run
 
     samples = reference_samples(SEQ, DOCS)
@@ -59,8 +61,9 @@ def test_chunked_attention_under_sp_matches_hf(pools, world):
             assert outcome == "refused" and "FPDT" in detail, f"{arch} {data}: contiguous shards ran: {detail}"
             continue
         assert outcome == "ran", f"{arch} {data} {name}: {detail}"
-        loss, ref_loss, diff, same_keys, chunks, local = detail
+        loss, ref_loss, diff, same_keys, chunks, local, fused = detail
         assert chunks == 3 and same_keys and local == SEQ // world, (arch, data, name)
+        assert fused, f"{arch}: the setup probes under SP left the attention norms unfused"
         assert loss == pytest.approx(ref_loss, rel=TOL), f"{arch} {data} {name}: loss {loss} != {ref_loss}"
         assert diff < 1e-4, f"{arch} {data} {name}: gradients differ by {diff:.1e} (relative)"
 
