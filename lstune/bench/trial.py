@@ -118,9 +118,9 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     record["estimate"] = estimate_summary(prediction, config)
     record["hardware"] = prediction.hardware.to_dict()
     try:
-        batches = _batches(config, runtime, spec)  # before the baseline: --data's tokenizer and samples are not the step's
+        loader = _loader(config, runtime, spec)  # before the baseline: --data's tokenizer and samples aren't the step's
         record["rss_before_model"] = host_rss_bytes()
-        steps = _train_steps(job, config, runtime, spec, prediction, batches)
+        steps = _train_steps(job, config, runtime, spec, prediction, loader)
     except Exception as exc:  # a failure is a result too: the parent records it and goes on
         record.update(failure(exc))
     else:
@@ -129,13 +129,16 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     return record
 
 
-def _train_steps(job: Job, config, runtime, spec, prediction, batches) -> list[dict[str, Any]]:
+def _train_steps(job: Job, config, runtime, spec, prediction, loader) -> list[dict[str, Any]]:
+    from lstune.parallel.sp_data import SPDataAdapter
     from lstune.train.step import RunState, Stepper
 
     total = job.warmup + job.steps
     if job.rung in TRAIN_AS_IS:  # what `lstune train` prepares: `auto` as the estimate resolved it
         config = prediction.memory_choice.applied_to(config)
-    engine, loss_sum = (_plain_hf if job.plain_hf else _lstune)(config, runtime, spec, prediction, total)
+    engine, loss_sum, chunks = (_plain_hf if job.plain_hf else _lstune)(config, runtime, spec, prediction, total)
+    # SP shards as `lstune train` lays them out for this model's chunked attention.
+    batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device, chunks=chunks))
     stepper = Stepper(config, engine, runtime, loss_sum)
     state = RunState()
     return [stepper.step(batches, state) for _ in range(total)]
@@ -154,7 +157,8 @@ def _plain_hf(config, runtime, spec, prediction, total: int):
     model = adapt_model(loaded.model, config.model, runtime)
     enable_hf_checkpointing(model)
     model.train()
-    return TorchEngine(model, OptimConfig.from_section(config.optim, total)), lambda batch, m: hf_loss_sum(batch, m)
+    engine = TorchEngine(model, OptimConfig.from_section(config.optim, total))
+    return engine, lambda batch, m: hf_loss_sum(batch, m), None
 
 
 def enable_hf_checkpointing(model) -> None:
@@ -168,7 +172,8 @@ def enable_hf_checkpointing(model) -> None:
 
 
 def _lstune(config, runtime, spec, prediction, total: int):
-    """`lstune train`'s model and engine: load, adapt, techniques in their order, the estimate's engine."""
+    """`lstune train`'s model and engine: load, adapt, techniques in their order, the estimate's engine; returns
+    (engine, loss function, the chunked attention SP shards are laid out for), as `_plain_hf` (no chunks)."""
     from lstune.models.attention import check_attention_support
     from lstune.models.loading import load_model
     from lstune.train.prepare import prepare_model
@@ -180,14 +185,13 @@ def _lstune(config, runtime, spec, prediction, total: int):
                         trust_remote_code=config.model.trust_remote_code, load_in_4bit=config.model.load_in_4bit)
     prepared = prepare_model(loaded.model, config, runtime)
     engine, _ = make_engine(config, prepared.model, total, runtime, prediction)
-    return engine, lambda batch, m: prepared.loss_sum(batch, m)
+    return engine, lambda batch, m: prepared.loss_sum(batch, m), prepared.memory.attn_chunking
 
 
-def _batches(config, runtime, spec):
-    """Each rank's stream of batches as `lstune train` reads it (SP shards included): random tokens, or --data."""
+def _loader(config, runtime, spec):
+    """Each rank's loader of full-length batches as `lstune train` reads them: random tokens, or --data."""
     from lstune.data.loader import make_dataloader
     from lstune.estimate.shapes import text_config
-    from lstune.parallel.sp_data import SPDataAdapter
 
     if config.data.source is None:
         dataset = RandomTokens(text_config(spec.config).vocab_size, config.data.seq_len, seed=config.optim.seed)
@@ -195,7 +199,7 @@ def _batches(config, runtime, spec):
         dataset = _data(config, spec)
     loader = make_dataloader(dataset, config.optim.micro_batch_size, seed=config.optim.seed,
                              dp_rank=runtime.rank, dp_size=runtime.world_size)
-    return iter(SPDataAdapter(loader, runtime.dims, device=runtime.device))
+    return loader
 
 
 def _data(config, spec):

@@ -39,6 +39,7 @@ from lstune.memory.patching import Undo, run_undos
 from lstune.memory.placement import CheckpointPlacement, plan_placement
 from lstune.memory.probe import probe_hidden_states, probe_inputs
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy
+from lstune.models.chunk_layout import AttentionChunks
 from lstune.models.introspect import ModelParts, find_parts
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class MemoryPlan:
     offload_note: str = ""
     offloader: ckpt.CheckpointOffloader | None = None
     attn_chunks: str | int = "off"
+    attn_chunking: AttentionChunks = field(default_factory=AttentionChunks)  # what SPDataAdapter lays samples out for
     attn_chunks_at_seq_len: int = 1
     attn_chunk_stats: chunked_attn.ChunkStats | None = None
     attn_fused_norms: dict[int, tuple[str | None, str | None]] = field(default_factory=dict)
@@ -168,7 +170,8 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
     """Chunked attention (FPDT), with the norms around each attention run per chunk when a probe confirms that is
     exact; its saved chunks go to host memory with --offload-checkpoints."""
     plan.attn_chunks = memory.attn_chunks
-    auto_tokens = chunked_attn.auto_chunk_tokens(*chunked_attn.attention_widths(plan.parts.lm.config))
+    plan.attn_chunking = chunked_attn.attention_chunking(memory.attn_chunks, plan.parts.lm.config)
+    auto_tokens = plan.attn_chunking.auto_tokens
     plan.attn_chunks_at_seq_len = chunked_attn.chunk_count(memory.attn_chunks, plan.seq_len, auto_tokens)
     if memory.attn_chunks == "off":
         return
@@ -178,7 +181,7 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
                       offload=memory.offload_checkpoints is True, stats=plan.attn_chunk_stats)
     fused = _attention_norms(plan.parts) if probing else {}
     if fused:
-        inputs = probe_inputs(plan.parts)
+        inputs = probe_inputs(plan.parts, chunks=plan.attn_chunking)
         reference = probe_hidden_states(plan.parts, inputs)
         undos = install(fused=fused)
         try:
@@ -219,11 +222,11 @@ def _apply_mlp(plan: MemoryPlan, probing: bool) -> None:
     tiled_mlp_mod.check_call_signature(layers, names)
     if probing:
         tiled_mlp_mod.check_per_token(layers, hidden, names)
-    fused = _discover_fusion(plan.parts) if plan.mini_sequence and probing else {}
+    fused = _discover_fusion(plan.parts, plan.attn_chunking) if plan.mini_sequence and probing else {}
     if plan.mini_sequence and not probing:
         _note(plan, "mini-sequence: norm fusion needs a probe forward on real weights (meta/fake model); "
                     "the MLP is tiled alone")
-    installed = _install_verified(plan.parts, policy, fused)
+    installed = _install_verified(plan.parts, policy, fused, plan.attn_chunking)
     plan.fused_norms = {t.layer_index: _names(t, layers) for t in installed if t.pre_norm or t.post_norm}
     plan._undos.append(lambda: tiled_mlp_mod.undo_tiled_blocks(installed))
     block = installed[0].block
@@ -232,9 +235,9 @@ def _apply_mlp(plan: MemoryPlan, probing: bool) -> None:
                 type(block).__name__, len(installed), plan.mlp_tiles, plan.seq_len)
 
 
-def _discover_fusion(parts: ModelParts) -> dict[int, tuple[str | None, str | None]]:
-    """Which norms feed / follow each layer's block, from one recorded probe forward."""
-    inputs = probe_inputs(parts)
+def _discover_fusion(parts: ModelParts, chunks: AttentionChunks) -> dict[int, tuple[str | None, str | None]]:
+    """Which norms feed / follow each layer's block, from one recorded probe forward (`chunks`: the attention's)."""
+    inputs = probe_inputs(parts, chunks=chunks)
     calls = tiled_mlp_mod.record_child_calls(parts.layers, lambda: probe_hidden_states(parts, inputs))
     fused = {}
     for index, name in enumerate(parts.mlp_names):
@@ -244,12 +247,12 @@ def _discover_fusion(parts: ModelParts) -> dict[int, tuple[str | None, str | Non
     return fused
 
 
-def _install_verified(parts: ModelParts, policy, fused) -> list:
+def _install_verified(parts: ModelParts, policy, fused, chunks: AttentionChunks | None = None) -> list:
     """Install tiled blocks; if fused norms change the probe's output, fall back to unfused blocks."""
     install = partial(tiled_mlp_mod.install_tiled_blocks, parts.layers, policy, names=parts.mlp_names)
     if not fused:
         return install()
-    inputs = probe_inputs(parts)
+    inputs = probe_inputs(parts, chunks=chunks)
     reference = probe_hidden_states(parts, inputs)
     installed = install(fused=fused)
     fused_out = probe_hidden_states(parts, inputs)

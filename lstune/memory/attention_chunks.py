@@ -14,7 +14,8 @@ Steps (one custom autograd Function per attention module call; model code untouc
    against the keys/values of chunks i <= m with online-softmax merging (o = Σ_i exp(lse_i - lse)·o_i,
    lse = log Σ_i exp(lse_i)). Masks come from global token indices and position_ids (same document: equal
    `index - position`; causal: `k <= q`; window: `q - k < w`), so only the diagonal block is cut by causality,
-   packed documents and sliding windows hold, and softcapping is a score map. Nothing is reordered.
+   packed documents and sliding windows hold, and softcapping is a score map. position_ids must continue by +1 or
+   restart at 0 in global order (checked once per call; under SP this also refuses contiguous shards, below).
    Saved per chunk: k, v, the output o and its log-sum-exp — in pinned host memory when offloading (copied on a
    side stream; reads for later chunks are prefetched one chunk ahead), on the device otherwise; and the
    module's input. No per-chunk autograd graph is kept.
@@ -42,12 +43,14 @@ return the lse (forward) and take o/lse (backward) — not wired yet, so GPU spe
 Composes with: activation checkpointing (the checkpoint's recompute runs this Function again; the saved chunks go
 through `save_for_backward`, so checkpoint's hooks drop and recompute them), tiled MLP / loss, LoRA (peft-wrapped
 projections run per chunk), ZeRO-3 (weights gathered per use by ZeRO's hooks, gradients into `.grad`), Ulysses SP
-(each local chunk is all-to-all'd by the Ulysses attention function; global indices of the gathered chunk are
-rank·S_local + chunk offset). With contiguous shards, rank r's chunk m attends rank r-1's later chunks, so under
-SP the forward first stores every chunk's k/v and then attends (the per-token parts run once more), and backward
-runs chunk c's projections once dq_c is complete (after its last key chunk). FPDT's token reordering, which would
-keep gathered chunks causal-ordered (no extra pass) and balance the ranks' load, is not done. Attention dropout is
-refused.
+with FPDT's token layout (lstune.models.chunk_layout): the SP data adapter cuts the padded sample into sp·M equal
+pieces of c tokens and rank r holds pieces r, r+sp, …, r+(M-1)·sp, so the Ulysses all-to-all of every rank's chunk m
+is the contiguous stretch [m·sp·c, (m+1)·sp·c) of the sample; its global indices are m·sp·c + offset, chunk m
+attends chunks <= m only, and the steps above run unchanged (no extra forward pass, no delayed dq). The sink reads
+the layout with the adapter's function (`sequence_layout`), so both cut the same chunks; a batch in contiguous
+shards (an adapter not given the chunk setting) is refused — by its chunk length when it does not cut into equal
+chunks, else by its gathered position_ids, which then jump mid-document (a packing whose documents exactly fill
+pieces could slip through: give the adapter `chunks=MemoryPlan.attn_chunking`). Attention dropout is refused.
 """
 
 from __future__ import annotations
@@ -66,7 +69,6 @@ from lstune.errors import DataError, ModelError, UserError
 from lstune.memory.checkpoint import MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS
 from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.tiling import (
-    TilePolicy,
     _accumulate,
     _autocast_state,
     _replay_autocast,
@@ -76,7 +78,8 @@ from lstune.memory.tiling import (
     is_zero3_partitioned,
     tile_bounds,
 )
-from lstune.models.attention import chunked_attention_calls, document_starts
+from lstune.models.attention import chunked_attention_calls
+from lstune.models.chunk_layout import AttentionChunks, sequence_layout
 from lstune.models.introspect import layer_attention
 
 if TYPE_CHECKING:
@@ -143,20 +146,20 @@ def attention_widths(config: Any) -> tuple[int, int]:
     return heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
 
 
-def chunk_policy(setting: str | int, auto_tokens: int | None) -> TilePolicy | None:
-    """`--attn-chunks`: "off" → None; "auto" → chunks of `auto_tokens` (`auto_chunk_tokens`: one chunk, i.e. off,
-    up to that length); N → N chunks."""
-    if setting == "off":
-        return None
-    if setting == "auto" and not auto_tokens:
-        raise ValueError("--attn-chunks auto needs the chunk length (auto_chunk_tokens of the model's widths)")
-    return TilePolicy(tile_len=auto_tokens) if setting == "auto" else TilePolicy(count=int(setting))
+def attention_chunking(setting: str | int, config: Any) -> AttentionChunks:
+    """`--attn-chunks` for a model of this (transformers) config: "auto" chunks of its `auto_chunk_tokens`."""
+    return AttentionChunks(setting, auto_chunk_tokens(*attention_widths(config)))
 
 
 def chunk_count(setting: str | int, seq_len: int, auto_tokens: int) -> int:
-    """Chunks one sample of `seq_len` tokens is cut into (1 = unchunked)."""
-    policy = chunk_policy(setting, auto_tokens)
-    return 1 if policy is None else len(tile_bounds(seq_len, policy.tiles(seq_len, width=1)))
+    """Chunks one (local) sequence of `seq_len` tokens is cut into (1 = unchunked)."""
+    return len(chunk_bounds(AttentionChunks(setting, auto_tokens), seq_len))
+
+
+def chunk_bounds(chunks: AttentionChunks, seq_len: int) -> list[tuple[int, int]]:
+    """The chunks [(start, stop), ...] of a local sequence: equal when their count divides it (always under SP, where
+    `chunk_layout.sequence_layout` pads samples for it)."""
+    return tile_bounds(seq_len, chunks.count(seq_len))
 
 
 @dataclass
@@ -185,8 +188,8 @@ def install_chunked_attention(
     `fused[i] = (pre_norm_name, post_norm_name)`: layer i's norms feeding only the attention / fed only by it (found
     by `mlp.find_fusable_norms` from a probe) run inside each chunk instead — the layer calls them as identities —
     so their fp32 copies (HF RMSNorm upcasts) and the normed hidden state are O(chunk), as in mini-sequence."""
-    policy = chunk_policy(setting, auto_tokens)
-    if policy is None:
+    chunks = AttentionChunks(setting, auto_tokens)
+    if setting == "off":
         return []
     undos = []
     for index, layer in enumerate(layers):
@@ -196,10 +199,10 @@ def install_chunked_attention(
             if norm is not None:
                 what = f"layer {index}: {side}-attention norm in the chunks"
                 undos.append(FusedNorm.install(norm, what=what))
-        chunked = ChunkedAttention(module, module.forward, policy, offload=offload, stats=stats, norms=norms)
+        chunked = ChunkedAttention(module, module.forward, chunks, offload=offload, stats=stats, norms=norms)
         undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
     logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused", len(layers),
-                policy.describe(), "offloaded to host" if offload else "on the device",
+                chunks.describe(), "offloaded to host" if offload else "on the device",
                 sum(n is not None for pair in (fused or {}).values() for n in pair))
     return undos
 
@@ -207,9 +210,9 @@ def install_chunked_attention(
 class ChunkedAttention:
     """The patched forward of one attention module: unchunked when one chunk covers the sequence."""
 
-    def __init__(self, module: nn.Module, forward: Callable, policy: TilePolicy, *, offload: bool,
+    def __init__(self, module: nn.Module, forward: Callable, chunks: AttentionChunks, *, offload: bool,
                  stats: ChunkStats | None, norms: list[nn.Module | None] | None = None):
-        self.module, self.forward, self.policy, self.offload = module, forward, policy, offload
+        self.module, self.forward, self.chunks, self.offload = module, forward, chunks, offload
         self.stats = stats if stats is not None else ChunkStats()
         self.pre, self.post = norms or (None, None)
         self.modules = [m for m in (self.pre, module, self.post) if m is not None]
@@ -228,7 +231,7 @@ class ChunkedAttention:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         hidden_BSD, rest, kwargs = _split_hidden(args, kwargs)
         seq = hidden_BSD.shape[1]
-        bounds = tile_bounds(seq, self.policy.tiles(seq, width=1))
+        bounds = chunk_bounds(self.chunks, seq)
         if len(bounds) <= 1:
             return self.run(hidden_BSD, *rest, **kwargs)
         if kwargs.get("past_key_values") is not None or kwargs.get("past_key_value") is not None:
@@ -318,11 +321,10 @@ def _narrow(value: Any, dim: int, a: int, b: int, seq: int) -> Any:
 
 
 class _ChunkSink:
-    """Receives chunk m's q/k/v ([B, H, n, D] — n = chunk tokens, or sp·chunk tokens under Ulysses) and, by mode:
-    "forward": keeps k/v and returns o_m merged over the stored chunks (keeps o, lse) — under Ulysses only keeps k/v
-    (rank r's chunk m queries see rank r-1's later chunks) and "attend" computes o_m once every chunk is stored;
-    "replay": records q_m and returns the saved o_m as a grad-requiring leaf; "backward": records q/k/v (with their
-    graph) and returns the saved o_m."""
+    """Receives chunk m's q/k/v ([B, H, n, D] — n = chunk tokens, or sp·chunk tokens under Ulysses: a contiguous
+    stretch of the sample in FPDT's layout) and, by mode: "forward": keeps k/v and returns o_m merged over chunks
+    0..m (keeps o, lse); "replay": records q_m and returns the saved o_m as a grad-requiring leaf; "backward": records
+    q/k/v (with their graph) and returns the saved o_m."""
 
     def __init__(self, spec: _ChunkSpec, position_ids: Tensor | None):
         self.spec = spec
@@ -332,8 +334,9 @@ class _ChunkSink:
         self.m, self.mode, self.calls = 0, "", 0
         self.leaf: Tensor | None = None
         self.captured: tuple[Tensor, ...] = ()
-        self.gathered = False  # the calls see every SP rank's chunk m (Ulysses), not one contiguous chunk
         self.sources: dict[int, list[int]] = {}  # query chunk -> the key chunks it attends
+        self.order = _PositionOrder()
+        self.gathered = False  # the calls see every SP rank's chunk m (Ulysses)
 
     def begin(self, m: int, mode: str) -> None:
         self.m, self.mode, self.calls = m, mode, 0
@@ -361,10 +364,6 @@ class _ChunkSink:
             store.put(("doc", m), doc_Bn, offload=False)
             store.put(("k", m), key.detach())
             store.put(("v", m), value.detach())
-            if self.gathered:  # queries may see later chunks' keys: attend once all are stored ("attend" pass)
-                batch, heads, n, _ = query.shape
-                return query.new_zeros(batch, n, heads, value.shape[-1])
-        if self.mode in ("forward", "attend"):
             out5, lse = _chunk_forward(self, query, key, value)
             store.put(("o", m), out5)
             store.put(("lse", m), lse)
@@ -379,32 +378,65 @@ class _ChunkSink:
 
     def _token_ids(self, query: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """Global token index and document key (index - position, equal exactly within a document when documents
-        after a row's first start at position 0) of each of the call's n tokens: chunk m's, or under Ulysses the
-        concatenation of every rank's chunk m (rank r's tokens start at r · S_local)."""
+        after a row's first start at position 0) of each of the call's n tokens: chunk m's, or under Ulysses every
+        rank's chunk m, which FPDT's layout makes one contiguous stretch (`chunk_layout.sequence_layout`)."""
         a, b = self.spec.bounds[self.m]
-        batch, n, width = query.shape[0], query.shape[2], b - a
-        if n % width:
-            raise ModelError(f"chunked attention: the attention call got {n} tokens for a chunk of {width}.")
-        self.gathered = n > width
-        local = torch.arange(n, device=query.device)
-        index_n = (local // width) * self.spec.seq + a + local % width
+        batch, n = query.shape[0], query.shape[2]
+        start = a if n == b - a else self._gathered_start(n)
+        index_n = torch.arange(start, start + n, device=query.device)
         if position_ids is None:
             return index_n.expand(batch, n), torch.zeros(batch, n, dtype=torch.long, device=query.device)
         positions_Bn = position_ids.to(query.device).expand(batch, n)
+        self.order.follow(positions_Bn)
         return index_n.expand(batch, n), index_n - positions_Bn
 
+    def _gathered_start(self, n: int) -> int:
+        """Global index of the first of chunk m's n tokens gathered over the SP group; DataError unless the local
+        sequence is cut the way FPDT's layout cuts it (SPDataAdapter / shard_batch given the model's chunk setting)."""
+        spec, chunks = self.spec, len(self.spec.bounds)
+        a, b = spec.bounds[self.m]
+        sp = n // (b - a)
+        layout = sequence_layout(sp * spec.seq, sp, spec.owner.chunks) if n % (b - a) == 0 else None
+        if layout is None or layout.length != sp * spec.seq or layout.chunks != chunks:
+            raise DataError(_NOT_FPDT_ORDER.format(n=n, seq=spec.seq, chunks=chunks))
+        self.gathered = True
+        return layout.gathered_span(self.m)[0]
 
-def check_document_positions(position_ids_BS: Tensor | None) -> None:
-    """Documents after a row's first must start at position 0 (lstune's packing does): chunked attention tells
-    documents apart by `index - position`."""
-    from torch._subclasses.fake_tensor import is_fake
 
-    if position_ids_BS is None or is_fake(position_ids_BS):
-        return
-    starts_BS = document_starts(position_ids_BS)
-    if bool((starts_BS[:, 1:] & (position_ids_BS[:, 1:] != 0)).any()):
-        raise DataError("chunked attention needs every packed document to start at position 0 (position_ids reset "
-                        "to 0); these position_ids restart elsewhere. Fix the data, or use --attn-chunks off.")
+_NOT_FPDT_ORDER = (
+    "chunked attention under sequence parallelism got {n} tokens for a chunk of a {seq}-token shard cut into {chunks} "
+    "chunks: the batch is not laid out in FPDT's order for this chunk setting. Shard batches with SPDataAdapter or "
+    "shard_batch given the model's chunk setting (chunks=MemoryPlan.attn_chunking)."
+)
+
+
+class _PositionOrder:
+    """position_ids of one attention call's tokens, chunk after chunk in global order: every document after a row's
+    first must start at position 0 (chunked attention tells documents apart by index - position; lstune's packing
+    does this). Under SP this also catches a batch in contiguous shards, whose gathered chunks jump mid-document.
+    Checked once per call (`check`), since reading the flag syncs the device."""
+
+    def __init__(self) -> None:
+        self.last_BS: Tensor | None = None
+        self.bad: Tensor | None = None
+
+    def follow(self, positions_BS: Tensor) -> None:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(positions_BS):
+            return
+        joined_BS = positions_BS if self.last_BS is None else torch.cat([self.last_BS, positions_BS], dim=1)
+        bad = ((joined_BS[:, 1:] != joined_BS[:, :-1] + 1) & (joined_BS[:, 1:] != 0)).any()
+        self.bad = bad if self.bad is None else self.bad | bad
+        self.last_BS = positions_BS[:, -1:]
+
+    def check(self, gathered: bool) -> None:
+        bad, self.bad, self.last_BS = self.bad, None, None
+        if bad is not None and bool(bad):
+            raise DataError("chunked attention needs every packed document to start at position 0 (position_ids reset "
+                            "to 0); these position_ids restart elsewhere. Fix the data, or use --attn-chunks off."
+                            + (" Under sequence parallelism the batch must also be in FPDT's order: shard it with "
+                               "SPDataAdapter or shard_batch given the model's chunk setting." if gathered else ""))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -496,13 +528,13 @@ def _merge(acc_out, acc_lse, out, lse):
 
 
 def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    """Chunk m's queries against the keys/values of every stored chunk they see (chunks 0..m, k_m/v_m just
-    stored; under Ulysses any chunk), merged; records which chunks contributed (`sink.sources`)."""
+    """Chunk m's queries against the keys/values of the chunks they see (of chunks 0..m, k_m/v_m just stored),
+    merged; records which chunks contributed (`sink.sources`)."""
     store, m, config = sink.store, sink.m, sink.config
     device = query.device
     q5 = _to5(query, config["kv_heads"])
     index_q, doc_q = store.get(("idx", m), device), store.get(("doc", m), device)
-    stored = [i for i in range(len(sink.spec.bounds)) if ("k", i) in store.items]
+    stored = range(m + 1)
     acc_out = acc_lse = None
     sink.sources[m] = []
     for n, i in enumerate(stored):
@@ -608,7 +640,6 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: _ChunkSpec, hidden_BSD: Tensor, *params: Tensor) -> Tensor:
         owner = spec.owner
-        check_document_positions(spec.sink.mask_positions)
         store = spec.sink.store = _ChunkStore(owner.offload, owner.stats)
         ctx.spec, ctx.params = spec, () if spec.into_grad else params
         ctx.autocast = _autocast_state(hidden_BSD.device.type)
@@ -621,10 +652,7 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
             if m == 0:
                 out_BSD = y_BcD.new_empty((y_BcD.shape[0], spec.seq, *y_BcD.shape[2:]))
             out_BSD[:, a:b].copy_(y_BcD)
-        if spec.sink.gathered:  # Ulysses: the first pass only stored k/v (the per-token parts run once more)
-            for m, (a, b) in enumerate(spec.bounds):
-                with _replay_rng(ctx.rng[m], hidden_BSD.device):
-                    out_BSD[:, a:b].copy_(spec.run(hidden_BSD[:, a:b], m, "attend"))
+        spec.sink.order.check(spec.sink.gathered)
         ctx.sources = dict(spec.sink.sources)
         # Saved through save_for_backward (not held by ctx), so an enclosing checkpoint drops and recomputes them.
         ctx.keys = list(store.items)
@@ -678,32 +706,27 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_B
     grad_x = torch.empty_like(hidden_BSD) if want_x else None
     param_grads: list[Tensor | None] = [None] * len(ctx.params)
     readers = {i: [j for j in range(chunks) if i in ctx.sources[j]] for i in range(chunks)}
-    # Chunk c's projections backpropagate once dk_c/dv_c (outer iteration c) and dq_c (its last key chunk) are done:
-    # right after iteration c without SP (queries only see earlier chunks), later under Ulysses.
-    ready_after = {c: max([c, *ctx.sources[c]]) for c in range(chunks)}
     with _Zero3Readiness(spec.into_grad, frozenset()) as readiness:
         for i in range(chunks):
+            # Queries see only chunks <= their own (under SP too, in FPDT's layout): after outer iteration i, dk_i,
+            # dv_i and dq_i are complete.
             dk4, dv4 = _kv_chunk_backward(spec, i, readers[i], device)
-            store.put(("dk", i), dk4)
-            store.put(("dv", i), dv4)
+            readiness.set(last_tile=i == chunks - 1)
+            dqkv = (store.pop(("dq", i), device), dk4, dv4)
             del dk4, dv4
-            for c in [c for c in range(chunks) if ready_after[c] == i]:
-                readiness.set(last_tile=c == chunks - 1)
-                dqkv = tuple(store.pop((name, c), device) for name in ("dq", "dk", "dv"))
-                grads = _projection_backward(spec, ctx, hidden_BSD, grad_BSD, c, dqkv, want_x)
-                del dqkv
-                if want_x:
-                    a, b = spec.bounds[c]
-                    grad_x[:, a:b].copy_(grads[0])
-                _accumulate(param_grads, grads[1:])
-                del grads  # else this chunk's weight gradients live on through the next chunk's backward
-                store.drop_chunk(c)
+            grads = _projection_backward(spec, ctx, hidden_BSD, grad_BSD, i, dqkv, want_x)
+            del dqkv
+            if want_x:
+                a, b = spec.bounds[i]
+                grad_x[:, a:b].copy_(grads[0])
+            _accumulate(param_grads, grads[1:])
+            del grads  # else this chunk's weight gradients live on through the next chunk's backward
+            store.drop_chunk(i)
     return grad_x, param_grads
 
 
 def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: list[int], device) -> tuple[Tensor, Tensor]:
-    """Outer iteration i: dk_i, dv_i over the query chunks j that attend it (j >= i without SP); dq_j accumulated
-    in the store."""
+    """Outer iteration i: dk_i, dv_i over the query chunks j >= i that attend it; dq_j accumulated in the store."""
     store, config = spec.sink.store, spec.sink.config
     k4, v4 = store.get(("k", i), device), store.get(("v", i), device)
     index_k, doc_k = store.get(("idx", i), device), store.get(("doc", i), device)

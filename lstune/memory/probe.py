@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lstune.models.chunk_layout import AttentionChunks
 from lstune.models.introspect import ModelParts
 
 if TYPE_CHECKING:
@@ -19,11 +20,19 @@ if TYPE_CHECKING:
 PROBE_TOKENS = 8
 
 
-def probe_inputs(parts: ModelParts, n: int = PROBE_TOKENS) -> dict[str, torch.Tensor]:
-    """`input_ids` and `position_ids` of `n` tokens on the model's device (token ids 1..n, below any vocab)."""
+def probe_inputs(
+    parts: ModelParts, n: int = PROBE_TOKENS, chunks: AttentionChunks | None = None
+) -> dict[str, torch.Tensor]:
+    """`input_ids` and `position_ids` of `n` tokens on the model's device (token ids 1..n, below any vocab).
+
+    With chunked attention installed (`chunks`), `n` is rounded up to equal chunks and each chunk is one document
+    (positions restart at 0): under SP every rank runs the same probe, which is no shard of one sample, and the
+    gathered chunks then read the same as FPDT's pieces (lstune.models.chunk_layout) and as contiguous shards."""
     device = parts.output_embedding.weight.device
+    count = chunks.count(n) if chunks is not None else 1
+    n = count * -(-n // count)
     ids = torch.arange(1, n + 1, device=device).unsqueeze(0)
-    positions = torch.arange(n, device=device).unsqueeze(0)
+    positions = (torch.arange(n, device=device) % (n // count)).unsqueeze(0)
     return {"input_ids": ids, "position_ids": positions}
 
 

@@ -3,18 +3,22 @@
 Every rank's DataLoader yields its own full-length batches (the shared contract: LongTensors `[B, S]`
 `input_ids`, `position_ids`, `shift_labels`, labels already shifted on the FULL sequence — ALST 4.3, so
 no shard loses its first target). `SPDataAdapter` turns the sp ranks' batches into sp micro-batches that
-the whole group processes one after another: for micro-batch i, rank i pads its sample to a multiple of
-sp, cuts it into sp contiguous shards along the sequence and scatters them, so rank r gets tokens
-`[r·S/sp, (r+1)·S/sp)` of rank i's sample. position_ids travel with the shards (Ulysses gathers them
-back inside attention), so packed-document boundaries survive sharding.
+the whole group processes one after another: for micro-batch i, rank i pads its sample, cuts it into sp
+shards along the sequence and scatters them. Rank r gets the contiguous tokens `[r·S/sp, (r+1)·S/sp)` of
+rank i's sample — or, when chunked attention (`--attn-chunks`, FPDT) cuts the local sequence into M > 1
+chunks, FPDT's pieces r, r+sp, …, r+(M-1)·sp of sp·M equal ones, so that the all-to-all of every rank's
+chunk m is one contiguous stretch of the sample (lstune.models.chunk_layout). position_ids and labels travel
+with their tokens (Ulysses gathers position_ids back inside attention), so packed-document boundaries,
+rotary positions and the loss (a sum over tokens) are those of the unsharded sample.
 
 Memory: each rank holds only its 1/sp shard of the sample being processed (plus its own full batch
 while waiting to send it, as the DataLoader produced it). Cost: one scatter per tensor per sample — a
 few bytes per token, negligible next to the model.
 
-Padding: the pad tokens get `shift_labels = -100` (ignored by the loss) and position_ids continuing the
-last document, so they sit at the end of the causal sequence where no real token attends to them:
-the loss and gradients are exactly those of the unpadded sample.
+Padding: to a multiple of sp (of sp·M with FPDT's layout). The pad tokens get `shift_labels = -100`
+(ignored by the loss) and position_ids continuing the last document, so they sit at the end of the causal
+sequence (in the last pieces) where no real token attends to them: the loss and gradients are exactly those
+of the unpadded sample.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import itertools
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from lstune.errors import DataError
+from lstune.models.chunk_layout import AttentionChunks, SequenceLayout, sequence_layout
 
 if TYPE_CHECKING:
     import torch
@@ -57,11 +62,18 @@ def pad_to_multiple(batch: dict[str, "torch.Tensor"], multiple: int) -> dict[str
     return out
 
 
-def shard_batch(batch: dict[str, "torch.Tensor"], sp: int, sp_rank: int) -> dict[str, "torch.Tensor"]:
-    """Rank `sp_rank`'s contiguous 1/sp sequence shard of `batch` (padded first if needed)."""
-    batch = pad_to_multiple(batch, sp)
-    local = batch["input_ids"].shape[1] // sp
-    return {k: x[:, sp_rank * local : (sp_rank + 1) * local].contiguous() for k, x in batch.items()}
+def lay_out(batch: dict[str, "torch.Tensor"], sp: int, chunks: AttentionChunks | None) -> tuple[dict, SequenceLayout]:
+    """`batch` padded for its layout on `sp` ranks with attention `chunks` (None: unchunked), and the layout."""
+    layout = sequence_layout(batch["input_ids"].shape[1], sp, chunks)
+    return pad_to_multiple(batch, layout.length), layout
+
+
+def shard_batch(batch: dict[str, "torch.Tensor"], sp: int, sp_rank: int,
+                chunks: AttentionChunks | None = None) -> dict[str, "torch.Tensor"]:
+    """Rank `sp_rank`'s 1/sp sequence shard of `batch` (padded first if needed): contiguous, or FPDT's pieces when
+    `chunks` (the model's `--attn-chunks`) cut the local sequence into more than one chunk."""
+    batch, layout = lay_out(batch, sp, chunks)
+    return {k: layout.shard(x, sp_rank).contiguous() for k, x in batch.items()}
 
 
 def check_batch(batch: dict[str, Any]) -> None:
@@ -86,13 +98,17 @@ class SPDataAdapter:
     the group yields the same sample at the same step, so collectives inside the model line up. The
     wrapped loaders must yield different data per rank (e.g. a sampler over all world ranks); when any
     rank of the group runs out, the whole group stops. Only the contract's three fields travel (others
-    are dropped). With sp == 1 batches pass through unchanged.
+    are dropped). With sp == 1 batches pass through unchanged. `chunks`: the model's chunked attention
+    (`MemoryPlan.attn_chunking`); with more than one chunk per rank the shards are FPDT's pieces, which is
+    what chunked attention under SP expects (it refuses contiguous shards it can tell apart).
     """
 
-    def __init__(self, loader: Iterable, dims: "ParallelDims", device: Any = "cpu"):
+    def __init__(self, loader: Iterable, dims: "ParallelDims", device: Any = "cpu", *,
+                 chunks: AttentionChunks | None = None):
         self.loader = loader
         self.dims = dims
         self.device = device
+        self.chunks = chunks
 
     def __len__(self) -> int:
         return len(self.loader) * self.dims.sp  # type: ignore[arg-type]
@@ -104,7 +120,7 @@ class SPDataAdapter:
         for batch in itertools.chain(self.loader, [None]):
             if batch is not None:
                 check_batch(batch)
-                batch = pad_to_multiple({k: v.to(self.device) for k, v in batch.items()}, self.dims.sp)
+                batch, _ = lay_out({k: v.to(self.device) for k, v in batch.items()}, self.dims.sp, self.chunks)
             shapes = self._gather_shapes(batch)
             if any(b == 0 for b, _ in shapes):
                 return
@@ -128,11 +144,14 @@ class SPDataAdapter:
 
         sp = self.dims.sp
         b, seq = shape
+        layout = sequence_layout(seq, sp, self.chunks)  # `seq` is laid out already: the same layout on every rank
         src_global = self.dims.sp_group_ranks(self.dims.dp_rank)[src]
         shard = {}
         for key in REQUIRED_KEYS:
-            out = torch.empty((b, seq // sp), dtype=torch.long, device=self.device)
-            chunks = [c.contiguous() for c in batch[key].long().chunk(sp, dim=1)] if batch is not None else None
-            dist.scatter(out, chunks, src=src_global, group=self.dims.sp_group)
+            out = torch.empty((b, layout.local), dtype=torch.long, device=self.device)
+            shards = None
+            if batch is not None:
+                shards = [layout.shard(batch[key].long(), r).contiguous() for r in range(sp)]
+            dist.scatter(out, shards, src=src_global, group=self.dims.sp_group)
             shard[key] = out
         return shard

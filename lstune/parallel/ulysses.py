@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism for any Hugging Face causal LM (ALST Sec. 3.2, 3.2.1, 4.2).
 
-Outside attention every SP rank holds a contiguous 1/sp shard of the sequence; nothing there mixes
-tokens, so embeddings, norms, MLPs and the loss run on the shard unchanged. At attention the wrapper
+Outside attention every SP rank holds a 1/sp shard of the sequence — contiguous, or with chunked attention
+FPDT's pieces (`sp_data`, lstune.models.chunk_layout); nothing there mixes tokens, so embeddings, norms, MLPs
+and the loss run on the shard unchanged. At attention the wrapper
 
 1. all-to-alls q/k/v from sequence shards `[B, H, S/sp, D]` to head shards `[B, H_r, S, D]` (rank r holds
    the full sequence for its heads H_r),
@@ -210,7 +211,9 @@ class UlyssesAttention:
         return recv_HBsD.permute(1, 2, 0, 3)
 
     def full_positions(self, position_ids_Bs):
-        """position_ids of the whole sequence `[B, S]`, gathered once per forward (every layer reuses it)."""
+        """position_ids of the whole sequence `[B, S]`, gathered once per forward (every layer reuses it): the
+        shards in rank order, i.e. contiguous shards. Under chunked attention each call gathers one chunk, which
+        FPDT's layout makes contiguous too; an unchunked call never sees FPDT's pieces (one chunk: not reordered)."""
         import torch
         import torch.distributed as dist
 

@@ -12,9 +12,10 @@ whose share runs out first takes a blank sample (every label ignored), which add
 
 Passkey accuracy (`passkey=True`, for answer-only passkey records: each sample's labels are its answer): a
 sample is right when the argmax of every labelled position is its label (teacher-forced greedy decoding;
-the LM head runs on the labelled rows only). Under SP the answer may sit on any rank's shard, so each rank
-counts its misses per global sample index and one sum over the world adds them up per sample before any
-sample is judged, exact as the loss is.
+the LM head runs on the labelled rows only). Under SP the answer may sit on any rank's shard (contiguous, or
+FPDT's pieces with chunked attention: both sums are over tokens, so the layout does not matter), so each
+rank counts its misses per global sample index and one sum over the world adds them up per sample before
+any sample is judged, exact as the loss is.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ IGNORE = -100
 
 class Evaluator:
     """Evaluates `dataset` (at most `max_samples` of it, in order) with `sums(batch, model, misses=...)`, which
-    returns (loss sum, label count, argmax misses or None) like `PreparedModel.eval_sums`."""
+    returns (loss sum, label count, argmax misses or None) like `PreparedModel.eval_sums`. `chunks`: the model's
+    chunked attention (`MemoryPlan.attn_chunking`), which lays SP shards out as it expects."""
 
-    def __init__(self, dataset: Any, sums, runtime, *, max_samples: int | None = None, passkey: bool = False):
+    def __init__(self, dataset: Any, sums, runtime, *, max_samples: int | None = None, passkey: bool = False,
+                 chunks: Any = None):
         self.dataset = dataset
+        self.chunks = chunks
         self.sums = sums
         self.runtime = runtime
         self.passkey = passkey
@@ -52,7 +56,7 @@ class Evaluator:
             with torch.no_grad():
                 batches = self._batches()
                 if self.runtime.sp > 1:
-                    batches = SPDataAdapter(batches, self.runtime.dims, device=self.runtime.device)
+                    batches = SPDataAdapter(batches, self.runtime.dims, device=self.runtime.device, chunks=self.chunks)
                 for batch in batches:
                     batch = {k: v.to(self.runtime.device) for k, v in batch.items()}
                     with self._autocast():

@@ -258,7 +258,7 @@ def _make_evaluator(config: TrainConfig, eval_dataset, prepared, runtime: Runtim
 
     passkey, passkey_note = _passkey_accuracy(config)
     evaluator = Evaluator(eval_dataset, prepared.eval_sums, runtime, max_samples=config.data.eval_max_samples,
-                          passkey=passkey)
+                          passkey=passkey, chunks=prepared.memory.attn_chunking)
     when = f"every {config.run.eval_every} steps and at the end" if config.run.eval_every else "at the end"
     reporter.note(f"validation: {evaluator.samples} of {len(eval_dataset)} samples, {when}{passkey_note}")
     return evaluator
@@ -436,7 +436,7 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
         dataset, config.optim.micro_batch_size, seed=config.optim.seed, start_sample=state.consumed_samples,
         dp_rank=runtime.rank, dp_size=runtime.world_size,
     )
-    batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device))
+    batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device, chunks=prepared.memory.attn_chunking))
     if folder is not None:
         folder.claim(METRICS_FILE)
     metrics = MetricsWriter(result.output_dir, resume_step=state.step) if runtime.is_main else None

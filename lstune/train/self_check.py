@@ -293,14 +293,17 @@ def _reference_step(model: Any, batch: dict, device: Any) -> tuple[float, Any, d
 
 
 def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict) -> tuple[float, Any, dict]:
+    from lstune.models.chunk_layout import sequence_layout
     from lstune.parallel.sp_data import count_tokens, shard_batch
     from lstune.train.prepare import prepare_model
 
     prepared = prepare_model(model, config, runtime)
     embeds, layers = [], {}
     handles = [_embedding_capture(prepared.model, embeds), *_layer_capture(prepared.model, layers)]
+    chunks = prepared.memory.attn_chunking
+    layout = sequence_layout(batch["input_ids"].shape[1], runtime.sp, chunks)
     try:
-        shard = shard_batch(batch, runtime.sp, runtime.dims.sp_rank if runtime.sp > 1 else 0)
+        shard = shard_batch(batch, runtime.sp, runtime.dims.sp_rank if runtime.sp > 1 else 0, chunks)
         shard = {k: v.to(runtime.device) for k, v in shard.items()}
         loss_sum, _ = prepared.loss_sum(shard)
         (loss_sum / count_tokens(batch)).backward()
@@ -309,8 +312,9 @@ def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict) -> tuple[
         for handle in handles:
             handle.remove()
         prepared.undo()  # the copy is thrown away; undo also drops its attention registration
-    grad = _gather_tokens(embeds[0].grad[0].detach(), runtime)
-    return total / count_tokens(batch), grad, {i: _gather_tokens(h[0], runtime) for i, h in layers.items()}
+    seq = batch["input_ids"].shape[1]
+    grad = _gather_tokens(embeds[0].grad[0].detach(), runtime, layout, seq)
+    return total / count_tokens(batch), grad, {i: _gather_tokens(h[0], runtime, layout, seq) for i, h in layers.items()}
 
 
 def _sp_sum(value: Any, runtime: Any) -> float:
@@ -323,8 +327,9 @@ def _sp_sum(value: Any, runtime: Any) -> float:
     return float(value)
 
 
-def _gather_tokens(local_SD: Any, runtime: Any) -> Any:
-    """This rank's token shard → the whole probe sequence (SP); the probe length is a multiple of the SP degree."""
+def _gather_tokens(local_SD: Any, runtime: Any, layout: Any, seq: int) -> Any:
+    """This rank's token shard → the probe's `seq` tokens in their order (SP; `layout`: how the probe was sharded,
+    padding included)."""
     if runtime.sp == 1:
         return local_SD
     import torch
@@ -332,7 +337,7 @@ def _gather_tokens(local_SD: Any, runtime: Any) -> Any:
 
     parts = [torch.empty_like(local_SD) for _ in range(runtime.sp)]
     dist.all_gather(parts, local_SD.contiguous(), group=runtime.dims.sp_group)
-    return torch.cat(parts, dim=0)
+    return layout.unshard(parts, dim=0)[:seq]
 
 
 def _all_ranks_agree(ok: bool, runtime: Any) -> bool:

@@ -84,3 +84,58 @@ def train_steps(engine, batches, steps: int, accum: int, compute_loss_sum=None) 
         stats = engine.step()
         out.append((global_mean(sums, [count_tokens(mb) for mb in window]), stats["grad_norm"]))
     return out
+
+
+def reference_samples(seq: int, docs: list[int]) -> dict:
+    """{"long": one `seq`-token sample, "packed": documents of `docs` tokens}: each (batch, the pieces plain HF runs
+    as separate samples for the reference)."""
+    from tests.unit.memory._helpers import long_batch, packed_batch, split_documents
+
+    long, packed = long_batch(seq), packed_batch(docs)
+    return {"long": (long, [long]), "packed": (packed, split_documents(packed, docs))}
+
+
+def compare_sp_with_hf(model_types: list[str], samples: dict, variants: dict) -> dict:
+    """Each variant under SP against plain HF on the whole sequence (fp32), per model type and sample.
+
+    `samples[data] = (batch, reference pieces)` (`reference_samples`); `variants[name](model, batch, data)` prepares
+    its copy of the model (Ulysses, memory techniques), shards `batch` and returns (local loss sum, shard, *extra).
+    Returns {(model_type, data, name): ("ran", (loss, reference loss, worst relative gradient difference, same
+    parameters have gradients, *extra)) or ("refused", message of the UserError the variant raised)}.
+    """
+    import copy
+
+    from lstune.errors import UserError
+    from lstune.parallel.loss import global_mean, global_token_count, local_objective, sum_gradients
+    from lstune.parallel.sp_data import count_tokens
+    from tests.support.archs import tiny_model
+    from tests.unit.memory._helpers import hf_loss_sum, run_grads
+
+    results = {}
+    for model_type in model_types:
+        base = tiny_model(model_type)
+        for data, (batch, pieces) in samples.items():
+            n = int(count_tokens(batch))
+            ref_loss, ref_grads = run_grads(base, hf_loss_sum, pieces, scale=n)
+            for name, run in variants.items():
+                model = copy.deepcopy(base)
+                try:
+                    local_sum, shard, *extra = run(model, batch, data)
+                    local_objective(local_sum, global_token_count([shard])).backward()
+                except UserError as error:
+                    results[(model_type, data, name)] = ("refused", str(error))
+                    continue
+                sum_gradients(model.parameters())
+                loss = global_mean([local_sum.detach()], [count_tokens(shard)])
+                grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+                diff = _relative_grad_diff(grads, ref_grads)
+                results[(model_type, data, name)] = ("ran", (loss, ref_loss / n, diff, grads.keys() == ref_grads.keys(),
+                                                             *extra))
+    return results
+
+
+def _relative_grad_diff(grads: dict, ref_grads: dict) -> float:
+    """Largest |g - ref| over parameters, each relative to its own max |ref| (floored at 1e-3 of the largest)."""
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    return max(float((grads[k] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * scale) for k, g in ref_grads.items()
+               if k in grads)

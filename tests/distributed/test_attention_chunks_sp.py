@@ -1,9 +1,11 @@
 """Chunked attention (FPDT) under Ulysses SP on 2 and 4 gloo processes: loss and every gradient equal plain HF on
 the whole sequence (which is what SP 1 is proven to equal in tests/unit/memory/test_attention_chunks.py).
 
-Each rank's shard is cut into 3 chunks; the Ulysses attention function all-to-alls each chunk, so a chunk's gathered
-tokens are every rank's chunk m (not contiguous) and masks come from global token indices. Windows (16 tokens) and
-packed documents cross both chunk and shard edges.
+Each rank's shard is cut into 3 chunks and laid out in FPDT's order (shard_batch given the plan's chunk setting):
+rank r holds pieces r, r+sp, r+2·sp of 3·sp, so the all-to-all of every rank's chunk m is one contiguous stretch of
+the sample. Windows (16 tokens) and packed documents cross chunk, piece and shard edges; the odd-length sample is
+padded (to a multiple of 3·sp) with tokens that must change nothing. A batch in contiguous shards is refused. The
+setup probes (norms fused into the chunks, mini-sequence) run under SP too.
 """
 
 from __future__ import annotations
@@ -12,63 +14,94 @@ import pytest
 
 SEQ = 96
 DOCS = [41, 30, 25]
+ODD = SEQ - 5  # padded to 96 on 2 and 4 ranks
 TOL = 2e-5
 ARCHS = ["llama", "mistral", "qwen2", "gemma3_text", "qwen3_moe"]
+OPTIONS = {
+    "alone": dict(attn_chunks=3, tiled_mlp="off", tiled_loss="off", checkpointing=False),
+    "all": dict(attn_chunks=3, tiled_mlp=2, tiled_loss=2, mini_sequence=True, offload_checkpoints=True),
+}
 
 
 def _chunked_sp_worker(rank: int, world: int, model_types: list[str]) -> dict:
-    import copy
-
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.parallel.dims import ParallelDims
-    from lstune.parallel.loss import global_mean, global_token_count, local_objective, sum_gradients
-    from lstune.parallel.sp_data import count_tokens, shard_batch
+    from lstune.parallel.sp_data import shard_batch
     from lstune.parallel.ulysses import apply_ulysses
-    from tests.support.archs import tiny_model
-    from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads, split_documents
+    from tests.distributed._helpers import compare_sp_with_hf, reference_samples
+    from tests.unit.memory._helpers import long_batch
 
     dims = ParallelDims(world, sp=world).build_groups()
-    options = {
-        "alone": dict(attn_chunks=3, tiled_mlp="off", tiled_loss="off", checkpointing=False),
-        "all": dict(attn_chunks=3, tiled_mlp=2, tiled_loss=2, offload_checkpoints=True),
-    }
-    results = {}
-    for model_type in model_types:
-        base = tiny_model(model_type)
-        for data in ("long", "packed"):
-            batch = long_batch(SEQ) if data == "long" else packed_batch(DOCS)
-            n = int(count_tokens(batch))
-            parts = [batch] if data == "long" else split_documents(batch, DOCS)
-            ref_loss, ref_grads = run_grads(base, hf_loss_sum, parts, scale=n)
-            for name, memory in options.items():
-                model = copy.deepcopy(base)
-                apply_ulysses(model, dims)
-                plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // world)
-                shard = shard_batch(batch, dims.sp, dims.sp_rank)
-                local_sum, _ = plan.loss_sum(model, shard)
-                local_objective(local_sum, global_token_count([shard])).backward()
-                sum_gradients(model.parameters())
-                loss = global_mean([local_sum.detach()], [count_tokens(shard)])
-                grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-                scale = max(float(g.abs().max()) for g in ref_grads.values())
-                diff = max(
-                    float((grads[k] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * scale)
-                    for k, g in ref_grads.items()
-                )
-                results[(model_type, data, name)] = (loss, ref_loss / n, diff, grads.keys() == ref_grads.keys(),
-                                                     plan.attn_chunks_at_seq_len)
-    return results
+
+    def variant(memory: dict, *, fpdt_order: bool = True):
+        def run(model, batch, data):
+            apply_ulysses(model, dims)
+            plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // world)
+            shard = shard_batch(batch, dims.sp, dims.sp_rank, plan.attn_chunking if fpdt_order else None)
+            local = shard["input_ids"].shape[1]
+            return plan.loss_sum(model, shard)[0], shard, plan.attn_chunks_at_seq_len, local, plan.attn_fused_norms
+        return run
+
+    samples = reference_samples(SEQ, DOCS)
+    odd = long_batch(ODD)
+    samples["odd"] = (odd, [odd])
+    variants = {name: variant(memory) for name, memory in OPTIONS.items()}
+    variants["contiguous"] = variant(OPTIONS["alone"], fpdt_order=False)
+    return compare_sp_with_hf(model_types, samples, variants)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_chunked_attention_under_sp_matches_hf(pools, world):
     results = pools[world].run(_chunked_sp_worker, ARCHS, timeout=600)
-    assert len(results[0]) == len(ARCHS) * 4
-    for key, (loss, ref_loss, diff, same_keys, chunks) in results[0].items():
-        assert chunks == 3 and same_keys, key
-        assert loss == pytest.approx(ref_loss, rel=TOL), f"{key}: loss {loss} != {ref_loss}"
-        assert diff < 1e-4, f"{key}: gradients differ by {diff:.1e} (relative)"
+    assert len(results[0]) == len(ARCHS) * 3 * 3
+    for (arch, data, name), (outcome, detail) in results[0].items():
+        if name == "contiguous":
+            # The shards' gathered chunks jump mid-document (long, packed) or do not cut into equal chunks (odd).
+            assert outcome == "refused" and "FPDT" in detail, f"{arch} {data}: contiguous shards ran: {detail}"
+            continue
+        assert outcome == "ran", f"{arch} {data} {name}: {detail}"
+        loss, ref_loss, diff, same_keys, chunks, local, fused = detail
+        assert chunks == 3 and same_keys and local == SEQ // world, (arch, data, name)
+        assert fused, f"{arch}: the setup probes under SP left the attention norms unfused"
+        assert loss == pytest.approx(ref_loss, rel=TOL), f"{arch} {data} {name}: loss {loss} != {ref_loss}"
+        assert diff < 1e-4, f"{arch} {data} {name}: gradients differ by {diff:.1e} (relative)"
+
+
+def _module_runs_worker(rank: int, world: int) -> tuple[int, int]:
+    """Runs of layer 0's attention module (its q projection) in one forward + backward of a 3-chunk shard under
+    SP, and of the same chunking on one process (every rank runs that too)."""
+    import copy
+
+    from lstune.config.schema import MemorySection
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.models.attention import use_lstune_attention
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.sp_data import shard_batch
+    from lstune.parallel.ulysses import apply_ulysses
+    from tests.support.archs import tiny_model
+    from tests.unit.memory._helpers import long_batch
+
+    dims = ParallelDims(world, sp=world).build_groups()
+    base, memory = tiny_model("llama"), MemorySection(**OPTIONS["alone"])
+    batch = long_batch(SEQ)
+    counts = []
+    for sp in (world, 1):
+        model, runs = copy.deepcopy(base), []
+        apply_ulysses(model, dims) if sp > 1 else use_lstune_attention(model)
+        plan = apply_memory_techniques(model, memory, seq_len=SEQ // sp)
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *_: runs.append(1))
+        shard = shard_batch(batch, sp, dims.sp_rank if sp > 1 else 0, plan.attn_chunking)
+        plan.loss_sum(model, shard)[0].backward()
+        counts.append(len(runs))
+    return tuple(counts)
+
+
+def test_sp_runs_the_attention_module_as_often_as_one_process(pools):
+    """FPDT's layout keeps gathered chunks causal: per chunk one forward run, one replay and one backward re-run
+    (3 × 3 chunks), under SP as without it — no pass that only stores k/v first."""
+    for sp_runs, single_runs in pools[2].run(_module_runs_worker):
+        assert (sp_runs, single_runs) == (9, 9)
 
 
 @pytest.mark.parametrize("memory", [

@@ -14,56 +14,31 @@ TOL = 2e-5
 
 
 def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
-    import copy
-
     from lstune.config.schema import MemorySection
-    from lstune.errors import UserError
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.loss import causal_lm_loss_sum
     from lstune.models.introspect import decoder_layers
     from lstune.models.mixers import check_token_mixers
     from lstune.parallel.dims import ParallelDims
-    from lstune.parallel.loss import global_mean, global_token_count, local_objective, sum_gradients
-    from lstune.parallel.sp_data import count_tokens, shard_batch
+    from lstune.parallel.sp_data import shard_batch
     from lstune.parallel.ulysses import apply_ulysses
-    from tests.support.archs import tiny_model
-    from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads, split_documents
+    from tests.distributed._helpers import compare_sp_with_hf, reference_samples
 
     dims = ParallelDims(world, sp=world).build_groups()
-    results = {}
-    for model_type in model_types:
-        base = tiny_model(model_type)
-        for data in ("long", "packed"):
-            batch = long_batch(SEQ) if data == "long" else packed_batch(DOCS)
-            n = int(count_tokens(batch))
-            parts = [batch] if data == "long" else split_documents(batch, DOCS)
-            ref_loss, ref_grads = run_grads(base, hf_loss_sum, parts, scale=n)
-            for memory in (False, True):
-                model = copy.deepcopy(base)
-                try:
-                    check_token_mixers(decoder_layers(model), pack=data == "packed", sp=world)
-                    apply_ulysses(model, dims)
-                    step = causal_lm_loss_sum
-                    if memory:
-                        techniques = MemorySection(tiled_mlp=2, tiled_loss=2, offload_checkpoints=True)
-                        step = apply_memory_techniques(model, techniques, seq_len=SEQ // world).loss_sum
-                    shard = shard_batch(batch, dims.sp, dims.sp_rank)
-                    local_sum, _ = step(model, shard)
-                    local_objective(local_sum, global_token_count([shard])).backward()
-                except UserError as error:
-                    results[(model_type, data, memory)] = ("refused", str(error))
-                    continue
-                sum_gradients(model.parameters())
-                loss = global_mean([local_sum.detach()], [count_tokens(shard)])
-                grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-                scale = max(float(g.abs().max()) for g in ref_grads.values())
-                diff = max(
-                    float((grads[k] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * scale)
-                    for k, g in ref_grads.items()
-                )
-                same_keys = grads.keys() == ref_grads.keys()
-                results[(model_type, data, memory)] = ("ran", (loss, ref_loss / n, diff, same_keys))
-    return results
+
+    def variant(memory: bool):
+        def run(model, batch, data):
+            check_token_mixers(decoder_layers(model), pack=data == "packed", sp=world)
+            apply_ulysses(model, dims)
+            step = causal_lm_loss_sum
+            if memory:
+                techniques = MemorySection(tiled_mlp=2, tiled_loss=2, offload_checkpoints=True)
+                step = apply_memory_techniques(model, techniques, seq_len=SEQ // world).loss_sum
+            shard = shard_batch(batch, dims.sp, dims.sp_rank)
+            return step(model, shard)[0], shard
+        return run
+
+    return compare_sp_with_hf(model_types, reference_samples(SEQ, DOCS), {False: variant(False), True: variant(True)})
 
 
 def _expected(model_type: str, data: str, memory: bool) -> str | None:

@@ -68,15 +68,15 @@ def _train_worker(
 
     dims = ParallelDims(world, sp).build_groups()
     handle = apply_ulysses(model, dims)
-    compute_loss_sum = loss_sum
+    compute_loss_sum, chunks = loss_sum, None
     if memory is not None:  # lstune's loss head and memory techniques, applied before the engine
         from lstune.config.schema import MemorySection
         from lstune.memory.apply import apply_memory_techniques
 
         plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // sp)
-        compute_loss_sum = plan.loss_sum
+        compute_loss_sum, chunks = plan.loss_sum, plan.attn_chunking
     engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, *offload, 0, "test"), bf16=False)
-    batches = iter(SPDataAdapter(samples[rank::world], dims))
+    batches = iter(SPDataAdapter(samples[rank::world], dims, chunks=chunks))
     losses = train_steps(engine, batches, STEPS, ACCUM, compute_loss_sum)
     handle.undo()
     return {"losses": losses, "reference": reference}

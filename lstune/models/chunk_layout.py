@@ -1,0 +1,105 @@
+"""How chunked attention (FPDT, `--attn-chunks`) cuts a sequence, and where a sample's tokens sit on the ranks of a
+Ulysses SP group. The SP data adapter (lstune.parallel.sp_data) lays samples out with `sequence_layout` and the
+attention sink (lstune.memory.attention_chunks) reads the gathered chunks with the same function, so the two cannot
+disagree.
+
+FPDT's layout (paper 003 Sec. 4): with P ranks and M chunks per rank, the padded sample is cut into P·M equal pieces
+of c tokens and rank r holds pieces r, r + P, …, r + (M-1)·P, in that order. Local chunk m of rank r is piece
+m·P + r, so the all-to-all of chunk m gathers pieces m·P … m·P + P - 1: the contiguous global span
+[m·P·c, (m+1)·P·c). Chunk m's queries then see the keys of chunks <= m only, as without SP. With one chunk (or
+sp 1) nothing is reordered: rank r holds the contiguous shard [r·S/P, (r+1)·S/P).
+
+Padding: a sample is padded (ignored labels, continuing positions — `sp_data.pad_to_multiple`) to a multiple of P·M,
+M taken for the unpadded local length ceil(S/P); at most P·M - 1 pad tokens, all at the end of the global sequence
+(the last pieces), where no real token attends to them. For `auto` (chunks of at most `auto_tokens`) M = ceil(local
+/ auto_tokens) and the chunks are local/M long — never padded up to a multiple of P·auto_tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+@dataclass(frozen=True)
+class AttentionChunks:
+    """`--attn-chunks` as the code runs it: "off", "auto" (chunks of at most `auto_tokens`; off up to that length,
+    `memory.attention_chunks.auto_chunk_tokens` gives it) or a chunk count."""
+
+    setting: str | int = "off"
+    auto_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.setting == "auto" and not self.auto_tokens:
+            raise ValueError("--attn-chunks auto needs the chunk length (auto_chunk_tokens of the model's widths)")
+
+    def count(self, seq_len: int) -> int:
+        """Chunks a local sequence of `seq_len` tokens is cut into (1 = unchunked; never more than its tokens)."""
+        if self.setting == "off":
+            return 1
+        wanted = math.ceil(seq_len / self.auto_tokens) if self.setting == "auto" else int(self.setting)
+        return max(1, min(wanted, seq_len))
+
+    def describe(self) -> str:
+        return f"chunks of {self.auto_tokens} tokens" if self.setting == "auto" else f"{self.setting} chunks"
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """Where the tokens of one padded sample of `length` tokens sit on `sp` ranks, each holding `chunks` attention
+    chunks: FPDT's pieces when `reordered` (sp > 1 and chunks > 1), contiguous shards otherwise (module doc)."""
+
+    length: int
+    sp: int
+    chunks: int
+
+    def __post_init__(self) -> None:
+        if self.length % (self.sp * (self.chunks if self.sp > 1 else 1)):
+            raise ValueError(f"{self.length} tokens do not cut into {self.sp} × {self.chunks} equal pieces")
+
+    @property
+    def reordered(self) -> bool:
+        return self.sp > 1 and self.chunks > 1
+
+    @property
+    def local(self) -> int:
+        """Tokens per rank."""
+        return self.length // self.sp
+
+    def shard(self, x_BS: Tensor, rank: int) -> Tensor:
+        """Rank `rank`'s tokens of `x_BS` ([B, length], global order), in local order."""
+        groups = self.chunks if self.reordered else 1
+        return x_BS.unflatten(1, (groups, self.sp, -1))[:, :, rank].flatten(1)
+
+    def unshard(self, shards: list[Tensor], dim: int = 0) -> Tensor:
+        """The whole sequence, in global order, from every rank's tokens (`shard`'s inverse along `dim`)."""
+        import torch
+
+        groups = self.chunks if self.reordered else 1
+        pieces = [piece for shard in shards for piece in shard.chunk(groups, dim=dim)]
+        return torch.cat([pieces[rank * groups + m] for m in range(groups) for rank in range(self.sp)], dim=dim)
+
+    def gathered_span(self, m: int) -> tuple[int, int]:
+        """The global tokens [start, stop) of chunk m gathered over the SP group (the Ulysses all-to-all of every
+        rank's local chunk m, in rank order): contiguous only when reordered."""
+        if not self.reordered:
+            raise ValueError("contiguous shards gather no contiguous chunk")
+        span = self.length // self.chunks
+        return m * span, (m + 1) * span
+
+
+def sequence_layout(seq_len: int, sp: int, chunks: AttentionChunks | None) -> SequenceLayout:
+    """The layout of a sample of `seq_len` tokens on `sp` ranks with `chunks` (None: unchunked), padded as the module
+    doc says. `seq_len` may already be padded: an already laid-out length maps to itself."""
+    local = math.ceil(seq_len / sp)
+    count = chunks.count(local) if chunks is not None and sp > 1 else 1
+    multiple = sp * count
+    layout = SequenceLayout(math.ceil(seq_len / multiple) * multiple, sp, count)
+    # Padding never changes the chunk count (local <= M·c keeps ceil(local / M) <= c), so the attention side, which
+    # sees only the padded local length, finds the same M.
+    assert count == 1 or chunks.count(layout.local) == count, (seq_len, sp, chunks)
+    return layout

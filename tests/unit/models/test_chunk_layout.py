@@ -1,0 +1,59 @@
+"""The chunk layout chunked attention and the SP data adapter share: chunk counts, padding, FPDT's piece order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lstune.models.chunk_layout import AttentionChunks, SequenceLayout, sequence_layout
+
+
+def test_chunk_counts_follow_the_setting():
+    assert AttentionChunks("off").count(10**6) == 1
+    assert AttentionChunks("auto", 4096).count(4096) == 1  # off up to one chunk's length
+    assert AttentionChunks("auto", 4096).count(4 * 4096 + 1) == 5
+    assert AttentionChunks(3).count(70) == 3
+    assert AttentionChunks(8).count(5) == 5  # never more chunks than tokens
+    with pytest.raises(ValueError, match="auto"):
+        AttentionChunks("auto")
+
+
+@pytest.mark.parametrize(("seq", "sp", "chunks", "length", "count"), [
+    (96, 2, AttentionChunks(3), 96, 3),
+    (91, 2, AttentionChunks(3), 96, 3),  # padded to a multiple of sp·M = 6
+    (91, 4, AttentionChunks(3), 96, 3),  # of 12
+    (13, 2, None, 14, 1),  # unchunked: a multiple of sp
+    (13, 1, AttentionChunks(3), 13, 1),  # one process: nothing to lay out
+    # auto: M = ceil(local / 4096) = 3 chunks of ceil(10001 / 3) = 3334 tokens, 2 pad tokens per rank — not padded up
+    # to a multiple of sp · 4096 (12288 − 10001 per rank).
+    (20002, 2, AttentionChunks("auto", 4096), 20004, 3),
+    (8192, 2, AttentionChunks("auto", 4096), 8192, 1),  # one chunk per rank: contiguous
+])
+def test_padding_is_to_equal_pieces_only(seq, sp, chunks, length, count):
+    layout = sequence_layout(seq, sp, chunks)
+    assert (layout.length, layout.chunks) == (length, count)
+    assert layout.reordered == (count > 1)
+    assert sequence_layout(layout.length, sp, chunks) == layout  # a laid-out length maps to itself
+    if chunks is not None and sp > 1:  # the attention side sees the padded local length: same chunk count
+        assert chunks.count(layout.local) == count
+
+
+@pytest.mark.parametrize(("sp", "chunks"), [(2, 2), (2, 3), (4, 2), (4, 3), (3, 1)])
+def test_gathered_chunks_are_contiguous_and_unshard_inverts_shard(sp, chunks):
+    layout = SequenceLayout(sp * chunks * 5, sp, chunks)
+    tokens_BS = torch.arange(layout.length)[None]
+    shards = [layout.shard(tokens_BS, rank) for rank in range(sp)]
+    assert torch.equal(layout.unshard([s[0] for s in shards]), tokens_BS[0])
+    if not layout.reordered:
+        assert torch.equal(shards[1][0], torch.arange(layout.local, 2 * layout.local))
+        return
+    width = layout.local // chunks
+    for m in range(chunks):  # Ulysses' all-to-all of chunk m: every rank's chunk m in rank order
+        gathered = torch.cat([s[0, m * width:(m + 1) * width] for s in shards])
+        start, stop = layout.gathered_span(m)
+        assert gathered.tolist() == list(range(start, stop))
+
+
+def test_lengths_that_do_not_cut_into_equal_pieces_are_refused():
+    with pytest.raises(ValueError, match="equal pieces"):
+        SequenceLayout(20, 2, 3)
