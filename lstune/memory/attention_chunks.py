@@ -122,8 +122,9 @@ def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, he
     and 1/SP of the heads. `forward_runs`: 2 when checkpointing re-runs the forward in backward.
     - forward, per run: out k, v, o and lse of every chunk; in the keys/values of earlier chunks, (P - M) · c;
     - backward (a): in o, out q and dO; the rowsums: in o and dO, out delta; (b) per key chunk in k, v, per block
-      in q, dO, lse, delta and (after the first key chunk) the fp32 dq accumulator, out dq; out dk, dv; (c) in o
-      once more (the module's re-run) and the finished dq, dk, dv.
+      in q, dO, lse, delta and (after the first key chunk) the fp32 dq accumulator, out dq; (c) in o once more (the
+      module's re-run) and the finished dq (dk and dv stay on the device: chunk i's projections run right after
+      outer iteration i).
     `tests/unit/memory/test_attention_chunks.py` counts the store's copies against this."""
     if chunks <= 1:
         return 0, 0
@@ -132,9 +133,9 @@ def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, he
     lse = 4 * S * heads
     forward_out = S * (2 * kv_width + q_width) * b + lse
     forward_in = (blocks - M) * c * 2 * kv_width * b
-    backward_out = 2 * S * q_width * b + lse + blocks * c * 4 * q_width + S * 2 * kv_width * 4
+    backward_out = 2 * S * q_width * b + lse + blocks * c * 4 * q_width
     backward_in = (4 * S * q_width * b + M * c * 2 * kv_width * b + blocks * c * (2 * q_width * b + 8 * heads)
-                   + (blocks - M) * c * 4 * q_width + S * (4 * q_width + 8 * kv_width))
+                   + (blocks - M) * c * 4 * q_width + S * 4 * q_width)
     return (int(forward_runs * forward_out + backward_out), int(forward_runs * forward_in + backward_in))
 
 
