@@ -169,14 +169,17 @@ def _can_probe(lm: "nn.Module") -> bool:
 def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bool) -> None:
     """Chunked attention (FPDT), with the norms around each attention run per chunk when a probe confirms that is
     exact; its saved chunks go to host memory with --offload-checkpoints."""
-    plan.attn_chunks = memory.attn_chunks
-    plan.attn_chunking = chunked_attn.attention_chunking(memory.attn_chunks, plan.parts.lm.config)
-    auto_tokens = plan.attn_chunking.auto_tokens
-    plan.attn_chunks_at_seq_len = chunked_attn.chunk_count(memory.attn_chunks, plan.seq_len, auto_tokens)
-    if memory.attn_chunks == "off":
+    setting = memory.attn_chunks
+    auto_tokens = chunked_attn.attention_chunking(setting, plan.parts.lm.config).auto_tokens
+    if setting == "auto" and chunked_attn.chunk_count(setting, plan.seq_len, auto_tokens) <= 1:
+        setting = "off"  # unresolved `auto` (no estimate chose) that cuts nothing at this length: nothing to patch
+    plan.attn_chunks = setting
+    plan.attn_chunking = chunked_attn.attention_chunking(setting, plan.parts.lm.config)
+    plan.attn_chunks_at_seq_len = chunked_attn.chunk_count(setting, plan.seq_len, auto_tokens)
+    if setting == "off":
         return
     plan.attn_chunk_stats = chunked_attn.ChunkStats()
-    install = partial(chunked_attn.install_chunked_attention, plan.parts.layers, memory.attn_chunks,
+    install = partial(chunked_attn.install_chunked_attention, plan.parts.layers, setting,
                       auto_tokens=auto_tokens,
                       offload=memory.offload_checkpoints is True, stats=plan.attn_chunk_stats)
     fused = _attention_norms(plan.parts) if probing else {}
