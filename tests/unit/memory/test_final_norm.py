@@ -184,3 +184,23 @@ def test_fusing_the_final_norm_removes_its_full_sequence_copies():
     plain, fused = _loss_head_peak_per_token(False), _loss_head_peak_per_token(True)
     assert plain >= fused + 2  # at least the fp32 copy gone
     assert fused <= 1.25  # the input gradient, and nothing else that grows with the sequence
+
+
+def test_eval_sums_and_argmax_misses_are_unchanged():
+    """Evaluation runs the body and the head apart (`causal_lm_eval_sums`): the head norms what the body left."""
+    from lstune.memory.loss import causal_lm_eval_sums
+
+    model = build_model("tiny-qwen3")
+    batch = long_batch(SEQ)
+    with torch.no_grad():  # a norm weight of ones only scales each token's logits: no argmax would change
+        model.model.norm.weight.normal_()
+    with torch.no_grad():  # every other label is the model's own prediction, so misses tell heads apart
+        predicted = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits.argmax(-1)
+        batch["shift_labels"][:, ::2] = predicted[:, ::2]
+        reference = causal_lm_eval_sums(model, batch, tiles=3, misses=True)
+        plan = apply_memory_techniques(model, MemorySection(**LOSS_ALONE), seq_len=SEQ)
+        fused = causal_lm_eval_sums(model, batch, tiles=3, misses=True)
+        plan.undo()
+    assert plan.final_norm_fused
+    assert fused[0].item() == pytest.approx(reference[0].item(), rel=1e-6)
+    assert fused[2].item() == reference[2].item() and 0 < reference[2].item() < reference[1].item()
