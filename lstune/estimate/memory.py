@@ -16,9 +16,9 @@ checkpointing the device holds one layer input (res · hidden per token) per lay
 (the kept last layer and the one prefetched during the layer above's backward). The peak is the largest of
 four moments of the step (`Phase`), each with what is alive then:
 
-- the loss head: every checkpoint, the final norm, the gradient of the head's input and the larger of one
-  tile's log-softmax backward (12 B per logit) and a trainable head's weight gradient for one tile (Liger's
-  chunks on CUDA); the head's gradient;
+- the loss head: every checkpoint, the final norm (one tile's when it runs in the loss tiles), the gradient of
+  the head's input and the larger of one tile's log-softmax backward (12 B per logit) and a trainable head's
+  weight gradient for one tile (Liger's chunks on CUDA); the head's gradient;
 - the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's, the
   MLP norm's (HF's RMSNorm backward in fp32) and attention's moments (`_layer_parts`); one layer's gradients;
 - the first layer's backward: the same with one checkpoint and every layer's gradients;
@@ -89,7 +89,7 @@ class Settings:
     grad_accum: int = 1  # micro-batches per optimizer step
     checkpoint_device_budget: int | None = None  # device bytes checkpoints may use (MEMO placement, issue 14)
     liger: bool = True  # Liger's fused loss where lstune uses it (CUDA, tiled_loss auto); False: the ALST tiles
-    fuse_norms: bool = True  # mini-sequence fuses the MLP's norms (a probe on real weights finds them)
+    fuse_norms: bool = True  # mini-sequence fuses the MLP's norms, tiled loss the final norm (a probe on real weights)
     load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
     attn_chunks: str | int = "off"  # --attn-chunks as configured
     attn_chunk_count: int = 1  # FPDT chunks of the local sequence, resolved by `breakdown`; 1: not chunked
@@ -548,6 +548,10 @@ def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tupl
     else:
         tiles = min(int(s.tiled_loss), t)
     tile = ceil_div(t, tiles)
+    norm_name = "loss head: final norm"
+    if s.fuse_norms and tiles > 1:  # lstune.memory.loss.fuse_final_norm: the head keeps the norm's input, tiles norm it
+        norm_name += " in the tiles (its input, one tile's)"
+        final_norm = t * h * res + tile * h * _norm_saved(s, res)
     # Two moments of a tile's backward. Log-softmax's: its saved fp32 output, the fp32 gradient nll_loss hands it
     # and the fp32 gradient it returns, 12 B per logit. A trainable head's weight gradient for the tile (the
     # logits gone by then): in the weight's dtype, and first in the 16-bit autocast dtype when that differs;
@@ -557,7 +561,7 @@ def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tupl
     moment = (f"one tile of logits ({tile:,} tokens, {backend})" if logits >= weight_grad
               else "the head's weight gradient for one tile")
     return [
-        ("loss head: final norm", final_norm),
+        (norm_name, final_norm),
         ("loss head: gradient of its input", t * h * res),  # sequence_tiled's accumulator, in the input's dtype
         (f"loss head: peak moment, {moment}", max(logits, weight_grad)),
         ("loss head: autocast copies", _autocast_copies(shape, tile, act, res)),

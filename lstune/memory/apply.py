@@ -1,8 +1,8 @@
 """Apply the single-device memory techniques to a loaded model, in a fixed order, reversibly.
 
 Order (docs/memory.md): LoRA (peft, before this) → attention backend → **chunked attention → tiled MLP / mini-sequence →
-loss head → checkpointing + offload** → engine. Tiling goes first so the checkpointed layer
-recomputes the tiled block; checkpointing wraps last so its hooks see the layer input only.
+loss head (the final norm run in its tiles) → checkpointing + offload** → engine. Tiling goes first so the
+checkpointed layer recomputes the tiled block; checkpointing wraps last so its hooks see the layer input only.
 
 Each step patches module *instances* (never classes, never at import), logs on the "lstune" logger
 and registers an undo; `MemoryPlan.undo()` restores the model exactly. The model's parts are found
@@ -30,6 +30,7 @@ from lstune.memory.loss import (
     LossTiles,
     causal_lm_loss_sum,
     check_loss_head,
+    fuse_final_norm,
     liger_applies,
     loss_tile_count,
     mst_loss_policy,
@@ -68,6 +69,7 @@ class MemoryPlan:
     loss_tiles: LossTiles = "auto"
     loss_tiles_at_seq_len: int = 1
     loss_backend: str = "tiled"  # "liger" | "tiled" | "plain"
+    final_norm_fused: bool = False  # the body's final norm runs in the loss tiles (loss.fuse_final_norm)
     checkpointing: bool = False
     offload: bool = False
     offload_note: str = ""
@@ -87,7 +89,8 @@ class MemoryPlan:
             "seq_len": self.seq_len,
             "tiled_mlp": {"setting": self.tiled_mlp, "tiles": self.mlp_tiles, "mini_sequence": self.mini_sequence,
                           "fused_norms": {i: [n for n in pair if n] for i, pair in self.fused_norms.items()}},
-            "tiled_loss": {"setting": loss_policy, "tiles": self.loss_tiles_at_seq_len, "backend": self.loss_backend},
+            "tiled_loss": {"setting": loss_policy, "tiles": self.loss_tiles_at_seq_len, "backend": self.loss_backend,
+                           "final_norm_fused": self.final_norm_fused},
             "checkpointing": self.checkpointing,
             "offload_checkpoints": {"enabled": self.offload, "note": self.offload_note},
             "attn_chunks": {"setting": self.attn_chunks, "chunks": self.attn_chunks_at_seq_len},
@@ -127,7 +130,8 @@ def apply_memory_techniques(
     memory = memory if memory is not None else MemorySection()
     _validate(memory, seq_len)
     parts = parts or find_parts(model)
-    if any("forward" in vars(module) for module in parts.layers.modules()):
+    patched = [*parts.layers.modules(), *([parts.final_norm] if parts.final_norm is not None else [])]
+    if any("forward" in vars(module) for module in patched):
         raise UserError("memory techniques are already applied to this model; call plan.undo() first.")
     plan = MemoryPlan(seq_len=seq_len, parts=parts, tiled_mlp=memory.tiled_mlp, mini_sequence=memory.mini_sequence)
     probing = _can_probe(parts.lm)
@@ -137,7 +141,7 @@ def apply_memory_techniques(
         plan._undos.extend(share_lora_inputs(model))
         _apply_attention_chunks(plan, memory, probing)
         _apply_mlp(plan, probing)
-        _apply_loss(model, plan, memory.tiled_loss)
+        _apply_loss(model, plan, memory.tiled_loss, probing)
         # 'auto' offload is the estimate's to resolve (lstune.estimate.choose_memory); unresolved it stays off.
         _apply_checkpointing(model, plan, memory)
     except BaseException:
@@ -273,7 +277,7 @@ def _names(tiled, layers) -> tuple[str | None, str | None]:
     return (named.get(id(tiled.pre_norm)), named.get(id(tiled.post_norm)))
 
 
-def _apply_loss(model, plan: MemoryPlan, tiled_loss) -> None:
+def _apply_loss(model, plan: MemoryPlan, tiled_loss, probing: bool) -> None:
     head = plan.parts.output_embedding
     vocab, hidden = vocab_rows(head), plan.parts.hidden_size
     if tiled_loss == "auto" and plan.mini_sequence:
@@ -288,7 +292,22 @@ def _apply_loss(model, plan: MemoryPlan, tiled_loss) -> None:
         plan.loss_backend = "liger"
     else:
         plan.loss_backend = "tiled" if plan.loss_tiles_at_seq_len > 1 else "plain"
-    logger.info("loss head: %s (%d tiles at %d tokens)", plan.loss_backend, plan.loss_tiles_at_seq_len, plan.seq_len)
+    if plan.loss_backend == "tiled" and probing:
+        _fuse_final_norm(plan)
+    logger.info("loss head: %s (%d tiles at %d tokens)%s", plan.loss_backend, plan.loss_tiles_at_seq_len,
+                plan.seq_len, ", final norm in the tiles" if plan.final_norm_fused else "")
+
+
+def _fuse_final_norm(plan: MemoryPlan) -> None:
+    """The final norm's full-sequence fp32 copy and output go: each loss tile norms its slice (loss.fuse_final_norm),
+    where a probe shows that is exact. Not for Liger, whose fused loss takes normed hidden states."""
+    undo = fuse_final_norm(plan.parts)
+    if undo is None:
+        logger.info("loss head: the final norm stays in the body (no single final norm, or running it per tile "
+                    "changed the probe's output)")
+        return
+    plan._undos.append(undo)
+    plan.final_norm_fused = True
 
 
 def _apply_checkpointing(model, plan: MemoryPlan, memory: MemorySection) -> None:

@@ -14,19 +14,27 @@ Steps (generic path, `tiling.sequence_tiled` with `reduce="sum"`):
    tied embeddings) is accumulated over tiles and scaled by the upstream gradient once per tile.
    Under ZeRO-3 a tied weight is marked shared, so ZeRO reduces its gradient once, after the input
    embedding's gradient is added (see tiling.py).
+4. Fused final norm (`fuse_final_norm`, installed by `apply_memory_techniques` on the tiled path when a probe shows
+   it exact): the body calls its final norm as an identity (`patching.FusedNorm`, the mechanism mini-sequence
+   uses) and each tile norms its slice before the head, so forward and recompute keep only the un-normed hidden
+   states. HF's RMSNorm otherwise keeps a full-sequence fp32 copy of its input and its output for backward (with a
+   trainable weight also the normalised input): 6 B per hidden value in a bf16 LoRA run, of which the tiles leave
+   the 2 B head input plus one tile's worth.
 The head returns (sum, count); the caller divides by the token count of the whole accumulation
 window (MST Alg. 2's per-chunk mean is only right when chunks have equal label counts).
 
 Tile sizes: `auto` keeps one tile's fp32 logits at about 1 GiB (ALST: tile_len = 2^28 / vocab
 tokens); mini-sequence mode uses MST's M = vocab / hidden tiles; an int is a tile count; every
 choice is raised until a tile's logits have < 2^31 elements. Memory: O(seq · vocab) → O(tile_len ·
-vocab) + O(seq · hidden) (saved hidden states and their gradient). Cost: the logits matmul runs
-twice (forward, recompute), plus once for the weight gradient, as without tiling.
+vocab) + O(seq · hidden) (saved hidden states and their gradient; fused, the final norm's copies become
+O(tile_len · hidden)). Cost: the logits matmul runs twice (forward, recompute), plus once for the weight
+gradient, as without tiling; a fused final norm runs twice too.
 
 On CUDA with liger-kernel installed, `auto` uses Liger's fused linear cross-entropy instead
 (reduction "sum", its softcap, scaling folded into the hidden states) when the head is a plain
 Linear not partitioned by ZeRO-3; it never materialises full logits either and is faster (ALST
-recommends it where it applies). That path needs a GPU and is not exercised by the CPU test suite.
+recommends it where it applies). It takes normed hidden states, so the final norm is not fused there.
+That path needs a GPU and is not exercised by the CPU test suite.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 import torch.nn.functional as F
 
+from lstune.memory.patching import FusedNorm, Undo
 from lstune.memory.tiling import TilePolicy, int32_safe_tiles, is_zero3_partitioned, sequence_tiled, tile_bounds
 from lstune.models.introspect import ModelParts, decoder_body, find_parts
 
@@ -145,7 +154,7 @@ def argmax_misses(
     rank of an SP group (equal shard lengths) then calls it equally often, as ZeRO-3's gathers inside it need.
     """
     parts = parts or find_parts(model)
-    head = parts.output_embedding
+    head, norm = parts.output_embedding, fused_final_norm(parts)
     transform = logit_transform(parts.text_config)
     hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
     labels_T = shift_labels_BS.reshape(-1).to(hidden_TD.device)
@@ -153,7 +162,7 @@ def argmax_misses(
     misses = torch.zeros((), dtype=torch.int64, device=hidden_TD.device)
     for start, end in tile_bounds(len(labels_T), alst_loss_policy(vocab).tiles(len(labels_T), width=vocab)):
         rows_R = (labels_T[start:end] != IGNORE_INDEX).nonzero().squeeze(1) + start
-        logits_RV = transform(head(hidden_TD[rows_R]).float())
+        logits_RV = transform(head(_normed(norm, hidden_TD[rows_R])).float())
         misses += (logits_RV.argmax(-1) != labels_T[rows_R]).sum()
     return misses
 
@@ -161,7 +170,8 @@ def argmax_misses(
 def final_hidden_states(
     model: "nn.Module", batch: dict[str, torch.Tensor], *, parts: ModelParts | None = None
 ) -> torch.Tensor:
-    """The decoder body's `last_hidden_state` for the batch (no attention mask: position_ids carry packing)."""
+    """The decoder body's `last_hidden_state` for the batch (no attention mask: position_ids carry packing); before the
+    final norm when `fuse_final_norm` moved it into the loss head."""
     body = parts.body if parts is not None else decoder_body(model)
     out = body(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
@@ -176,14 +186,15 @@ def loss_sum_from_hidden(
     parts = parts or find_parts(model)
     head = parts.output_embedding
     transform = logit_transform(parts.text_config)
+    norm = fused_final_norm(parts)
     hidden_TD = hidden_BSD.reshape(-1, hidden_BSD.shape[-1])
     labels_T = shift_labels_BS.reshape(-1).to(hidden_TD.device)
     count = (labels_T != IGNORE_INDEX).sum()
     if tiles == "auto" and liger_applies(head, hidden_TD):
-        return _liger_loss_sum(head, transform, hidden_TD, labels_T), count
+        return _liger_loss_sum(head, transform, _normed(norm, hidden_TD), labels_T), count
     n_tiles = loss_tile_count(tiles, hidden_TD.shape[0], vocab_rows(head), hidden_TD.shape[-1])
-    fn = partial(_tile_loss_sum, head, transform, labels_T)
-    params = list(head.parameters())
+    fn = partial(_tile_loss_sum, head, transform, labels_T, norm)
+    params = list(head.parameters()) + (list(norm.parameters()) if norm is not None else [])
     loss = sequence_tiled(
         fn, hidden_TD, tiles=n_tiles, dim=0, params=params, reduce="sum", shared_params=parts.tied_to_input(params)
     )
@@ -207,9 +218,47 @@ def vocab_rows(head: "nn.Module") -> int:
     return out_features if isinstance(out_features, int) else head.weight.shape[0]
 
 
-def _tile_loss_sum(head, transform: LogitTransform, labels_T, hidden_tile, start: int, end: int) -> torch.Tensor:
-    logits = transform(head(hidden_tile).float())
+def _tile_loss_sum(head, transform: LogitTransform, labels_T, norm, hidden_tile, start: int, end: int) -> torch.Tensor:
+    logits = transform(head(_normed(norm, hidden_tile)).float())
     return F.cross_entropy(logits, labels_T[start:end], ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def fused_final_norm(parts: ModelParts) -> "nn.Module | None":
+    """The body's final norm when `fuse_final_norm` runs it inside the loss head, else None."""
+    norm = parts.final_norm
+    return norm if norm is not None and FusedNorm.installed(norm) else None
+
+
+def _normed(norm: "nn.Module | None", hidden: torch.Tensor) -> torch.Tensor:
+    return hidden if norm is None else FusedNorm.call(norm, hidden)
+
+
+def fuse_final_norm(parts: ModelParts) -> Undo | None:
+    """Make the body's final norm an identity and run it in each loss tile instead (module doc), when a probe shows
+    that is exact: the probe's normed hidden states equal the norm applied to the un-normed ones, whole and in two
+    uneven slices (so nothing follows the norm in the body and it is per token). Returns the undo, or None (left
+    alone) when the body has no single final norm or the probe differs. Needs real weights (`probe`)."""
+    from lstune.memory.probe import eval_mode, probe_hidden_states, probe_inputs
+
+    norm = parts.final_norm
+    if norm is None:
+        return None
+    inputs = probe_inputs(parts)
+    reference = probe_hidden_states(parts, inputs)
+    undo = FusedNorm.install(norm, what="final norm fused into the loss tiles")
+    try:
+        raw = probe_hidden_states(parts, inputs)
+        with torch.no_grad(), eval_mode(norm):
+            whole = FusedNorm.call(norm, raw)
+            sliced = torch.cat([FusedNorm.call(norm, raw[:, :3]), FusedNorm.call(norm, raw[:, 3:])], dim=1)
+    except BaseException:
+        undo()
+        raise
+    tol = 1e-5 if reference.dtype == torch.float32 else 1e-2
+    if all(torch.allclose(out, reference, rtol=tol, atol=tol) for out in (whole, sliced)):
+        return undo
+    undo()
+    return None
 
 
 def _check_tiles(tiles: LossTiles) -> None:

@@ -37,8 +37,9 @@ def patch_forward(module: "nn.Module", new_forward: Callable, *, what: str) -> U
 
 
 class FusedNorm:
-    """Forward of a norm fused into a tiled or chunked block (mini-sequence, chunked attention): an identity when its
-    layer calls it, the norm itself when the block calls it through `FusedNorm.call` on a tile or chunk.
+    """Forward of a norm fused into a tiled or chunked block (mini-sequence, chunked attention, the loss head's tiles):
+    an identity when its layer (or the body) calls it, the norm itself when the block calls it through `FusedNorm.call`
+    on a tile or chunk.
 
     The block calls the module, not its saved forward, so the module's hooks fire as for any call: DeepSpeed ZeRO-3
     gathers the norm's partitioned weight there (a saved forward would meet the empty partition)."""
@@ -52,6 +53,10 @@ class FusedNorm:
     @staticmethod
     def install(norm: "nn.Module", *, what: str) -> Undo:
         return patch_forward(norm, FusedNorm(norm.forward), what=what)
+
+    @staticmethod
+    def installed(norm: "nn.Module") -> bool:
+        return isinstance(vars(norm).get("forward"), FusedNorm)
 
     @staticmethod
     def call(norm: "nn.Module", hidden_states: Any) -> Any:

@@ -43,6 +43,14 @@ class ModelParts:
         a model whose MLP cannot be told apart is refused only when a technique needs its MLP."""
         return mlp_names(self.layers)
 
+    @cached_property
+    def final_norm(self):
+        """The body's final norm (`final_norm`), or None when the body has not exactly one norm child."""
+        try:
+            return _final_norm_of(self.body)
+        except ModelError:
+            return None
+
     @property
     def hidden_size(self) -> int:
         return self.text_config.hidden_size
@@ -165,7 +173,10 @@ def mlp_names(layers: "nn.ModuleList") -> tuple[str, ...]:
 
 def final_norm(model: "nn.Module") -> "nn.Module":
     """The norm the body applies after its last layer: its one direct child that only has vector parameters."""
-    body = decoder_body(model)
+    return _final_norm_of(decoder_body(model))
+
+
+def _final_norm_of(body: "nn.Module") -> "nn.Module":
     norms = [m for _, m in body.named_children() if is_norm(m)]
     if len(norms) != 1:
         raise ModelError(

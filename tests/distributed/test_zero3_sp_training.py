@@ -68,18 +68,18 @@ def _train_worker(
 
     dims = ParallelDims(world, sp).build_groups()
     handle = apply_ulysses(model, dims)
-    compute_loss_sum, chunks = loss_sum, None
+    compute_loss_sum, chunks, fused = loss_sum, None, False
     if memory is not None:  # lstune's loss head and memory techniques, applied before the engine
         from lstune.config.schema import MemorySection
         from lstune.memory.apply import apply_memory_techniques
 
         plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // sp)
-        compute_loss_sum, chunks = plan.loss_sum, plan.attn_chunking
+        compute_loss_sum, chunks, fused = plan.loss_sum, plan.attn_chunking, plan.final_norm_fused
     engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, *offload, 0, "test"), bf16=False)
     batches = iter(SPDataAdapter(samples[rank::world], dims, chunks=chunks))
     losses = train_steps(engine, batches, STEPS, ACCUM, compute_loss_sum)
     handle.undo()
-    return {"losses": losses, "reference": reference}
+    return {"losses": losses, "reference": reference, "final_norm_fused": fused}
 
 
 def _global_order(samples: list[dict], world: int, sp: int) -> list[dict]:
@@ -126,6 +126,13 @@ def test_zero3_sp_with_mini_sequence_matches_single_process(pools, arch):
     """Mini-sequence runs the fused norms inside the MLP tiles: ZeRO-3 must gather their weights there too."""
     memory = {"mini_sequence": True, "tiled_mlp": 2, "tiled_loss": "off", "checkpointing": True}
     _check(pools[2].run(_train_worker, 2, 3, arch, memory)[0])
+
+
+def test_zero3_sp_with_the_final_norm_in_the_loss_tiles_matches_single_process(pools):
+    """Gemma-3's final norm (1 + weight) runs in each loss tile next to its tied head: ZeRO-3 gathers it there."""
+    result = pools[2].run(_train_worker, 2, 3, "tiny-gemma3", {"tiled_mlp": "off", "tiled_loss": 3})[0]
+    assert result["final_norm_fused"]
+    _check(result)
 
 
 def _check(result: dict) -> None:

@@ -47,7 +47,7 @@ def test_undo_restores_every_module_and_the_same_numbers():
         before, _ = causal_lm_loss_sum(model, batch, tiles="off")
     plan = apply_memory_techniques(model, MemorySection(mini_sequence=True, offload_checkpoints=True), seq_len=80)
     patched = [m for m in model.modules() if "forward" in vars(m)]
-    assert len(patched) == 2 * (1 + 1 + 2)  # per layer: the layer, its MLP, two fused norms
+    assert len(patched) == 2 * (1 + 1 + 2) + 1  # per layer: the layer, its MLP, two fused norms; the final norm
     plan.undo()
     assert not any("forward" in vars(m) for m in model.modules())
     with torch.no_grad():
@@ -62,7 +62,7 @@ def test_plan_summary_and_loss_tiles_used_by_the_loss_head():
     assert summary["tiled_mlp"] == {"setting": "auto", "tiles": 4, "mini_sequence": True,
                                      "fused_norms": {0: ["post_attention_layernorm"], 1: ["post_attention_layernorm"]}}
     assert plan.loss_tiles == TilePolicy(count=5)  # MST: vocab / hidden
-    assert summary["tiled_loss"] == {"setting": "5 tiles", "tiles": 5, "backend": "tiled"}
+    assert summary["tiled_loss"] == {"setting": "5 tiles", "tiles": 5, "backend": "tiled", "final_norm_fused": True}
     assert summary["checkpointing"] and not summary["offload_checkpoints"]["enabled"]
     batch = long_batch(200)
     loss_sum, count = plan.loss_sum(model, batch)
