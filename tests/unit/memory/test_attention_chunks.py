@@ -187,13 +187,19 @@ def test_attention_block_peak_no_longer_grows_with_its_full_sequence_tensors():
     assert chunked < 2.25 * hidden_bytes, (chunked / hidden_bytes, plain / hidden_bytes)
 
 
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "pytorch-kernel"])
 @pytest.mark.parametrize("chunks", [2, 4])
 @pytest.mark.parametrize("kv_heads", [8, 2])
-def test_offloaded_chunk_copies_are_what_the_estimate_counts(monkeypatch, chunks, kv_heads):
+def test_offloaded_chunk_copies_are_what_the_estimate_counts(monkeypatch, chunks, kv_heads, flash):
     """Every copy the chunk store makes to and from the host in one forward + backward of one attention module, counted
     at the store, equals `offload_copy_bytes` (the estimate's traffic and exposed-copy time come from it). With
-    offload every stored tensor but the token ids ("idx", "doc") lives on the host."""
+    offload every stored tensor but the token ids ("idx", "doc") lives on the host. One document: every block takes
+    the flash kernel, unless the device has none."""
+    from lstune.memory import attention_blocks
     from lstune.memory import attention_chunks as chunked
+
+    if not flash:
+        monkeypatch.delitem(attention_blocks.FLASH_OPS, "cpu")
 
     counted = {"out": 0, "in": 0}
     put, get = chunked._ChunkStore.put, chunked._ChunkStore.get
@@ -229,7 +235,7 @@ def test_offloaded_chunk_copies_are_what_the_estimate_counts(monkeypatch, chunks
         attention.undo()
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     expected = chunked.offload_copy_bytes(batch * seq, chunks, config["hidden_size"], kv_heads * head_dim,
-                                          config["num_attention_heads"], element_size=4)
+                                          config["num_attention_heads"], element_size=4, flash=flash)
     assert (counted["out"], counted["in"]) == expected
 
 
