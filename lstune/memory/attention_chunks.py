@@ -37,9 +37,10 @@ it is live, plus dO and dq accumulators in backward.
 Cost: the per-token parts run three times (forward, (a), (c); four under checkpointing) instead of once (twice);
 attention FLOPs are those of causal attention over whole blocks (the diagonal block is computed in full and
 masked), plus one recompute of the scores in backward as FlashAttention does; with offload, k/v are read from the
-host (M·(M+1)/2 chunk reads per pass). The block kernel here is pure PyTorch (fp32 scores, query rows sub-tiled
-to bound the score tile): exact on CPU; on CUDA the same formulas would run as FlashAttention/flex kernels that
-return the lse (forward) and take o/lse (backward) — not wired yet, so GPU speed is not FPDT's.
+host (M·(M+1)/2 chunk reads per pass). Block kernels (`attention_blocks`): a block inside one document and one
+window, not softcapped, runs PyTorch's flash-attention op (returns the lse; its backward takes the merged o and lse),
+causal on the diagonal — once a one-time probe per (device, dtype, head dim) found the op equal to the pure-PyTorch
+kernel (fp32 scores, query rows sub-tiled to bound the score tile), which runs every other block and fake tensors.
 Composes with: activation checkpointing (the checkpoint's recompute runs this Function again; the saved chunks go
 through `save_for_backward`, so checkpoint's hooks drop and recompute them), tiled MLP / loss, LoRA (peft-wrapped
 projections run per chunk), ZeRO-3 (weights gathered per use by ZeRO's hooks, gradients into `.grad`), Ulysses SP
