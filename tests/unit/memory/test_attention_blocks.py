@@ -167,7 +167,7 @@ def test_the_probe_refuses_ops_that_raise_or_differ(monkeypatch, wrong):
 
 
 def test_the_probe_passes_the_real_ops_for_each_dtype_and_expanded_gqa(monkeypatch):
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         assert blocks.flash_usable(CPU, dtype, 64)
     _with_ops(monkeypatch, gqa=False)  # the CUDA way: k/v expanded to the query heads, dk/dv summed back
     assert blocks.flash_usable(CPU, torch.float32, 64)
