@@ -51,7 +51,8 @@ def block_kind(q5: Tensor, k4: Tensor, v4: Tensor, ids_q: tuple[Tensor, Tensor],
     block, from the blocks' (global token index, document key) ids [B, n]; syncs the device once."""
     from torch._subclasses.fake_tensor import is_fake
 
-    if softcap is not None or is_fake(q5) or not _flash_shapes(q5, k4, v4):
+    dtype = _compute_dtype(q5, k4, v4)
+    if softcap is not None or is_fake(q5) or dtype is None or not _flash_shapes(q5, k4, v4, dtype):
         return MASKED
     (index_q, doc_q), (index_k, doc_k) = ids_q, ids_k
     doc = doc_q[:, :1]
@@ -62,16 +63,24 @@ def block_kind(q5: Tensor, k4: Tensor, v4: Tensor, ids_q: tuple[Tensor, Tensor],
     same = (index_q == index_k).all() if index_q.shape == index_k.shape else torch.zeros_like(before)
     one_span, before, same = torch.stack([one_span, before, same]).tolist()
     kind = FULL if one_span and before else CAUSAL if one_span and same else MASKED
-    if kind != MASKED and not flash_usable(q5.device, q5.dtype, q5.shape[-1]):
+    if kind != MASKED and not flash_usable(q5.device, dtype, q5.shape[-1]):
         return MASKED
     return kind
 
 
-def _flash_shapes(q5: Tensor, k4: Tensor, v4: Tensor) -> bool:
-    """Shapes and dtypes the flash ops take: one dtype, one head dim for q, k and v."""
+def _compute_dtype(q5: Tensor, k4: Tensor, v4: Tensor) -> torch.dtype | None:
+    """The dtype a flash block runs in: autocast's where it is on (as SDPA under autocast: with fp32 weights, rotary
+    leaves q and k fp32 while v is 16-bit), else q/k/v's common dtype (None if they differ)."""
+    device = q5.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return q5.dtype if q5.dtype == k4.dtype == v4.dtype else None
+
+
+def _flash_shapes(q5: Tensor, k4: Tensor, v4: Tensor, dtype: torch.dtype) -> bool:
+    """Dtypes and shapes the device's flash ops take: one head dim for q, k and v."""
     ops = FLASH_OPS.get(q5.device.type)
-    return (ops is not None and q5.dtype in ops.dtypes and q5.dtype == k4.dtype == v4.dtype
-            and q5.shape[-1] == k4.shape[-1] == v4.shape[-1])
+    return ops is not None and dtype in ops.dtypes and q5.shape[-1] == k4.shape[-1] == v4.shape[-1]
 
 
 def block_forward(kind: str, q5: Tensor, k4: Tensor, v4: Tensor, allowed: Tensor | None, scale: float,
@@ -169,18 +178,21 @@ def _heads(ops: FlashOps, x4: Tensor, group: int) -> Tensor:
 
 def _flash_forward(ops: FlashOps, q5, k4, v4, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     batch, kv_heads, group, t, dim = q5.shape
-    q4 = q5.reshape(batch, kv_heads * group, t, dim)
-    out4, lse = ops.forward(q4, _heads(ops, k4, group), _heads(ops, v4, group), causal, scale)
+    dtype = _compute_dtype(q5, k4, v4)
+    q4 = q5.to(dtype).reshape(batch, kv_heads * group, t, dim)
+    k4, v4 = _heads(ops, k4.to(dtype), group), _heads(ops, v4.to(dtype), group)
+    out4, lse = ops.forward(q4, k4, v4, causal, scale)
     return out4.float().reshape(q5.shape), lse.float().reshape(batch, kv_heads, group, t)
 
 
 def _flash_backward(ops: FlashOps, q5, k4, v4, dout5, out5, lse, causal: bool, scale: float):
     batch, kv_heads, group, t, dim = q5.shape
-    heads = kv_heads * group
-    q4, dout4, out4 = (x.to(q5.dtype).reshape(batch, heads, t, dim) for x in (q5, dout5, out5))
+    heads, dtype = kv_heads * group, _compute_dtype(q5, k4, v4)
+    q4, dout4, out4 = (x.to(dtype).reshape(batch, heads, t, dim) for x in (q5, dout5, out5))
+    k4, v4 = _heads(ops, k4.to(dtype), group), _heads(ops, v4.to(dtype), group)
     # The ops' lse is in their accumulation type: fp32, fp64 for fp64 inputs.
-    lse3 = lse.to(torch.promote_types(q5.dtype, torch.float32)).reshape(batch, heads, t).contiguous()
-    dq, dk, dv = ops.backward(dout4, q4, _heads(ops, k4, group), _heads(ops, v4, group), out4, lse3, causal, scale)
+    lse3 = lse.to(torch.promote_types(dtype, torch.float32)).reshape(batch, heads, t).contiguous()
+    dq, dk, dv = ops.backward(dout4, q4, k4, v4, out4, lse3, causal, scale)
     if dk.shape[1] != kv_heads:
         dk, dv = (x.float().reshape(batch, kv_heads, group, *x.shape[2:]).sum(2) for x in (dk, dv))
     return dq.float().reshape(q5.shape), dk.float(), dv.float()

@@ -172,3 +172,24 @@ def test_the_probe_passes_the_real_ops_for_each_dtype_and_expanded_gqa(monkeypat
     _with_ops(monkeypatch, gqa=False)  # the CUDA way: k/v expanded to the query heads, dk/dv summed back
     assert blocks.flash_usable(CPU, torch.float32, 64)
     assert not blocks.flash_usable(torch.device("meta"), torch.float32, 64)  # no ops for the device type
+
+
+def test_under_autocast_flash_blocks_run_in_the_autocast_dtype():
+    """With fp32 weights under autocast, rotary leaves q and k fp32 and v 16-bit: the block runs in autocast's dtype,
+    as SDPA would, and agrees with the PyTorch kernel (whose matmuls autocast casts) within bf16 rounding."""
+    q5, ids_q, keys = _two_key_blocks(2, 2)
+    (k4, v4, ids_k), _ = keys
+    v4 = v4.bfloat16()
+    assert block_kind(q5, k4, v4, ids_q, ids_k, None, None) == MASKED  # mixed dtypes, no autocast
+    mask = allowed_pairs(*ids_q, *ids_k, None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert block_kind(q5, k4, v4, ids_q, ids_k, None, None) == FULL
+        fast = blocks.block_forward(FULL, q5, k4, v4, None, 0.2, None)
+        exact = blocks.block_forward(MASKED, q5, k4, v4, mask, 0.2, None)
+        dout5 = _rand(*q5.shape, seed=8)
+        delta = (dout5 * exact[0]).sum(-1)
+        grads = [blocks.block_backward(FULL, q5, k4, v4, dout5, exact, None, 0.2, None),
+                 blocks.block_backward(MASKED, q5, k4, v4, dout5, (delta, exact[1]), mask, 0.2, None)]
+    _close(fast[0], exact[0], rel=2e-2), _close(fast[1], exact[1], rel=1e-2)
+    for value, reference in zip(*grads):
+        _close(value, reference, rel=3e-2)
