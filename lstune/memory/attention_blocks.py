@@ -7,7 +7,8 @@ Two kernels, and `block_kind` is the one place that picks between them:
   which return the lse and take (out, lse), recomputing delta from `out`), for a block inside one document and one
   sliding window, with no softcap: off-diagonal blocks (every key before every query) run non-causal ("full"),
   diagonal blocks (the same tokens on both sides) causal ("causal"). Queries [B, H, t, D], keys/values
-  [B, H_kv, s, D] (native GQA on CPU; expanded per block, O(chunk), on CUDA), lse [B, H, t] fp32.
+  [B, H_kv, s, D] (native GQA on CPU; expanded per block, O(chunk), on CUDA), lse [B, H, t] fp32; in autocast's
+  dtype under autocast, as SDPA.
 - The pure-PyTorch kernel ("masked") for everything else — blocks cut by a document start, a window or causality
   not on the diagonal, softcapping, dtypes/head dims the op lacks, and fake tensors (memory traces, which have no
   values to decide from): fp32 scores masked by `allowed_pairs`, query rows sub-tiled to bound the score tile.
