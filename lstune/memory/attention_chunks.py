@@ -37,9 +37,10 @@ it is live, plus dO and dq accumulators in backward.
 Cost: the per-token parts run three times (forward, (a), (c); four under checkpointing) instead of once (twice);
 attention FLOPs are those of causal attention over whole blocks (the diagonal block is computed in full and
 masked), plus one recompute of the scores in backward as FlashAttention does; with offload, k/v are read from the
-host (M·(M+1)/2 chunk reads per pass). The block kernel here is pure PyTorch (fp32 scores, query rows sub-tiled
-to bound the score tile): exact on CPU; on CUDA the same formulas would run as FlashAttention/flex kernels that
-return the lse (forward) and take o/lse (backward) — not wired yet, so GPU speed is not FPDT's.
+host (M·(M+1)/2 chunk reads per pass). Block kernels (`attention_blocks`): a block inside one document and one
+window, not softcapped, runs PyTorch's flash-attention op (returns the lse; its backward takes the merged o and lse),
+causal on the diagonal — once a one-time probe per (device, dtype, head dim) found the op equal to the pure-PyTorch
+kernel (fp32 scores, query rows sub-tiled to bound the score tile), which runs every other block and fake tensors.
 Composes with: activation checkpointing (the checkpoint's recompute runs this Function again; the saved chunks go
 through `save_for_backward`, so checkpoint's hooks drop and recompute them), tiled MLP / loss, LoRA (peft-wrapped
 projections run per chunk), ZeRO-3 (weights gathered per use by ZeRO's hooks, gradients into `.grad`), Ulysses SP
@@ -66,6 +67,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lstune.errors import DataError, ModelError, UserError
+from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kind, merge
 from lstune.memory.checkpoint import MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS
 from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.tiling import (
@@ -87,8 +89,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("lstune")
 
-# Score tiles of the block kernel hold at most this many fp32 elements (256 MiB), whatever the chunk size.
-_SCORE_ELEMENTS = 1 << 26
 # Arguments of an attention module's forward that run along the sequence, and their sequence dimension.
 _PER_TOKEN_ARGS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
 
@@ -114,27 +114,32 @@ def auto_chunk_tokens(q_width: int, kv_width: int, *, pcie_bytes_per_s: float = 
 
 
 def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, heads: int, element_size: int,
-                       forward_runs: int = 1) -> tuple[int, int]:
+                       forward_runs: int = 1, flash: bool = False) -> tuple[int, int]:
     """(device→host, host→device) bytes one layer's chunked attention copies in one step when its saved chunks live
     on the host (`_ChunkStore` with offload), for `tokens` local tokens (batch × sequence) in `chunks` equal chunks
     of c tokens, P = M(M+1)/2 (query, key) blocks, activations of `element_size` bytes (fp32 lse, delta, dq, dk,
     dv). Under Ulysses pass the local tokens and the full widths: a rank's gathered chunk has SP times the tokens
-    and 1/SP of the heads. `forward_runs`: 2 when checkpointing re-runs the forward in backward.
+    and 1/SP of the heads. `forward_runs`: 2 when checkpointing re-runs the forward in backward. `flash`: every
+    block takes the flash kernel (`attention_blocks.block_kind`: one document, no window cut, no softcap, a probed
+    kernel), else the PyTorch kernel.
     - forward, per run: out k, v, o and lse of every chunk; in the keys/values of earlier chunks, (P - M) · c;
-    - backward (a): in o, out q and dO; the rowsums: in o and dO, out delta; (b) per key chunk in k, v, per block
-      in q, dO, lse, delta and (after the first key chunk) the fp32 dq accumulator, out dq; (c) in o once more (the
-      module's re-run) and the finished dq (dk and dv stay on the device: chunk i's projections run right after
-      outer iteration i).
+    - backward (a): in o, out q and dO; for the PyTorch kernel the rowsums: in o and dO, out delta; (b) per key chunk
+      in k, v, per block in q, dO, lse, delta (flash: the output o instead, its kernel recomputes the rowsums) and
+      (after the first key chunk) the fp32 dq accumulator, out dq; (c) in o once more (the module's re-run) and the
+      finished dq (dk and dv stay on the device: chunk i's projections run right after outer iteration i).
     `tests/unit/memory/test_attention_chunks.py` counts the store's copies against this."""
     if chunks <= 1:
         return 0, 0
     b, S, M = element_size, tokens, chunks
     c, blocks = tokens / chunks, chunks * (chunks + 1) // 2
     lse = 4 * S * heads
+    rowsums_out, rowsums_in = (0, 0) if flash else (lse, 2 * S * q_width * b)
+    per_block_rows = q_width * b if flash else 4 * heads  # o, or delta
     forward_out = S * (2 * kv_width + q_width) * b + lse
     forward_in = (blocks - M) * c * 2 * kv_width * b
-    backward_out = 2 * S * q_width * b + lse + blocks * c * 4 * q_width
-    backward_in = (4 * S * q_width * b + M * c * 2 * kv_width * b + blocks * c * (2 * q_width * b + 8 * heads)
+    backward_out = 2 * S * q_width * b + rowsums_out + blocks * c * 4 * q_width
+    backward_in = (2 * S * q_width * b + rowsums_in + M * c * 2 * kv_width * b
+                   + blocks * c * (2 * q_width * b + 4 * heads + per_block_rows)
                    + (blocks - M) * c * 4 * q_width + S * 4 * q_width)
     return (int(forward_runs * forward_out + backward_out), int(forward_runs * forward_in + backward_in))
 
@@ -335,7 +340,7 @@ class _ChunkSink:
         self.m, self.mode, self.calls = 0, "", 0
         self.leaf: Tensor | None = None
         self.captured: tuple[Tensor, ...] = ()
-        self.sources: dict[int, list[int]] = {}  # query chunk -> the key chunks it attends
+        self.sources: dict[int, dict[int, str]] = {}  # query chunk -> {key chunk it attends: block kind}
         self.order = _PositionOrder()
         self.gathered = False  # the calls see every SP rank's chunk m (Ulysses)
 
@@ -457,98 +462,32 @@ def _out_layout(out5: Tensor) -> Tensor:
     return out5.reshape(batch, kv_heads * group, n, dim).transpose(1, 2).contiguous()
 
 
-def _allowed(index_q: Tensor, doc_q: Tensor, index_k: Tensor, doc_k: Tensor, window: int | None) -> Tensor:
-    """Bool [B, 1, 1, t, s]: same document, key not after query, within the window."""
-    q, k = index_q[:, :, None], index_k[:, None, :]
-    allowed = (doc_q[:, :, None] == doc_k[:, None, :]) & (k <= q)
-    if window is not None:
-        allowed &= q - k < window
-    return allowed[:, None, None]
-
-
-def _row_tiles(q5: Tensor, keys: int) -> list[tuple[int, int]]:
-    batch, kv_heads, group, n, _ = q5.shape
-    rows = max(1, _SCORE_ELEMENTS // max(1, batch * kv_heads * group * keys))
-    return tile_bounds(n, -(-n // rows))
-
-
-def _scores(q5: Tensor, k4: Tensor, allowed: Tensor, scale: float, softcap: float | None):
-    """Masked (softcapped) fp32 scores of q rows against keys, and tanh of the capped logits (for backward)."""
-    logits = torch.matmul(q5, k4[:, :, None].transpose(-1, -2)).float() * scale
-    capped = None
-    if softcap is not None:
-        capped = torch.tanh(logits / softcap)
-        logits = softcap * capped
-    return logits.masked_fill(~allowed, float("-inf")), capped
-
-
-def _finite(lse: Tensor) -> Tensor:
-    return torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
-
-
-def _block_forward(q5, k4, v4, allowed, scale, softcap) -> tuple[Tensor, Tensor]:
-    """Attention of q rows [B, Hkv, g, t, D] against one key block: (fp32 output, lse); lse -inf on masked rows."""
-    outs, lses = [], []
-    for a, b in _row_tiles(q5, k4.shape[2]):
-        scores, _ = _scores(q5[:, :, :, a:b], k4, allowed[..., a:b, :], scale, softcap)
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - _finite(lse)[..., None])
-        outs.append(torch.matmul(probs.to(v4.dtype), v4[:, :, None]).float())
-        lses.append(lse)
-    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
-
-
-def _block_backward(q5, k4, v4, dout5, lse, delta, allowed, scale, softcap) -> tuple[Tensor, Tensor, Tensor]:
-    """FlashAttention's backward of one (query block, key block) pair with the merged lse and
-    delta = rowsum(dO ∘ o): (dq fp32 [B, Hkv, g, t, D], dk, dv fp32 [B, Hkv, s, D])."""
-    dqs, dk, dv = [], 0, 0
-    for a, b in _row_tiles(q5, k4.shape[2]):
-        q_t, dout_t = q5[:, :, :, a:b], dout5[:, :, :, a:b]
-        scores, capped = _scores(q_t, k4, allowed[..., a:b, :], scale, softcap)
-        probs = torch.exp(scores - _finite(lse[..., a:b])[..., None])
-        dv = dv + torch.matmul(probs.transpose(-1, -2).to(dout_t.dtype), dout_t).float().sum(2)
-        dprobs = torch.matmul(dout_t, v4[:, :, None].transpose(-1, -2)).float()
-        dscores = probs * (dprobs - delta[..., a:b, None])
-        if capped is not None:
-            dscores = dscores * (1 - capped * capped)
-        dscores = dscores * scale
-        dqs.append(torch.matmul(dscores.to(k4.dtype), k4[:, :, None]).float())
-        dk = dk + torch.matmul(dscores.transpose(-1, -2).to(q_t.dtype), q_t).float().sum(2)
-    return torch.cat(dqs, dim=3), dk, dv
-
-
-def _merge(acc_out, acc_lse, out, lse):
-    """Online softmax: combine two partial results over disjoint key sets (rows with lse -inf contribute 0)."""
-    if acc_out is None:
-        return out, lse
-    total = torch.logaddexp(acc_lse, lse)
-    safe = _finite(total)
-    w_acc = torch.where(torch.isneginf(acc_lse), 0.0, torch.exp(acc_lse - safe))
-    w_new = torch.where(torch.isneginf(lse), 0.0, torch.exp(lse - safe))
-    return acc_out * w_acc[..., None] + out * w_new[..., None], total
 
 
 def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
     """Chunk m's queries against the keys/values of the chunks they see (of chunks 0..m, k_m/v_m just stored),
-    merged; records which chunks contributed (`sink.sources`)."""
+    merged; records which chunks contributed and the kernel each block took (`sink.sources`)."""
     store, m, config = sink.store, sink.m, sink.config
     device = query.device
     q5 = _to5(query, config["kv_heads"])
-    index_q, doc_q = store.get(("idx", m), device), store.get(("doc", m), device)
+    ids_q = store.get(("idx", m), device), store.get(("doc", m), device)
     stored = range(m + 1)
     acc_out = acc_lse = None
-    sink.sources[m] = []
+    sink.sources[m] = {}
     for n, i in enumerate(stored):
         if n + 1 < len(stored):
             store.prefetch(("k", stored[n + 1]), device), store.prefetch(("v", stored[n + 1]), device)
-        allowed = _allowed(index_q, doc_q, store.get(("idx", i), device), store.get(("doc", i), device),
-                           config["window"])
-        if not _any(allowed):
-            continue
-        sink.sources[m].append(i)
+        ids_k = store.get(("idx", i), device), store.get(("doc", i), device)
+        kind = block_kind(q5, key, value, ids_q, ids_k, config["window"], config["softcap"])
+        allowed = None
+        if kind == MASKED:
+            allowed = allowed_pairs(*ids_q, *ids_k, config["window"])
+            if not _any(allowed):
+                continue
+        sink.sources[m][i] = kind
         k4, v4 = (key, value) if i == m else (store.get(("k", i), device), store.get(("v", i), device))
-        out, lse = _block_forward(q5, k4, v4, allowed, config["scale"], config["softcap"])
-        acc_out, acc_lse = _merge(acc_out, acc_lse, out, lse)
+        out, lse = block_forward(kind, q5, k4, v4, allowed, config["scale"], config["softcap"])
+        acc_out, acc_lse = merge(acc_out, acc_lse, out, lse)
     return acc_out.to(query.dtype), acc_lse
 
 
@@ -702,11 +641,13 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_B
     sink, store, device = spec.sink, spec.sink.store, hidden_BSD.device
     config, chunks = sink.config, len(spec.bounds)
     for j in range(chunks):
-        o5, dout5 = store.get(("o", j), device), store.get(("dout", j), device)
-        store.put(("delta", j), (dout5.float() * o5.float()).sum(-1))
+        # The PyTorch kernel takes the rowsums; the flash ops recompute them from the output.
+        if MASKED in ctx.sources[j].values():
+            o5, dout5 = store.get(("o", j), device), store.get(("dout", j), device)
+            store.put(("delta", j), (dout5.float() * o5.float()).sum(-1))
     grad_x = torch.empty_like(hidden_BSD) if want_x else None
     param_grads: list[Tensor | None] = [None] * len(ctx.params)
-    readers = {i: [j for j in range(chunks) if i in ctx.sources[j]] for i in range(chunks)}
+    readers = {i: {j: ctx.sources[j][i] for j in range(chunks) if i in ctx.sources[j]} for i in range(chunks)}
     with _Zero3Readiness(spec.into_grad, frozenset()) as readiness:
         for i in range(chunks):
             # Queries see only chunks <= their own (under SP too, in FPDT's layout): after outer iteration i, dk_i,
@@ -726,29 +667,38 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_B
     return grad_x, param_grads
 
 
-def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: list[int], device) -> tuple[Tensor, Tensor]:
-    """Outer iteration i: dk_i, dv_i over the query chunks j >= i that attend it; dq_j accumulated in the store."""
+def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: dict[int, str], device) -> tuple[Tensor, Tensor]:
+    """Outer iteration i: dk_i, dv_i over the query chunks j >= i that attend it (`readers`: j -> the block's kind);
+    dq_j accumulated in the store."""
     store, config = spec.sink.store, spec.sink.config
     k4, v4 = store.get(("k", i), device), store.get(("v", i), device)
-    index_k, doc_k = store.get(("idx", i), device), store.get(("doc", i), device)
+    ids_k = store.get(("idx", i), device), store.get(("doc", i), device)
     dk4 = torch.zeros(k4.shape, dtype=torch.float32, device=device)
     dv4 = torch.zeros(v4.shape, dtype=torch.float32, device=device)
-    for n, j in enumerate(readers):
-        if n + 1 < len(readers):
-            for name in ("q", "dout", "lse", "delta", "dq"):
-                store.prefetch((name, readers[n + 1]), device)
-        allowed = _allowed(store.get(("idx", j), device), store.get(("doc", j), device), index_k, doc_k,
-                           config["window"])
-        dq5, dk, dv = _block_backward(
-            store.get(("q", j), device), k4, v4, store.get(("dout", j), device), store.get(("lse", j), device),
-            store.get(("delta", j), device), allowed, config["scale"], config["softcap"],
-        )
+    order = list(readers)
+    for n, j in enumerate(order):
+        if n + 1 < len(order):
+            for name in ("q", "dout", "lse", _rows_key(readers[order[n + 1]]), "dq"):
+                store.prefetch((name, order[n + 1]), device)
+        kind, allowed = readers[j], None
+        if kind == MASKED:
+            allowed = allowed_pairs(store.get(("idx", j), device), store.get(("doc", j), device), *ids_k,
+                                    config["window"])
+        merged = store.get((_rows_key(kind), j), device), store.get(("lse", j), device)
+        dq5, dk, dv = block_backward(kind, store.get(("q", j), device), k4, v4, store.get(("dout", j), device),
+                                     merged, allowed, config["scale"], config["softcap"])
         dk4 += dk
         dv4 += dv
         if ("dq", j) in store.items:
             dq5 = dq5 + store.get(("dq", j), device)
         store.put(("dq", j), dq5)
     return dk4, dv4
+
+
+def _rows_key(kind: str) -> str:
+    """What a block's backward reads of its query chunk besides the lse: the rowsums (PyTorch kernel) or the merged
+    output (flash kernels, which compute the rowsums themselves)."""
+    return "delta" if kind == MASKED else "o"
 
 
 def _projection_backward(spec, ctx, hidden_BSD, grad_BSD, i, dqkv, want_x) -> list[Tensor | None]:

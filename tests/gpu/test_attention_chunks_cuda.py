@@ -1,6 +1,7 @@
 """Chunked attention (FPDT) on a CUDA device: exact in fp32 with the real offload streams (a missed stream sync
 would corrupt a saved chunk), close in bf16, and the attention block's device peak (torch.cuda.max_memory_allocated)
-no longer growing with its full-sequence tensors. Written without a GPU at hand: not yet run."""
+no longer growing with its full-sequence tensors; the CUDA flash-attention ops the block kernel uses pass their probe
+and match the PyTorch kernel. Written without a GPU at hand: not yet run."""
 
 from __future__ import annotations
 
@@ -82,3 +83,53 @@ def test_attention_block_device_peak_on_cuda():
     hidden_bytes = 1024 * 4
     plain, chunked = _attention_peak_per_token(False), _attention_peak_per_token(True)
     assert chunked < 2.5 * hidden_bytes < plain, (chunked / hidden_bytes, plain / hidden_bytes)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_flash_ops_pass_the_probe_and_match_the_pytorch_block_kernel(head_dim, dtype):
+    """The CUDA flash ops were wired from their schemas without a GPU: their probe must pass (else every block runs
+    the PyTorch kernel, with a warning), and a GQA block's forward and merged backward must match the PyTorch kernel."""
+    from lstune.memory import attention_blocks as blocks
+
+    device = torch.device("cuda")
+    assert blocks.flash_usable(device, dtype, head_dim)
+    ops = blocks.FLASH_OPS["cuda"]
+    assert blocks._probe_error(ops, device, dtype, head_dim) < blocks._PROBE_TOLERANCE[dtype]
+    assert not blocks.flash_usable(device, torch.float32, head_dim)  # no fp32 flash on CUDA: PyTorch kernel
+
+
+def test_long_documents_run_the_cuda_flash_kernel_and_stay_close(monkeypatch):
+    """bf16 Llama on one 2,048-token document in 4 chunks: all 10 blocks per layer take the flash op, forward and
+    backward, and the loss and gradients stay within bf16 rounding of the unchunked model."""
+    from lstune.memory import attention_blocks as blocks
+    from tests.unit.memory._helpers import long_batch
+
+    calls = {"_flash_backward": 0, "_torch_backward": 0}
+
+    def counting(name):
+        kernel = getattr(blocks, name)
+
+        def run(*args):
+            calls[name] += 1
+            return kernel(*args)
+        return run
+
+    model = build_model("tiny-llama").to("cuda", torch.bfloat16).train()
+    batch = {k: v.cuda() for k, v in long_batch(2048).items()}
+    ref_loss, ref_grads = run_grads(model, hf_loss_sum, [batch])
+    attention = use_lstune_attention(model, backend="sdpa")
+    plan = apply_memory_techniques(model, MemorySection(attn_chunks=4, tiled_mlp="off", offload_checkpoints=True),
+                                   seq_len=2048)
+    for name in calls:  # counted from after the plan's own probe runs
+        monkeypatch.setattr(blocks, name, counting(name))
+    try:
+        loss, grads = run_grads(model, plan.loss_sum, [batch])
+    finally:
+        plan.undo()
+        attention.undo()
+    assert calls == {"_flash_backward": 10 * model.config.num_hidden_layers, "_torch_backward": 0}
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    for name, ref in ref_grads.items():
+        err = (grads[name].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        assert err < 5e-2, f"{name}: relative gradient error {err:.2e}"

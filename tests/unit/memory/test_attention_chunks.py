@@ -58,9 +58,10 @@ def _reference(model, data: str):
     return batch, run_grads(model, hf_loss_sum, split_documents(batch, DOCS))
 
 
-def _compare(model, batch, reference, options, backend="sdpa"):
+def _compare(model, batch, reference, options, backend="sdpa", applied=lambda: None):
     attention = use_lstune_attention(model, backend=backend)
     plan = apply_memory_techniques(model, MemorySection(**options), seq_len=SEQ)
+    applied()
     try:
         loss, grads = run_grads(model, plan.loss_sum, [batch])
     finally:
@@ -79,6 +80,63 @@ def test_chunked_attention_matches_hf(arch, data, options):
     model = _model(arch)
     batch, reference = _reference(model, data)
     _compare(model, batch, reference, options)
+
+
+KERNELS = ("_flash_forward", "_flash_backward", "_torch_forward", "_torch_backward")
+
+
+def _count_kernels(monkeypatch, calls: dict[str, int]) -> None:
+    """Count the calls of each block kernel into `calls` from here on."""
+    from lstune.memory import attention_blocks
+
+
+    def counting(name):
+        kernel = getattr(attention_blocks, name)
+
+        def run(*args, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+        return run
+
+    for name in KERNELS:
+        monkeypatch.setattr(attention_blocks, name, counting(name))
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # GQA, MHA
+def test_blocks_inside_one_document_run_on_the_flash_kernel(monkeypatch, arch):
+    """Long data: all 6 blocks of 3 chunks take the flash op, forward and backward, exactly. Packed 29/24/17 in chunks
+    24/24/22: only chunk 0's diagonal block lies inside one document; 4 blocks are cut by a document start (PyTorch
+    kernel) and one has no allowed pair (skipped)."""
+    model = _model(arch)
+    layers = model.config.num_hidden_layers
+    for data, flash, pytorch in (("long", 6, 0), ("packed", 1, 4)):
+        batch, reference = _reference(model, data)
+        calls = dict.fromkeys(KERNELS, 0)
+        # Counted from after the plan's probe runs (the first real block also ran the flash probe by then).
+        _compare(model, batch, reference, ALONE, applied=lambda: _count_kernels(monkeypatch, calls))
+        assert calls == {"_flash_forward": flash * layers, "_flash_backward": flash * layers,
+                         "_torch_forward": pytorch * layers, "_torch_backward": pytorch * layers}, data
+        monkeypatch.undo()
+
+
+def test_a_flash_op_that_fails_its_probe_leaves_the_model_exact(monkeypatch):
+    """A flash op that ignores `causal` fails the one-time probe: every block takes the PyTorch kernel, exactly."""
+    import dataclasses
+
+    from lstune.memory import attention_blocks
+
+    right = attention_blocks.FLASH_OPS["cpu"]
+    wrong = dataclasses.replace(right, forward=lambda q, k, v, causal, scale: right.forward(q, k, v, False, scale))
+    monkeypatch.setitem(attention_blocks.FLASH_OPS, "cpu", wrong)
+    monkeypatch.setattr(attention_blocks, "_PROBED", {})
+    model = _model("llama")
+    batch, reference = _reference(model, "long")
+    calls = dict.fromkeys(KERNELS, 0)
+    _compare(model, batch, reference, ALONE, applied=lambda: _count_kernels(monkeypatch, calls))
+    layers = model.config.num_hidden_layers
+    assert calls == {"_flash_forward": 0, "_flash_backward": 0, "_torch_forward": 6 * layers,
+                     "_torch_backward": 6 * layers}
+    assert list(attention_blocks._PROBED.values()) == [False]
 
 
 def test_softcapped_attention_is_exact_when_chunked():
@@ -187,13 +245,19 @@ def test_attention_block_peak_no_longer_grows_with_its_full_sequence_tensors():
     assert chunked < 2.25 * hidden_bytes, (chunked / hidden_bytes, plain / hidden_bytes)
 
 
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "pytorch-kernel"])
 @pytest.mark.parametrize("chunks", [2, 4])
 @pytest.mark.parametrize("kv_heads", [8, 2])
-def test_offloaded_chunk_copies_are_what_the_estimate_counts(monkeypatch, chunks, kv_heads):
+def test_offloaded_chunk_copies_are_what_the_estimate_counts(monkeypatch, chunks, kv_heads, flash):
     """Every copy the chunk store makes to and from the host in one forward + backward of one attention module, counted
     at the store, equals `offload_copy_bytes` (the estimate's traffic and exposed-copy time come from it). With
-    offload every stored tensor but the token ids ("idx", "doc") lives on the host."""
+    offload every stored tensor but the token ids ("idx", "doc") lives on the host. One document: every block takes
+    the flash kernel, unless the device has none."""
+    from lstune.memory import attention_blocks
     from lstune.memory import attention_chunks as chunked
+
+    if not flash:
+        monkeypatch.delitem(attention_blocks.FLASH_OPS, "cpu")
 
     counted = {"out": 0, "in": 0}
     put, get = chunked._ChunkStore.put, chunked._ChunkStore.get
@@ -229,7 +293,7 @@ def test_offloaded_chunk_copies_are_what_the_estimate_counts(monkeypatch, chunks
         attention.undo()
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     expected = chunked.offload_copy_bytes(batch * seq, chunks, config["hidden_size"], kv_heads * head_dim,
-                                          config["num_attention_heads"], element_size=4)
+                                          config["num_attention_heads"], element_size=4, flash=flash)
     assert (counted["out"], counted["in"]) == expected
 
 
