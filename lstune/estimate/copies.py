@@ -4,7 +4,7 @@ host link, and the seconds the chunks' copies add where the attention they serve
 Checkpoints: each one on the host goes out in forward and comes back in backward (their copies hide under a layer's
 forward from `offload_min_tokens` tokens on, MEMO Eq. 1, so no time is added for them). Attention chunks (FPDT, with
 offload): `lstune.memory.attention_chunks.offload_copy_bytes`, the store's own count (checked against the copies the
-store makes in tests/unit/memory/test_attention_chunks.py), for every layer. Their copies run on side streams under
+store makes in tests/unit/memory/test_attention_chunks.py), for every layer, with flash-kernel blocks on CUDA. Their copies run on side streams under
 the attention kernels; the step time adds what is left when the busier direction's copies take longer than the
 step's attention at the device's rate — chunks shorter than `--attn-chunks auto`'s hiding length pay this.
 """
@@ -38,8 +38,10 @@ def step_copies(shape: ModelShape, s: Settings, b: Breakdown, flops: StepFlops, 
         return StepCopies(checkpoint)
     from lstune.memory.attention_chunks import offload_copy_bytes  # imports torch: only for chunked runs
 
+    # On CUDA the blocks of a long document take the flash kernel (attention_blocks.block_kind; packed documents'
+    # boundary blocks do not, and copy a little less).
     out, into = offload_copy_bytes(s.local_tokens, chunks, shape.q_width, shape.kv_width, shape.heads,
-                                   b.dtypes["act"], forward_runs=2 if s.checkpointing else 1)
+                                   b.dtypes["act"], forward_runs=2 if s.checkpointing else 1, flash=s.on_cuda)
     out, into = out * shape.layers, into * shape.layers
     device = hardware.device
     attention = flops.hardware_attention / s.sp / (device.attention_tflops * 1e12)

@@ -442,7 +442,7 @@ def _chunked_attention(shape: ModelShape, s: Settings, act: int, res: int) -> tu
     whole = t * (res * h + (res if fused else act) * h)  # incoming gradient, the input's gradient
     backward_store = 0 if offload else t * _chunks_backward_per_token(shape, act)
     fetched = 2 * c * (act * 2 * kv + _chunks_backward_per_token(shape, act)) if offload else 0
-    rows = min(c, max(1, (1 << 26) // max(1, heads * c)))  # attention_chunks._row_tiles, per sample
+    rows = min(c, max(1, (1 << 26) // max(1, heads * c)))  # attention_blocks._row_tiles, per sample
     tiles = s.micro_batch * (5 * heads * rows * c * 4 + c * c)
     projections = c * act * (3 * h + 3 * q + 2 * kv)
     one_chunk = c * 8 * kv + fetched + max(tiles, projections)

@@ -80,7 +80,7 @@ def test_chunks_shorter_than_the_hiding_length_pay_for_their_copies():
 
     hidden, short = (_estimate(128 * K, attn_chunks=n) for n in (4, 32))
     assert hidden.copies.exposed_seconds == 0 and short.copies.exposed_seconds > 5
-    out, into = offload_copy_bytes(128 * K, 32, 4096, 1024, 32, element_size=2, forward_runs=2)
+    out, into = offload_copy_bytes(128 * K, 32, 4096, 1024, 32, element_size=2, forward_runs=2, flash=True)
     assert (short.copies.chunk_out_bytes, short.copies.chunk_in_bytes) == (32 * out, 32 * into)
     attention = short.flops.hardware_attention / 500e12
     assert short.copies.exposed_seconds == pytest.approx(32 * into / 50e9 - attention)
