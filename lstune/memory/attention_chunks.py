@@ -101,14 +101,15 @@ def auto_chunk_tokens(q_width: int, kv_width: int, *, pcie_bytes_per_s: float = 
     F/BW the compute rate over the copy bandwidth:
     - forward, block (m, i): fetch chunk i's k and v (c · 2 · h_kv · b bytes) under c queries against its c keys
       (4 · c² · h_q FLOPs, QKᵀ and PV): c >= h_kv · b · F / (2 · h_q · BW);
-    - backward, inner iteration (j, i): fetch q_j and dO_j (2 · c · h_q · b) and read and write the fp32 dq_j
-      accumulator (8 · c · h_q; lse_j and delta_j, 8 · c · heads, are under 1% of it and left out) under
-      FlashAttention's backward of the block (2.5 × the forward: 10 · c² · h_q FLOPs): c >= (2 · b + 8) · F / (10 · BW).
-    The backward bound is the larger whenever h_kv <= h_q in bf16: with F/BW = 16000 FLOP/B, 19,200 tokens → 32,768
+    - backward, inner iteration (j, i): fetch q_j, dO_j and the merged output o_j (3 · c · h_q · b: the flash
+      kernel's backward recomputes the rowsums from o_j; the PyTorch kernel reads them instead, less) and read and
+      write the fp32 dq_j accumulator (8 · c · h_q; lse_j, 4 · c · heads, is under 1% of it and left out) under
+      FlashAttention's backward of the block (2.5 × the forward: 10 · c² · h_q FLOPs): c >= (3 · b + 8) · F / (10 · BW).
+    The backward bound is the larger whenever h_kv <= h_q in bf16: with F/BW = 16000 FLOP/B, 22,400 tokens → 32,768
     after rounding up to a power of two, for every model (a PCIe Gen5 host, 50 GB/s: 16,384). A chunk's k copy is
     at least MIN_COPY_BYTES. FPDT measured a ~64K-token sweet spot for its kernels."""
     forward = kv_width * bytes_per_element * flops_per_s / (2 * q_width * pcie_bytes_per_s)
-    backward = (2 * bytes_per_element + 8) * flops_per_s / (10 * pcie_bytes_per_s)
+    backward = (3 * bytes_per_element + 8) * flops_per_s / (10 * pcie_bytes_per_s)
     floor = MIN_COPY_BYTES / (kv_width * bytes_per_element)
     return 1 << math.ceil(math.log2(max(forward, backward, floor, 1)))
 

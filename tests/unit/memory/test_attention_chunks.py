@@ -312,13 +312,13 @@ def test_chunk_counts():
 def test_auto_chunks_are_the_shortest_whose_copies_hide_under_their_attention():
     from lstune.models.presets import preset_config
 
-    # Forward: c >= h_kv · b · F / (2 · h_q · BW); backward: c >= (2 · b + 8) · F / (10 · BW); F / BW = 16000.
+    # Forward: c >= h_kv · b · F / (2 · h_q · BW); backward: c >= (3 · b + 8) · F / (10 · BW); F / BW = 16000.
     assert attention_widths(preset_config("llama-3.1-8b")) == (4096, 1024)
-    assert auto_chunk_tokens(4096, 1024) == 32768  # backward 19,200 (forward 4,000)
-    assert auto_chunk_tokens(3072, 3072) == 32768  # MHA (Phi-3): forward 16,000, backward 19,200
+    assert auto_chunk_tokens(4096, 1024) == 32768  # backward 22,400 (forward 4,000)
+    assert auto_chunk_tokens(3072, 3072) == 32768  # MHA (Phi-3): forward 16,000, backward 22,400
     assert auto_chunk_tokens(8192, 128) == 32768  # MQA: the 1 MiB k copy floor (4,096) is lower
-    assert auto_chunk_tokens(4096, 1024, pcie_bytes_per_s=50e9) == 16384  # Gen5: 9,600
-    assert auto_chunk_tokens(3072, 3072, bytes_per_element=4, flops_per_s=100e12) == 8192  # fp32 MHA: forward 8,000
+    assert auto_chunk_tokens(4096, 1024, pcie_bytes_per_s=50e9) == 16384  # Gen5: 11,200
+    assert auto_chunk_tokens(3072, 3072, bytes_per_element=4, flops_per_s=100e12) == 8192  # fp32 MHA: forward and backward 8,000
     assert auto_chunk_tokens(64, 32) == 32768  # tiny widths: the 1 MiB floor is 16,384
     assert auto_chunk_tokens(64, 16) == 32768 and auto_chunk_tokens(64, 8) == 65536  # floor 32,768 / 65,536
     assert chunk_count("auto", 131072, auto_chunk_tokens(4096, 1024)) == 4
