@@ -159,8 +159,10 @@ def attention_chunking(setting: str | int, config: Any) -> AttentionChunks:
 
 
 def chunk_count(setting: str | int, seq_len: int, auto_tokens: int) -> int:
-    """Chunks one (local) sequence of `seq_len` tokens is cut into (1 = unchunked)."""
-    return len(chunk_bounds(AttentionChunks(setting, auto_tokens), seq_len))
+    """Chunks one (local) sequence of `seq_len` tokens is cut into (1 = unchunked): `len(chunk_bounds(...))`, counted
+    without listing the bounds (the estimate asks this of absurd lengths too, and must answer at once)."""
+    step = math.ceil(seq_len / AttentionChunks(setting, auto_tokens).count(seq_len))
+    return math.ceil(seq_len / step)
 
 
 def chunk_bounds(chunks: AttentionChunks, seq_len: int) -> list[tuple[int, int]]:

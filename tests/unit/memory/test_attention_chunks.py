@@ -307,6 +307,12 @@ def test_chunk_counts():
     assert chunk_count("auto", 4096, 4096) == 1  # off up to one chunk's length
     assert chunk_count("auto", 4 * 4096 + 1, 4096) == 5
     assert chunk_count(3, 70, 4096) == 3
+    from lstune.memory.attention_chunks import AttentionChunks, chunk_bounds
+
+    for n in range(1, 120):  # counted without listing, as many as the bounds
+        for setting in ("auto", 1, 2, 3, 6, 7, 50, 400):
+            assert chunk_count(setting, n, 16) == len(chunk_bounds(AttentionChunks(setting, 16), n))
+    assert chunk_count("auto", 2**40, 4096) == 2**28  # at once: an estimate of a 1T-token run asks this
 
 
 def test_auto_chunks_are_the_shortest_whose_copies_hide_under_their_attention():
