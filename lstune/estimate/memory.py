@@ -93,6 +93,7 @@ class Settings:
     load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
     attn_chunks: str | int = "off"  # --attn-chunks as configured
     attn_chunk_count: int = 1  # FPDT chunks of the local sequence, resolved by `breakdown`; 1: not chunked
+    chunks_fetched: bool = True  # offloaded chunks come back as device copies (CUDA); the CPU trace reads them in place
 
     @property
     def local_tokens(self) -> int:
@@ -369,7 +370,7 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     else:
         mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act, p)
     if s.attn_chunk_count > 1:
-        saved, attention = _chunked_attention(shape, s, act, res)
+        saved, attention = _chunked_attention(shape, p, s, act, res)
     else:
         saved = ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
                  t * (upcast + act * (h + 3 * q + 2 * kv)))
@@ -394,10 +395,12 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     return parts
 
 
-def _chunks_saved_per_token(shape: ModelShape, act: int) -> int:
+def _chunks_saved_per_token(shape: ModelShape, act: int, fused_qkv: int = 0) -> int:
     """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output in the
-    activation dtype, and the output's log-sum-exp in fp32 (one per head)."""
-    return act * (2 * shape.kv_width + shape.q_width) + 4 * shape.heads
+    activation dtype, and the output's log-sum-exp in fp32 (one per head). `fused_qkv`: the width of a projection
+    making q, k and v at once (ParamCounts.fused_qkv_width): v is a view of its output and the saved view keeps that
+    whole output alive (on the device; a host copy holds the view's values only)."""
+    return act * (shape.kv_width + max(shape.kv_width, fused_qkv) + shape.q_width) + 4 * shape.heads
 
 
 def _chunks_backward_per_token(shape: ModelShape, act: int) -> int:
@@ -407,7 +410,11 @@ def _chunks_backward_per_token(shape: ModelShape, act: int) -> int:
 
 
 def _chunk_tokens(s: Settings) -> int:
-    return s.micro_batch * ceil_div(ceil_div(s.seq_len, s.sp), s.attn_chunk_count)
+    return s.micro_batch * _sample_chunk(s)
+
+
+def _sample_chunk(s: Settings) -> int:
+    return ceil_div(ceil_div(s.seq_len, s.sp), s.attn_chunk_count)
 
 
 def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
@@ -421,31 +428,52 @@ def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
     return s.local_tokens * per_token + _chunk_tokens(s) * 8 * shape.kv_width
 
 
-def _chunked_attention(shape: ModelShape, s: Settings, act: int, res: int) -> tuple[tuple[str, int], tuple[str, int]]:
+def _score_tiles(shape: ModelShape, s: Settings) -> int:
+    """The block kernel's score tiles at their peak (attention_chunks._block_backward): query rows are cut so one
+    fp32 tile [batch, heads, rows, chunk] holds at most 2²⁶ elements (`_row_tiles`). Within a row tile the scores,
+    probabilities, dP, dP − rowsum and dS are alive together: five tiles. With more than one row tile, the next
+    tile's scores are made (the scaled logits, then the masked copy) while the last tile's four are still bound:
+    six. Plus the bool mask of the block [batch, chunk, chunk]."""
+    b, cs, heads = s.micro_batch, _sample_chunk(s), shape.heads
+    rows = max(1, (1 << 26) // max(1, b * heads * cs))
+    row_tiles = ceil_div(cs, rows)
+    tile = b * heads * ceil_div(cs, row_tiles) * cs * 4
+    return (6 if row_tiles > 1 else 5) * tile + b * cs * cs
+
+
+def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
+                       res: int) -> tuple[tuple[str, int], tuple[str, int]]:
     """FPDT's attention block (lstune.memory.attention_chunks) in one layer's backward: (saved part, peak moment).
 
     Saved: the input norm's fp32 input and output (the Function's input; none when the norm runs inside the
     chunks, fused), the token ids (int64 index and document, on the device), and k, v, output and lse — on the host
-    with offload. The moment: the incoming gradient and the input's gradient (whole sequence), the backward's q,
-    dO, rowsum and fp32 dq accumulators (on the host with offload), then one chunk's share: fp32 dk and dv, the
-    fetched k, v, q, dO, lse and dq (with offload; the next chunk's prefetched too), and the larger of the block
-    kernel's fp32 score tiles (scores, probabilities, dP, dP − rowsum and dS: five, plus the bool mask of the
-    block) and the chunk's projections re-run with their gradients."""
+    with offload. The moment (inside the block kernel of key chunk 0 and the last query chunk): the incoming
+    gradient and the input's gradient (whole sequence), the backward's q, dO, rowsum and fp32 dq accumulators (on
+    the host with offload), then one chunk's share:
+
+    - fp32 dk and dv three times: the key chunk's accumulators, the running sums of the block being computed, and
+      the last block's sums (still bound in `_kv_chunk_backward` until the next block returns);
+    - with offload: the last block's fp32 dq sum (bound likewise; its host copy is made) and the dq of the row tiles
+      done; on CUDA the fetched copies — k and v of the key chunk, q, dO, lse, rowsum and dq of the query chunk,
+      and the same of the next query chunk, prefetched (`Settings.chunks_fetched`: the CPU trace reads them in place);
+    - the larger of the score tiles (`_score_tiles`) and the chunk's projections re-run with their gradients."""
     h, t, q, kv, heads = shape.hidden, s.local_tokens, shape.q_width, shape.kv_width, shape.heads
     c, offload = _chunk_tokens(s), s.offload_checkpoints
     fused = s.fuse_norms
     norm = 0 if fused else t * (_norm_upcast(act) + act) * h
-    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act)
+    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act, p.fused_qkv_width)
     where = "on the host" if offload else "on the device"
     saved = (f"layer backward: chunked attention saved ({s.attn_chunk_count} chunks; k, v, output, lse {where}"
              + (")" if fused else "; input norm's input and output)"), norm + t * 16 + chunks_saved)
     whole = t * (res * h + (res if fused else act) * h)  # incoming gradient, the input's gradient
     backward_store = 0 if offload else t * _chunks_backward_per_token(shape, act)
-    fetched = 2 * c * (act * 2 * kv + _chunks_backward_per_token(shape, act)) if offload else 0
-    rows = min(c, max(1, (1 << 26) // max(1, heads * c)))  # attention_blocks._row_tiles, per sample
-    tiles = s.micro_batch * (5 * heads * rows * c * 4 + c * c)
+    dq_on_device = 2 * c * 4 * q if offload else 0  # the last block's dq sum, this block's row tiles of dq
+    fetched = 0
+    if offload and s.chunks_fetched:
+        query_chunk = act * 2 * q + 8 * heads + 4 * q  # q, dO, lse, rowsum, dq
+        fetched = c * act * 2 * kv + 2 * c * query_chunk
     projections = c * act * (3 * h + 3 * q + 2 * kv)
-    one_chunk = c * 8 * kv + fetched + max(tiles, projections)
+    one_chunk = c * 24 * kv + dq_on_device + fetched + max(_score_tiles(shape, s), projections)
     return saved, (f"attention's, chunked ({c:,}-token chunks: score tiles, dq/dk/dv)",
                    whole + backward_store + one_chunk)
 
@@ -502,7 +530,7 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
         norms -= res * h
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)
     if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
-        attention = _chunks_saved_per_token(shape, act) + 16
+        attention = _chunks_saved_per_token(shape, act, p.fused_qkv_width) + 16
     mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
     return norms + attention + mlp
 

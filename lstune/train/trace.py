@@ -377,6 +377,11 @@ GRID_SETTINGS = {
     "LoRA, attn chunks 8": {"lora_r": 16, "attn_chunks": 8},
     "LoRA + offload, attn chunks 4": {"lora_r": 16, "offload_checkpoints": True, "attn_chunks": 4},
     "LoRA + offload, attn chunks 8": {"lora_r": 16, "offload_checkpoints": True, "attn_chunks": 8},
+    # Mini-sequence's small loss tiles leave the layer backward as the peak: FPDT's chunk working set sets it.
+    "LoRA + mini-sequence, attn chunks 4": {"lora_r": 16, "mini_sequence": True, "attn_chunks": 4},
+    "LoRA + mini-sequence + offload, attn chunks 4": {"lora_r": 16, "offload_checkpoints": True, "mini_sequence": True,
+                                                      "attn_chunks": 4},
+    "full fine-tune, attn chunks 4": {"attn_chunks": 4},
 }
 
 
