@@ -388,25 +388,35 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         ("layer backward: further norms (fp32 inputs)", t * 4 * h * max(0, extra_norms)),
     ]
     if res > act:
+        # Chunked, q, k and v cast one chunk's input at a time, and not while the block kernel runs.
+        inputs = 0 if s.attn_chunk_count > 1 else t * h
         parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs",
-                      _autocast_layer_copies(p, t * h, act)))
+                      _autocast_layer_copies(p, inputs, act)))
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
     return parts
 
 
-def _chunks_saved_per_token(shape: ModelShape, act: int, fused_qkv: int = 0) -> int:
-    """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output in the
-    activation dtype, and the output's log-sum-exp in fp32 (one per head). `fused_qkv`: the width of a projection
-    making q, k and v at once (ParamCounts.fused_qkv_width): v is a view of its output and the saved view keeps that
-    whole output alive (on the device; a host copy holds the view's values only)."""
-    return act * (shape.kv_width + max(shape.kv_width, fused_qkv) + shape.q_width) + 4 * shape.heads
+def _chunks_saved_per_token(shape: ModelShape, act: int, res: int, fused_qkv: int = 0) -> int:
+    """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output, and the
+    output's log-sum-exp in fp32 (one per head). k and the output are in the rotated q/k's dtype (`_rotated`), v in
+    the activation dtype. `fused_qkv`: the width of a projection making q, k and v at once
+    (ParamCounts.fused_qkv_width): v is a view of its output and the saved view keeps that whole output alive (on
+    the device; a host copy holds the view's values only)."""
+    rotated = _rotated(act, res)
+    return rotated * (shape.kv_width + shape.q_width) + act * max(shape.kv_width, fused_qkv) + 4 * shape.heads
 
 
-def _chunks_backward_per_token(shape: ModelShape, act: int) -> int:
-    """What FPDT's backward adds per token of the live layer: q and the output gradient dO (activation dtype),
+def _chunks_backward_per_token(shape: ModelShape, act: int, res: int) -> int:
+    """What FPDT's backward adds per token of the live layer: q and the output gradient dO (the rotated dtype),
     rowsum(dO ∘ o) and the dq accumulators (fp32): all of them after the first key chunk's iteration."""
-    return act * 2 * shape.q_width + 4 * shape.heads + 4 * shape.q_width
+    return _rotated(act, res) * 2 * shape.q_width + 4 * shape.heads + 4 * shape.q_width
+
+
+def _rotated(act: int, res: int) -> int:
+    """Bytes of rotated q and k: fp32 weights under 16-bit autocast (a single-device full fine-tune) keep fp32 rotary
+    tables, which promote the 16-bit projections' outputs; the chunks' outputs follow q's dtype."""
+    return max(act, res)
 
 
 def _chunk_tokens(s: Settings) -> int:
@@ -423,8 +433,8 @@ def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
     CUDA's pinned allocator rounds each chunk's copy up to a power of two (none for power-of-two chunk lengths)."""
     if s.attn_chunk_count <= 1 or not s.offload_checkpoints:
         return 0
-    act = dtypes(s)["act"]
-    per_token = _chunks_saved_per_token(shape, act) + _chunks_backward_per_token(shape, act)
+    act, res = dtypes(s)["act"], dtypes(s)["residual"]
+    per_token = _chunks_saved_per_token(shape, act, res) + _chunks_backward_per_token(shape, act, res)
     return s.local_tokens * per_token + _chunk_tokens(s) * 8 * shape.kv_width
 
 
@@ -460,18 +470,22 @@ def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
     h, t, q, kv, heads = shape.hidden, s.local_tokens, shape.q_width, shape.kv_width, shape.heads
     c, offload = _chunk_tokens(s), s.offload_checkpoints
     fused = s.fuse_norms
-    norm = 0 if fused else t * (_norm_upcast(act) + act) * h
-    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act, p.fused_qkv_width)
+    # The input norm's output (the Function's input, in the residual's dtype), its fp32 copy of a 16-bit input, and
+    # for a trainable weight the normalised input its gradient needs.
+    norm = 0 if fused else t * (_norm_upcast(res) + res + (0 if s.lora_r else res)) * h
+    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act, res, p.fused_qkv_width)
     where = "on the host" if offload else "on the device"
     saved = (f"layer backward: chunked attention saved ({s.attn_chunk_count} chunks; k, v, output, lse {where}"
              + (")" if fused else "; input norm's input and output)"), norm + t * 16 + chunks_saved)
-    whole = t * (res * h + (res if fused else act) * h)  # incoming gradient, the input's gradient
-    backward_store = 0 if offload else t * _chunks_backward_per_token(shape, act)
+    # The incoming gradient (and its cast to the block output's 16-bit dtype under autocast), the input's gradient.
+    whole = t * h * (2 * res + (act if res > act else 0))
+    backward_store = 0 if offload else t * _chunks_backward_per_token(shape, act, res)
     dq_on_device = 2 * c * 4 * q if offload else 0  # the last block's dq sum, this block's row tiles of dq
     fetched = 0
     if offload and s.chunks_fetched:
-        query_chunk = act * 2 * q + 8 * heads + 4 * q  # q, dO, lse, rowsum, dq
-        fetched = c * act * 2 * kv + 2 * c * query_chunk
+        rotated = _rotated(act, res)
+        query_chunk = rotated * 2 * q + 8 * heads + 4 * q  # q, dO, lse, rowsum, dq
+        fetched = c * (rotated + act) * kv + 2 * c * query_chunk
     projections = c * act * (3 * h + 3 * q + 2 * kv)
     one_chunk = c * 24 * kv + dq_on_device + fetched + max(_score_tiles(shape, s), projections)
     return saved, (f"attention's, chunked ({c:,}-token chunks: score tiles, dq/dk/dv)",
@@ -530,7 +544,7 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
         norms -= res * h
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)
     if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
-        attention = _chunks_saved_per_token(shape, act, p.fused_qkv_width) + 16
+        attention = _chunks_saved_per_token(shape, act, res, p.fused_qkv_width) + 16
     mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
     return norms + attention + mlp
 
