@@ -443,12 +443,13 @@ def _score_tiles(shape: ModelShape, s: Settings) -> int:
     fp32 tile [batch, heads, rows, chunk] holds at most 2²⁶ elements (`_row_tiles`). Within a row tile the scores,
     probabilities, dP, dP − rowsum and dS are alive together: five tiles. With more than one row tile, the next
     tile's scores are made (the scaled logits, then the masked copy) while the last tile's four are still bound:
-    six. Plus the bool mask of the block [batch, chunk, chunk]."""
-    b, cs, heads = s.micro_batch, _sample_chunk(s), shape.heads
-    rows = max(1, (1 << 26) // max(1, b * heads * cs))
-    row_tiles = ceil_div(cs, rows)
-    tile = b * heads * ceil_div(cs, row_tiles) * cs * 4
-    return (6 if row_tiles > 1 else 5) * tile + b * cs * cs
+    six. Plus the bool mask of the block [batch, chunk, chunk]. Under Ulysses a block is every rank's chunk m (SP
+    times the tokens) and the rank's heads / SP."""
+    b, n, heads = s.micro_batch, s.sp * _sample_chunk(s), max(1, shape.heads // s.sp)
+    rows = max(1, (1 << 26) // max(1, b * heads * n))
+    row_tiles = ceil_div(n, rows)
+    tile = b * heads * ceil_div(n, row_tiles) * n * 4
+    return (6 if row_tiles > 1 else 5) * tile + b * n * n
 
 
 def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
