@@ -375,9 +375,10 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         saved = ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
                  t * (upcast + act * (h + 3 * q + 2 * kv)))
         attention = ("attention's (gradients of q, k, v, output, input norm)", t * act * (3 * h + 3 * q + 2 * kv))
+    casts, mlp_casts = _autocast_casts(shape, p, s, act, res)
     moments = [
         (f"the MLP's: {mlp_name}" + (", its norms fused" if fused else ", its norm's input and output"),
-         t * ((0 if fused else upcast + act * h) + grad) + mlp_work),
+         t * ((0 if fused else upcast + act * h) + grad) + mlp_work + mlp_casts),
         ("the MLP norm's (fp32 temporaries)", 0 if fused else t * (24 * h + grad)),
         attention,
     ]
@@ -388,10 +389,7 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         ("layer backward: further norms (fp32 inputs)", t * 4 * h * max(0, extra_norms)),
     ]
     if res > act:
-        # Chunked, q, k and v cast one chunk's input at a time, and not while the block kernel runs.
-        inputs = 0 if s.attn_chunk_count > 1 else t * h
-        parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs",
-                      _autocast_layer_copies(p, inputs, act)))
+        parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs", casts))
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
     return parts
@@ -491,6 +489,19 @@ def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
     one_chunk = c * 24 * kv + dq_on_device + fetched + max(_score_tiles(shape, s), projections)
     return saved, (f"attention's, chunked ({c:,}-token chunks: score tiles, dq/dk/dv)",
                    whole + backward_store + one_chunk)
+
+
+def _autocast_casts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: int) -> tuple[int, int]:
+    """Autocast's 16-bit copies in a layer's backward (fp32 weights under 16-bit autocast): (alive at every moment,
+    alive at the MLP's only). Unchunked, the layer's weights and q/k/v's input casts throughout. Chunked, q, k and v
+    cast one chunk's input at a time (none alive in the block kernel), and the MLP's weight copies are freed by its
+    backward, before the MLP norm's and attention's moments: those hold the attention projections' copies only."""
+    if res <= act:
+        return 0, 0
+    if s.attn_chunk_count <= 1:
+        return _autocast_layer_copies(p, s.local_tokens * shape.hidden, act), 0
+    attention = act * 2 * shape.hidden * (shape.q_width + shape.kv_width)  # q, k, v and o projections
+    return attention, max(0, _autocast_layer_copies(p, 0, act) - attention)
 
 
 def _autocast_layer_copies(p: ParamCounts, token_values: int, act: int) -> int:
