@@ -437,12 +437,14 @@ def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
 
 
 def _score_tiles(shape: ModelShape, s: Settings) -> int:
-    """The block kernel's score tiles at their peak (attention_chunks._block_backward): query rows are cut so one
-    fp32 tile [batch, heads, rows, chunk] holds at most 2²⁶ elements (`_row_tiles`). Within a row tile the scores,
+    """The PyTorch block kernel's score tiles at their peak (attention_blocks._torch_backward): query rows are cut so
+    one fp32 tile [batch, heads, rows, chunk] holds at most 2²⁶ elements (`_row_tiles`). Within a row tile the scores,
     probabilities, dP, dP − rowsum and dS are alive together: five tiles. With more than one row tile, the next
     tile's scores are made (the scaled logits, then the masked copy) while the last tile's four are still bound:
     six. Plus the bool mask of the block [batch, chunk, chunk]. Under Ulysses a block is every rank's chunk m (SP
-    times the tokens) and the rank's heads / SP."""
+    times the tokens) and the rank's heads / SP. Blocks inside one document take the flash kernel where its probe
+    passes (attention_blocks.block_kind), which holds no score tiles: counted as the PyTorch kernel's, an upper
+    bound (a block across packed documents runs that kernel; so does every block of the fake-tensor trace)."""
     b, n, heads = s.micro_batch, s.sp * _sample_chunk(s), max(1, shape.heads // s.sp)
     rows = max(1, (1 << 26) // max(1, b * heads * n))
     row_tiles = ceil_div(n, rows)
