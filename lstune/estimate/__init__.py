@@ -146,9 +146,10 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
 
 def traced_settings_estimate(config: TrainConfig, hardware: Cluster, model_config, analytic: Estimate) -> Estimate:
     """The analytic estimate of what `lstune estimate --trace` runs: the same rank and engine, the CPU's loss head
-    (ALST tiles, no Liger), mini-sequence without fused norms (finding them needs a probe on real weights), no CUDA
-    context (the trace sees only tensors)."""
-    s = replace(settings(config, hardware, analytic.sp, analytic.engine), liger=False, fuse_norms=False)
+    (ALST tiles, no Liger), mini-sequence without fused norms (finding them needs a probe on real weights), offloaded
+    attention chunks read in place (no device copies on CPU), no CUDA context (the trace sees only tensors)."""
+    s = replace(settings(config, hardware, analytic.sp, analytic.engine), liger=False, fuse_norms=False,
+                chunks_fetched=False)
     shape = ModelShape.from_config(model_config)
     b = breakdown(shape, analytic.params, s)
     b.items = [i for i in b.items if not i.name.startswith("CUDA context")]

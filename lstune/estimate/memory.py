@@ -93,6 +93,7 @@ class Settings:
     load_in_4bit: bool = False  # QLoRA: the frozen base's linear weights in NF4 (lstune.models.quant)
     attn_chunks: str | int = "off"  # --attn-chunks as configured
     attn_chunk_count: int = 1  # FPDT chunks of the local sequence, resolved by `breakdown`; 1: not chunked
+    chunks_fetched: bool = True  # offloaded chunks come back as device copies (CUDA); the CPU trace reads them in place
 
     @property
     def local_tokens(self) -> int:
@@ -369,14 +370,15 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     else:
         mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act, p)
     if s.attn_chunk_count > 1:
-        saved, attention = _chunked_attention(shape, s, act, res)
+        saved, attention = _chunked_attention(shape, p, s, act, res)
     else:
         saved = ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
                  t * (upcast + act * (h + 3 * q + 2 * kv)))
         attention = ("attention's (gradients of q, k, v, output, input norm)", t * act * (3 * h + 3 * q + 2 * kv))
+    casts, mlp_casts = _autocast_casts(shape, p, s, act, res)
     moments = [
         (f"the MLP's: {mlp_name}" + (", its norms fused" if fused else ", its norm's input and output"),
-         t * ((0 if fused else upcast + act * h) + grad) + mlp_work),
+         t * ((0 if fused else upcast + act * h) + grad) + mlp_work + mlp_casts),
         ("the MLP norm's (fp32 temporaries)", 0 if fused else t * (24 * h + grad)),
         attention,
     ]
@@ -387,27 +389,40 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         ("layer backward: further norms (fp32 inputs)", t * 4 * h * max(0, extra_norms)),
     ]
     if res > act:
-        parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs",
-                      _autocast_layer_copies(p, t * h, act)))
+        parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs", casts))
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
     return parts
 
 
-def _chunks_saved_per_token(shape: ModelShape, act: int) -> int:
-    """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output in the
-    activation dtype, and the output's log-sum-exp in fp32 (one per head)."""
-    return act * (2 * shape.kv_width + shape.q_width) + 4 * shape.heads
+def _chunks_saved_per_token(shape: ModelShape, act: int, res: int, fused_qkv: int = 0) -> int:
+    """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output, and the
+    output's log-sum-exp in fp32 (one per head). k and the output are in the rotated q/k's dtype (`_rotated`), v in
+    the activation dtype. `fused_qkv`: the width of a projection making q, k and v at once
+    (ParamCounts.fused_qkv_width): v is a view of its output and the saved view keeps that whole output alive (on
+    the device; a host copy holds the view's values only)."""
+    rotated = _rotated(act, res)
+    return rotated * (shape.kv_width + shape.q_width) + act * max(shape.kv_width, fused_qkv) + 4 * shape.heads
 
 
-def _chunks_backward_per_token(shape: ModelShape, act: int) -> int:
-    """What FPDT's backward adds per token of the live layer: q and the output gradient dO (activation dtype),
+def _chunks_backward_per_token(shape: ModelShape, act: int, res: int) -> int:
+    """What FPDT's backward adds per token of the live layer: q and the output gradient dO (the rotated dtype),
     rowsum(dO ∘ o) and the dq accumulators (fp32): all of them after the first key chunk's iteration."""
-    return act * 2 * shape.q_width + 4 * shape.heads + 4 * shape.q_width
+    return _rotated(act, res) * 2 * shape.q_width + 4 * shape.heads + 4 * shape.q_width
+
+
+def _rotated(act: int, res: int) -> int:
+    """Bytes of rotated q and k: fp32 weights under 16-bit autocast (a single-device full fine-tune) keep fp32 rotary
+    tables, which promote the 16-bit projections' outputs; the chunks' outputs follow q's dtype."""
+    return max(act, res)
 
 
 def _chunk_tokens(s: Settings) -> int:
-    return s.micro_batch * ceil_div(ceil_div(s.seq_len, s.sp), s.attn_chunk_count)
+    return s.micro_batch * _sample_chunk(s)
+
+
+def _sample_chunk(s: Settings) -> int:
+    return ceil_div(ceil_div(s.seq_len, s.sp), s.attn_chunk_count)
 
 
 def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
@@ -416,38 +431,79 @@ def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
     CUDA's pinned allocator rounds each chunk's copy up to a power of two (none for power-of-two chunk lengths)."""
     if s.attn_chunk_count <= 1 or not s.offload_checkpoints:
         return 0
-    act = dtypes(s)["act"]
-    per_token = _chunks_saved_per_token(shape, act) + _chunks_backward_per_token(shape, act)
+    act, res = dtypes(s)["act"], dtypes(s)["residual"]
+    per_token = _chunks_saved_per_token(shape, act, res) + _chunks_backward_per_token(shape, act, res)
     return s.local_tokens * per_token + _chunk_tokens(s) * 8 * shape.kv_width
 
 
-def _chunked_attention(shape: ModelShape, s: Settings, act: int, res: int) -> tuple[tuple[str, int], tuple[str, int]]:
+def _score_tiles(shape: ModelShape, s: Settings) -> int:
+    """The PyTorch block kernel's score tiles at their peak (attention_blocks._torch_backward): query rows are cut so
+    one fp32 tile [batch, heads, rows, chunk] holds at most 2²⁶ elements (`_row_tiles`). Within a row tile the scores,
+    probabilities, dP, dP − rowsum and dS are alive together: five tiles. With more than one row tile, the next
+    tile's scores are made (the scaled logits, then the masked copy) while the last tile's four are still bound:
+    six. Plus the bool mask of the block [batch, chunk, chunk]. Under Ulysses a block is every rank's chunk m (SP
+    times the tokens) and the rank's heads / SP. Blocks inside one document take the flash kernel where its probe
+    passes (attention_blocks.block_kind), which holds no score tiles: counted as the PyTorch kernel's, an upper
+    bound (a block across packed documents runs that kernel; so does every block of the fake-tensor trace)."""
+    b, n, heads = s.micro_batch, s.sp * _sample_chunk(s), max(1, shape.heads // s.sp)
+    rows = max(1, (1 << 26) // max(1, b * heads * n))
+    row_tiles = ceil_div(n, rows)
+    tile = b * heads * ceil_div(n, row_tiles) * n * 4
+    return (6 if row_tiles > 1 else 5) * tile + b * n * n
+
+
+def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
+                       res: int) -> tuple[tuple[str, int], tuple[str, int]]:
     """FPDT's attention block (lstune.memory.attention_chunks) in one layer's backward: (saved part, peak moment).
 
     Saved: the input norm's fp32 input and output (the Function's input; none when the norm runs inside the
     chunks, fused), the token ids (int64 index and document, on the device), and k, v, output and lse — on the host
-    with offload. The moment: the incoming gradient and the input's gradient (whole sequence), the backward's q,
-    dO, rowsum and fp32 dq accumulators (on the host with offload), then one chunk's share: fp32 dk and dv, the
-    fetched k, v, q, dO, lse and dq (with offload; the next chunk's prefetched too), and the larger of the block
-    kernel's fp32 score tiles (scores, probabilities, dP, dP − rowsum and dS: five, plus the bool mask of the
-    block) and the chunk's projections re-run with their gradients."""
+    with offload. The moment (inside the block kernel of key chunk 0 and the last query chunk): the incoming
+    gradient and the input's gradient (whole sequence), the backward's q, dO, rowsum and fp32 dq accumulators (on
+    the host with offload), then one chunk's share:
+
+    - fp32 dk and dv three times: the key chunk's accumulators, the running sums of the block being computed, and
+      the last block's sums (still bound in `_kv_chunk_backward` until the next block returns);
+    - with offload: the last block's fp32 dq sum (bound likewise; its host copy is made) and the dq of the row tiles
+      done; on CUDA the fetched copies — k and v of the key chunk, q, dO, lse, rowsum and dq of the query chunk,
+      and the same of the next query chunk, prefetched (`Settings.chunks_fetched`: the CPU trace reads them in place);
+    - the larger of the score tiles (`_score_tiles`) and the chunk's projections re-run with their gradients."""
     h, t, q, kv, heads = shape.hidden, s.local_tokens, shape.q_width, shape.kv_width, shape.heads
     c, offload = _chunk_tokens(s), s.offload_checkpoints
     fused = s.fuse_norms
-    norm = 0 if fused else t * (_norm_upcast(act) + act) * h
-    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act)
+    # The input norm's output (the Function's input, in the residual's dtype), its fp32 copy of a 16-bit input, and
+    # for a trainable weight the normalised input its gradient needs.
+    norm = 0 if fused else t * (_norm_upcast(res) + res + (0 if s.lora_r else res)) * h
+    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act, res, p.fused_qkv_width)
     where = "on the host" if offload else "on the device"
     saved = (f"layer backward: chunked attention saved ({s.attn_chunk_count} chunks; k, v, output, lse {where}"
              + (")" if fused else "; input norm's input and output)"), norm + t * 16 + chunks_saved)
-    whole = t * (res * h + (res if fused else act) * h)  # incoming gradient, the input's gradient
-    backward_store = 0 if offload else t * _chunks_backward_per_token(shape, act)
-    fetched = 2 * c * (act * 2 * kv + _chunks_backward_per_token(shape, act)) if offload else 0
-    rows = min(c, max(1, (1 << 26) // max(1, heads * c)))  # attention_blocks._row_tiles, per sample
-    tiles = s.micro_batch * (5 * heads * rows * c * 4 + c * c)
+    # The incoming gradient (and its cast to the block output's 16-bit dtype under autocast), the input's gradient.
+    whole = t * h * (2 * res + (act if res > act else 0))
+    backward_store = 0 if offload else t * _chunks_backward_per_token(shape, act, res)
+    dq_on_device = 2 * c * 4 * q if offload else 0  # the last block's dq sum, this block's row tiles of dq
+    fetched = 0
+    if offload and s.chunks_fetched:
+        rotated = _rotated(act, res)
+        query_chunk = rotated * 2 * q + 8 * heads + 4 * q  # q, dO, lse, rowsum, dq
+        fetched = c * (rotated + act) * kv + 2 * c * query_chunk
     projections = c * act * (3 * h + 3 * q + 2 * kv)
-    one_chunk = c * 8 * kv + fetched + max(tiles, projections)
+    one_chunk = c * 24 * kv + dq_on_device + fetched + max(_score_tiles(shape, s), projections)
     return saved, (f"attention's, chunked ({c:,}-token chunks: score tiles, dq/dk/dv)",
                    whole + backward_store + one_chunk)
+
+
+def _autocast_casts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: int) -> tuple[int, int]:
+    """Autocast's 16-bit copies in a layer's backward (fp32 weights under 16-bit autocast): (alive at every moment,
+    alive at the MLP's only). Unchunked, the layer's weights and q/k/v's input casts throughout. Chunked, q, k and v
+    cast one chunk's input at a time (none alive in the block kernel), and the MLP's weight copies are freed by its
+    backward, before the MLP norm's and attention's moments: those hold the attention projections' copies only."""
+    if res <= act:
+        return 0, 0
+    if s.attn_chunk_count <= 1:
+        return _autocast_layer_copies(p, s.local_tokens * shape.hidden, act), 0
+    attention = act * 2 * shape.hidden * (shape.q_width + shape.kv_width)  # q, k, v and o projections
+    return attention, max(0, _autocast_layer_copies(p, 0, act) - attention)
 
 
 def _autocast_layer_copies(p: ParamCounts, token_values: int, act: int) -> int:
@@ -502,7 +558,7 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
         norms -= res * h
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)
     if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
-        attention = _chunks_saved_per_token(shape, act) + 16
+        attention = _chunks_saved_per_token(shape, act, res, p.fused_qkv_width) + 16
     mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
     return norms + attention + mlp
 

@@ -377,6 +377,13 @@ GRID_SETTINGS = {
     "LoRA, attn chunks 8": {"lora_r": 16, "attn_chunks": 8},
     "LoRA + offload, attn chunks 4": {"lora_r": 16, "offload_checkpoints": True, "attn_chunks": 4},
     "LoRA + offload, attn chunks 8": {"lora_r": 16, "offload_checkpoints": True, "attn_chunks": 8},
+    # Mini-sequence's small loss tiles leave the layer backward as the peak: FPDT's chunk working set sets it
+    # (its score tiles the largest part; at 8K, 8 chunks of 1,024 tokens fit one score tile per block, 4 do not).
+    "LoRA + mini-sequence, attn chunks 4": {"lora_r": 16, "mini_sequence": True, "attn_chunks": 4},
+    "LoRA + mini-sequence, attn chunks 8": {"lora_r": 16, "mini_sequence": True, "attn_chunks": 8},
+    "LoRA + mini-sequence + offload, attn chunks 4": {"lora_r": 16, "offload_checkpoints": True, "mini_sequence": True,
+                                                      "attn_chunks": 4},
+    "full fine-tune, attn chunks 4": {"attn_chunks": 4},
 }
 
 
@@ -386,7 +393,8 @@ def grid_row(arch: str, setting: str, seq_len: int, *, layers: int = 2, gpu: str
     from lstune.estimate.hardware import resolve_hardware
     from lstune.models.presets import preset_config
 
-    flat = {"model": arch, "seq_len": seq_len, **GRID_SETTINGS[setting]}
+    # Attention is chunked only where the setting says so (`auto`, the default, would chunk the longer rows).
+    flat = {"model": arch, "seq_len": seq_len, "attn_chunks": "off", **GRID_SETTINGS[setting]}
     config = TrainConfig.from_flat(flat)
     model_config = preset_config(arch, num_hidden_layers=layers)
     hardware = resolve_hardware(gpu=gpu, gpus=config.parallel.gpus, host_mem=1 << 50)
@@ -404,12 +412,15 @@ def grid_row(arch: str, setting: str, seq_len: int, *, layers: int = 2, gpu: str
 
 
 # The grid of docs/estimate.md: every setting on Llama-3.1-8B shapes at three lengths, and LoRA / full fine-tune
-# of the other architectures at one.
+# (and chunked attention) of the other architectures at one.
 def default_grid() -> list[tuple[str, str, int]]:
     rows = [("llama-3.1-8b", setting, seq) for setting in GRID_SETTINGS for seq in (8192, 16384, 32768)]
     for arch in ("qwen3-8b", "qwen2.5-7b", "phi-3-mini", "llama-3.2-1b", "qwen3-0.6b"):
         rows += [(arch, "LoRA defaults", 16384), (arch, "full fine-tune", 16384)]
     rows += [(arch, "LoRA defaults", 16384) for arch in ("mixtral-8x7b", "qwen3-30b-a3b")]
+    # Chunked attention on MHA with a fused qkv projection (Phi-3) and on GQA 28/4 (Qwen2.5).
+    for arch in ("phi-3-mini", "qwen2.5-7b"):
+        rows += [(arch, "LoRA, attn chunks 4", 16384), (arch, "LoRA + mini-sequence, attn chunks 4", 16384)]
     return rows
 
 
