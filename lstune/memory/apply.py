@@ -301,7 +301,7 @@ def _apply_loss(model, plan: MemoryPlan, tiled_loss, probing: bool) -> None:
 def _fuse_final_norm(plan: MemoryPlan) -> None:
     """The final norm's full-sequence fp32 copy and output go: each loss tile norms its slice (loss.fuse_final_norm),
     where a probe shows that is exact. Not for Liger, whose fused loss takes normed hidden states."""
-    undo = fuse_final_norm(plan.parts)
+    undo = fuse_final_norm(plan.parts, chunks=plan.attn_chunking)
     if undo is None:
         logger.info("loss head: the final norm stays in the body (no single final norm, or running it per tile "
                     "changed the probe's output)")

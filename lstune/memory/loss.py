@@ -54,6 +54,8 @@ from lstune.models.introspect import ModelParts, decoder_body, find_parts
 if TYPE_CHECKING:
     from torch import nn
 
+    from lstune.models.chunk_layout import AttentionChunks
+
 IGNORE_INDEX = -100
 LOSS_TILE_BYTES = 2**30  # fp32 logits per tile (ALST's ~1 GiB shards)
 
@@ -233,17 +235,18 @@ def _normed(norm: "nn.Module | None", hidden: torch.Tensor) -> torch.Tensor:
     return hidden if norm is None else FusedNorm.call(norm, hidden)
 
 
-def fuse_final_norm(parts: ModelParts) -> Undo | None:
+def fuse_final_norm(parts: ModelParts, chunks: AttentionChunks | None = None) -> Undo | None:
     """Make the body's final norm an identity and run it in each loss tile instead (module doc), when a probe shows
     that is exact: the probe's normed hidden states equal the norm applied to the un-normed ones, whole and in two
     uneven slices (so nothing follows the norm in the body and it is per token). Returns the undo, or None (left
-    alone) when the body has no single final norm or the probe differs. Needs real weights (`probe`)."""
+    alone) when the body has no single final norm or the probe differs. Needs real weights (`probe`); `chunks`: the
+    chunked attention installed (the probe's layout must suit it, `probe.probe_inputs`)."""
     from lstune.memory.probe import eval_mode, probe_hidden_states, probe_inputs
 
     norm = parts.final_norm
     if norm is None:
         return None
-    inputs = probe_inputs(parts)
+    inputs = probe_inputs(parts, chunks=chunks)
     reference = probe_hidden_states(parts, inputs)
     undo = FusedNorm.install(norm, what="final norm fused into the loss tiles")
     try:
