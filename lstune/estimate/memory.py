@@ -395,14 +395,12 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     return parts
 
 
-def _chunks_saved_per_token(shape: ModelShape, act: int, res: int, fused_qkv: int = 0) -> int:
+def _chunks_saved_per_token(shape: ModelShape, act: int, res: int) -> int:
     """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output, and the
     output's log-sum-exp in fp32 (one per head). k and the output are in the rotated q/k's dtype (`_rotated`), v in
-    the activation dtype. `fused_qkv`: the width of a projection making q, k and v at once
-    (ParamCounts.fused_qkv_width): v is a view of its output and the saved view keeps that whole output alive (on
-    the device; a host copy holds the view's values only)."""
+    the activation dtype (a fused qkv projection's v is saved as its own copy, not as a view of the whole output)."""
     rotated = _rotated(act, res)
-    return rotated * (shape.kv_width + shape.q_width) + act * max(shape.kv_width, fused_qkv) + 4 * shape.heads
+    return rotated * (shape.kv_width + shape.q_width) + act * shape.kv_width + 4 * shape.heads
 
 
 def _chunks_backward_per_token(shape: ModelShape, act: int, res: int) -> int:
@@ -474,7 +472,7 @@ def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
     # The input norm's output (the Function's input, in the residual's dtype), its fp32 copy of a 16-bit input, and
     # for a trainable weight the normalised input its gradient needs.
     norm = 0 if fused else t * (_norm_upcast(res) + res + (0 if s.lora_r else res)) * h
-    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act, res, p.fused_qkv_width)
+    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act, res)
     where = "on the host" if offload else "on the device"
     saved = (f"layer backward: chunked attention saved ({s.attn_chunk_count} chunks; k, v, output, lse {where}"
              + (")" if fused else "; input norm's input and output)"), norm + t * 16 + chunks_saved)
@@ -558,7 +556,7 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
         norms -= res * h
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)
     if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
-        attention = _chunks_saved_per_token(shape, act, res, p.fused_qkv_width) + 16
+        attention = _chunks_saved_per_token(shape, act, res) + 16
     mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
     return norms + attention + mlp
 

@@ -130,7 +130,6 @@ class ParamCounts:
     embeddings: int  # input embedding (+ output head when not tied)
     lora_wrapped: int = 0  # parameters peft adapts directly (MoE's 3-D expert weights): it materialises B·A for them
     lora_wrapped_largest: int = 0  # the largest of those parameters
-    fused_qkv_width: int = 0  # output width of one projection making q, k and v together (Phi-3); 0: separate
 
     @property
     def frozen(self) -> int:
@@ -140,8 +139,7 @@ class ParamCounts:
         return {"total": self.total, "trainable": self.trainable, "frozen": self.frozen, "adapters": self.adapters,
                 "adapted_linears": self.adapted_linears, "largest_layer": self.largest_layer,
                 "norms_per_layer": self.norms_per_layer, "embeddings": self.embeddings,
-                "lora_wrapped": self.lora_wrapped, "lora_wrapped_largest": self.lora_wrapped_largest,
-                "fused_qkv_width": self.fused_qkv_width}
+                "lora_wrapped": self.lora_wrapped, "lora_wrapped_largest": self.lora_wrapped_largest}
 
 
 def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto",
@@ -161,9 +159,8 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     largest = max(_unique_numel(layer.parameters()) for layer in layers)
     norms = sum(1 for m in layers[0].modules() if m is not layers[0] and is_norm(m))
     embeddings = _unique_numel([*model.get_input_embeddings().parameters(), *model.get_output_embeddings().parameters()])
-    fused = _fused_qkv_width(layers[0], ModelShape.from_config(config))
     if not lora_r:
-        return ParamCounts(base, base, 0, 0, largest, norms, embeddings, fused_qkv_width=fused)
+        return ParamCounts(base, base, 0, 0, largest, norms, embeddings)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecations peft trips; noise here
         peft_model = apply_lora(model, r=lora_r, alpha=None, dropout=0.0, targets=lora_targets)
@@ -171,22 +168,7 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     adapted = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A")) > 0)
     wrapped = _wrapped(peft_model)
     return ParamCounts(base + adapters, adapters, adapters, adapted, largest, norms, embeddings,
-                       _unique_numel(wrapped), max((p.numel() for p in wrapped), default=0), fused)
-
-
-def _fused_qkv_width(layer, shape: ModelShape) -> int:
-    """The output width of the layer's attention projection that makes q, k and v at once (Phi-3's `qkv_proj`,
-    GPT-NeoX's `query_key_value`), 0 when they are separate. Its q, k and v are views of that one output."""
-    from lstune.errors import ModelError
-    from lstune.models.introspect import layer_attention
-
-    try:
-        attention = getattr(layer, layer_attention(layer))
-    except ModelError:
-        return 0
-    fused = shape.q_width + 2 * shape.kv_width
-    widths = {getattr(m, "out_features", None) or getattr(m, "nf", None) for m in attention.modules()}  # Linear, Conv1D
-    return fused if fused in widths else 0
+                       _unique_numel(wrapped), max((p.numel() for p in wrapped), default=0))
 
 
 def _wrapped(peft_model) -> list:

@@ -371,8 +371,8 @@ class _ChunkSink:
             index_Bn, doc_Bn = self._token_ids(query, position_ids)
             store.put(("idx", m), index_Bn, offload=False)
             store.put(("doc", m), doc_Bn, offload=False)
-            store.put(("k", m), key.detach())
-            store.put(("v", m), value.detach())
+            store.put(("k", m), _own(key.detach()))
+            store.put(("v", m), _own(value.detach()))
             out5, lse = _chunk_forward(self, query, key, value)
             store.put(("o", m), out5)
             store.put(("lse", m), lse)
@@ -446,6 +446,15 @@ class _PositionOrder:
                             "to 0); these position_ids restart elsewhere. Fix the data, or use --attn-chunks off."
                             + (" Under sequence parallelism the batch must also be in FPDT's order: shard it with "
                                "SPDataAdapter or shard_batch given the model's chunk setting." if gathered else ""))
+
+
+def _own(x: Tensor) -> Tensor:
+    """`x`, or a copy of it when it is a view into a larger tensor: a fused projection's q, k and v (Phi-3's
+    `qkv_proj`, GPT-2's `c_attn`) are views of its one output, and saving the view would keep that whole output
+    alive on the device for the layer's backward."""
+    if x.untyped_storage().nbytes() > x.numel() * x.element_size():
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -76,13 +76,6 @@ def test_the_analytic_model_of_chunked_attention_is_within_3_percent_of_the_trac
     assert abs(row["error"]) <= 0.03, row
 
 
-def test_a_fused_qkv_projection_is_found_with_and_without_lora():
-    phi = preset_config("phi-3-mini", num_hidden_layers=1)
-    assert count_parameters(phi).fused_qkv_width == 3 * 3072  # q + k + v of MHA: one qkv_proj
-    assert count_parameters(phi, lora_r=8).fused_qkv_width == 3 * 3072  # peft's wrapper keeps the base Linear
-    assert count_parameters(preset_config("llama-3.1-8b", num_hidden_layers=1)).fused_qkv_width == 0
-
-
 def test_sequence_parallelism_is_traced_for_real_on_a_fake_process_group(monkeypatch):
     import torch.distributed as dist
 

@@ -385,3 +385,16 @@ def test_undo_restores_the_attention_modules():
     assert all("forward" in vars(layer.self_attn) for layer in model.model.layers)
     plan.undo()
     assert not any("forward" in vars(layer.self_attn) for layer in model.model.layers)
+
+
+def test_saved_keys_and_values_do_not_keep_a_fused_projections_output_alive():
+    """A fused qkv projection's v is a view of its whole output: the store keeps its own copy instead (the estimate's
+    Phi-3 rows count kv values per token, not q + 2·kv)."""
+    from lstune.memory.attention_chunks import _own
+
+    qkv = torch.randn(2, 10, 3 * 8)
+    v = qkv[..., 16:].view(2, 10, 2, 4).transpose(1, 2)
+    owned = _own(v)
+    assert torch.equal(owned, v) and owned.untyped_storage().nbytes() == v.numel() * 4
+    alone = torch.randn(2, 2, 10, 4)
+    assert _own(alone) is alone
