@@ -47,14 +47,18 @@ def lstune_step(plan):
     return step
 
 
+_UNCHUNKED = {"attn_chunks": "off"}  # unresolved `auto` would chunk the longer rows (no estimate chooses here)
 CONFIGS = {
     "HF plain": None,
-    "HF + checkpointing": {"tiled_mlp": "off", "tiled_loss": "off", "checkpointing": True},
-    "tiled loss": {"tiled_mlp": "off", "checkpointing": False},
-    "tiled loss + tiled MLP": {"checkpointing": False},
-    "tiled loss + tiled MLP + checkpointing (default)": {},
-    "mini-sequence + checkpointing": {"mini_sequence": True},
-    "default + offload (device bytes)": {"offload_checkpoints": True},
+    "HF + checkpointing": {"tiled_mlp": "off", "tiled_loss": "off", "checkpointing": True, **_UNCHUNKED},
+    "tiled loss": {"tiled_mlp": "off", "checkpointing": False, **_UNCHUNKED},
+    "tiled loss + tiled MLP": {"checkpointing": False, **_UNCHUNKED},
+    "tiled loss + tiled MLP + checkpointing (default)": {**_UNCHUNKED},
+    "mini-sequence + checkpointing": {"mini_sequence": True, **_UNCHUNKED},
+    "default + offload (device bytes)": {"offload_checkpoints": True, **_UNCHUNKED},
+    "mini-sequence + offload (device bytes)": {"mini_sequence": True, "offload_checkpoints": True, **_UNCHUNKED},
+    "mini-sequence + offload + attention in 4 chunks (device bytes)": {"mini_sequence": True,
+                                                                        "offload_checkpoints": True, "attn_chunks": 4},
 }
 
 
@@ -80,7 +84,7 @@ def _run_config(model, name, options, seq, device) -> int:
     plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq) if options is not None else None
     step = lstune_step(plan) if options is not None and not name.startswith("HF") else hf_step
     batch = _batch(seq, model.config.vocab_size, device)
-    exclude = (lambda: plan.offloader.stats.host_bytes) if plan is not None and plan.offloader else None
+    exclude = (lambda: _host_bytes(plan)) if plan is not None and plan.offloader else None
     try:
         with no_leftover_grads(model):
             return peak_bytes(lambda: step(model, batch), device, exclude)
@@ -89,9 +93,17 @@ def _run_config(model, name, options, seq, device) -> int:
             plan.undo()
 
 
+def _host_bytes(plan) -> int:
+    """What the plan keeps in host memory now (offloaded checkpoints and attention chunks): not device bytes."""
+    chunks = plan.attn_chunk_stats.host_bytes if plan.attn_chunk_stats is not None else 0
+    return plan.offloader.stats.host_bytes + chunks
+
+
 def measure_table(preset: str, layers: int, seqs: list[int], device: str, dtype: torch.dtype, fake: bool,
-                  attention: str = "hf"):
-    """[(configuration, [peak bytes at each seq])] for plain HF and lstune's techniques."""
+                  attention: str = "hf", rows: list[str] | None = None):
+    """[(configuration, [peak bytes at each seq])] for plain HF and lstune's techniques; `rows`: only the
+    configurations whose names contain one of these. Chunked attention needs lstune's attention: its rows are
+    measured with `attention="lstune"` only."""
     import contextlib
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -105,11 +117,12 @@ def measure_table(preset: str, layers: int, seqs: list[int], device: str, dtype:
         from lstune.models.attention import use_lstune_attention
 
         use_lstune_attention(model, backend="sdpa")
-    rows = []
+    wanted = [(name, options) for name, options in CONFIGS.items()
+              if (rows is None or any(r in name for r in rows))
+              and (attention == "lstune" or (options or {}).get("attn_chunks", "off") == "off")]
     with mode or contextlib.nullcontext(), _one_document_positions(fake):
-        for name, options in CONFIGS.items():
-            rows.append((name, [_run_config_at(model, name, options, seq, device, fake) for seq in seqs]))
-    return rows
+        return [(name, [_run_config_at(model, name, options, seq, device, fake) for seq in seqs])
+                for name, options in wanted]
 
 
 def _run_config_at(model, name, options, seq, device, fake) -> int:
@@ -208,6 +221,7 @@ def main() -> None:
     parser.add_argument("--fake", action="store_true", help="fake tensors: trace allocations at any length, no RAM")
     parser.add_argument("--attention", choices=["hf", "lstune"], default="hf",
                         help="lstune: every row uses lstune's mask-free attention (lstune.models.attention)")
+    parser.add_argument("--rows", nargs="+", help="only the configurations whose names contain one of these")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (memory does not depend on it)")
     parser.add_argument("--loss-policies", action="store_true", help="compare ALST and MST loss tiling instead")
     parser.add_argument("--step-times", action="store_true", help="time one step per configuration instead")
@@ -226,7 +240,7 @@ def main() -> None:
             print(f"| {name} | {seq:,} | {tiles} | {peak / 2**20:,.0f} |")
         return
     rows = measure_table(args.preset, args.layers, args.seq, args.device, getattr(torch, args.dtype), args.fake,
-                         args.attention)
+                         args.attention, args.rows)
     s1, s2 = args.seq[-2:]
     peaks_header = " | ".join(f"peak @ {s} (MiB)" for s in args.seq)
     print(f"| configuration | {peaks_header} | bytes / token ({s1}→{s2}) |")
