@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -174,11 +174,12 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
     """Chunked attention (FPDT), with the norms around each attention run per chunk when a probe confirms that is
     exact; its saved chunks go to host memory with --offload-checkpoints."""
     setting = memory.attn_chunks
-    auto_tokens = chunked_attn.attention_chunking(setting, plan.parts.lm.config).auto_tokens
+    chunking = chunked_attn.attention_chunking(setting, plan.parts.lm.config)
+    auto_tokens = chunking.auto_tokens
     if setting == "auto" and chunked_attn.chunk_count(setting, plan.seq_len, auto_tokens) <= 1:
         setting = "off"  # unresolved `auto` (no estimate chose) that cuts nothing at this length: nothing to patch
-    plan.attn_chunks = setting
-    plan.attn_chunking = chunked_attn.attention_chunking(setting, plan.parts.lm.config)
+        chunking = replace(chunking, setting=setting)
+    plan.attn_chunks, plan.attn_chunking = setting, chunking
     plan.attn_chunks_at_seq_len = chunked_attn.chunk_count(setting, plan.seq_len, auto_tokens)
     if setting == "off":
         return
