@@ -29,6 +29,7 @@ from lstune.memory.lora_inputs import share_lora_inputs
 from lstune.memory.loss import (
     LossTiles,
     causal_lm_loss_sum,
+    check_loss_config,
     check_loss_head,
     fuse_final_norm,
     liger_applies,
@@ -137,6 +138,8 @@ def apply_memory_techniques(
     probing = _can_probe(parts.lm)
     if probing:
         check_loss_head(parts)
+    else:
+        check_loss_config(parts.text_config)
     try:
         plan._undos.extend(share_lora_inputs(model))
         _apply_attention_chunks(plan, memory, probing)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from lstune.memory.patching import FusedNorm, Undo
 from lstune.memory.tiling import TilePolicy, int32_safe_tiles, is_zero3_partitioned, sequence_tiled, tile_bounds
-from lstune.models.introspect import ModelParts, decoder_body, find_parts
+from lstune.models.introspect import ModelParts, decoder_body, find_parts, text_config
 
 if TYPE_CHECKING:
     from torch import nn
@@ -314,16 +314,21 @@ def _liger_loss_sum(head, transform: LogitTransform, hidden_TD, labels_T) -> tor
 
 @torch.no_grad()
 def check_loss_head(parts: ModelParts) -> None:
-    """Raise ModelError unless head + transform reproduce the model's own logits on a few-token probe.
+    """Raise ModelError unless head + transform reproduce the model's own logits, and token cross-entropy its own
+    loss, on a few-token probe.
 
-    Catches architectures that post-process logits in a way `logit_transform` does not know.
+    Catches architectures that post-process logits in a way `logit_transform` does not know, and models whose own
+    loss adds a term to the cross-entropy (MoE routers' load-balancing loss, a remote model's z-loss): lstune's
+    head computes token cross-entropy only, so such a model would train on a different objective.
     """
     from lstune.errors import ModelError
     from lstune.memory.probe import eval_mode, probe_hidden_states, probe_inputs
 
+    check_loss_config(parts.text_config)
     inputs = probe_inputs(parts)
     with eval_mode(parts.lm):
-        reference = parts.lm(**inputs, use_cache=False).logits.float()
+        out = parts.lm(**inputs, labels=inputs["input_ids"], use_cache=False)
+    reference = out.logits.float()
     ours = logit_transform(parts.text_config)(parts.output_embedding(probe_hidden_states(parts, inputs)).float())
     tol = 1e-4 if parts.output_embedding.weight.dtype == torch.float32 else 3e-2
     if not torch.allclose(ours, reference, rtol=tol, atol=tol * reference.abs().max().item()):
@@ -331,4 +336,40 @@ def check_loss_head(parts: ModelParts) -> None:
             f"lstune's loss head does not reproduce {type(parts.lm).__name__}'s logits "
             "(it post-processes logits in a way lstune does not know); this architecture is not supported yet."
         )
+    token_ce = F.cross_entropy(reference[:, :-1].flatten(0, 1), inputs["input_ids"][:, 1:].flatten())
+    check_own_loss(parts.lm, getattr(out, "loss", None), token_ce.item(), rtol=tol)
 
+
+def check_own_loss(lm: "nn.Module", own: "torch.Tensor | None", token_ce: float, *, rtol: float) -> None:
+    """ModelError when the model's own loss (`own`, its forward's `.loss` given labels) is not the token
+    cross-entropy `token_ce` of the same logits: the forward adds a term lstune's head does not compute. In a
+    16-bit probe a small term (a router loss of ~1e-3) hides under the tolerance; the fp32 self-check
+    (lstune.train.self_check) and `check_loss_config` catch those."""
+    from lstune.errors import ModelError
+
+    if own is None or math.isclose(own.item(), token_ce, rel_tol=rtol, abs_tol=rtol):
+        return
+    check_loss_config(text_config(lm))  # the known cause, with its fix
+    raise ModelError(
+        f"{type(lm).__name__}'s own loss is not token cross-entropy ({own.item():.7g} against {token_ce:.7g} on a "
+        "probe): its forward adds a term that lstune's loss head does not compute, so training would silently "
+        "differ from Hugging Face's; this model is not supported yet."
+    )
+
+
+def check_loss_config(text_config) -> None:
+    """ModelError when the config asks the model's own loss to add the routers' load-balancing loss
+    (`output_router_logits` with a non-zero `router_aux_loss_coef`): lstune's loss is token cross-entropy only.
+    Checked on the config so it holds where no probe can run (meta or fake weights)."""
+    from lstune.errors import ModelError
+
+    coef = getattr(text_config, "router_aux_loss_coef", None)
+    if not getattr(text_config, "output_router_logits", False) or not coef:
+        return  # no coefficient: whether the model adds a term at all is the probe's to find (check_loss_head)
+    raise ModelError(
+        f"this model's config asks for the routers' load-balancing loss (output_router_logits: true, "
+        f"router_aux_loss_coef: {coef}), which Hugging Face adds to the loss and lstune's loss head does not "
+        "compute, so training would silently differ. Set \"output_router_logits\": false in the config.json of a "
+        "local copy of the model (Hugging Face's default for every MoE model; the loss is then token "
+        "cross-entropy, as lstune computes it) and pass that folder to --model."
+    )

@@ -277,19 +277,30 @@ def _layer_capture(model: Any, store: dict) -> list:
 def _reference_step(model: Any, batch: dict, device: Any) -> tuple[float, Any, dict]:
     import torch.nn.functional as F
 
+    from lstune.memory.loss import check_own_loss
+
     model.to(device).train()
     embeds, layers = [], {}
     handles = [_embedding_capture(model, embeds), *_layer_capture(model, layers)]
     try:
         batch = {k: v.to(device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
         labels = batch["shift_labels"]
-        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=_unshifted(labels),
+                    use_cache=False)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        check_own_loss(model, out.loss, loss.item(), rtol=_LOSS_RTOL)  # lstune computes token cross-entropy only
         loss.backward()
     finally:
         for handle in handles:
             handle.remove()
     return loss.item(), embeds[0].grad[0].detach(), {i: h[0] for i, h in layers.items()}
+
+
+def _unshifted(shift_labels: Any) -> Any:
+    """Labels for the model's own loss, which shifts them by one itself (the last pre-shifted label is -100)."""
+    import torch
+
+    return torch.cat([torch.full_like(shift_labels[:, :1], -100), shift_labels[:, :-1]], dim=1)
 
 
 def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict) -> tuple[float, Any, dict]:

@@ -44,3 +44,16 @@ def test_packing_a_convolutional_model_is_refused(cli, tmp_path, text_data):
     assert result.code == 2, (result.out, result.err)
     assert "packed documents would leak" in result.err and "without --pack" in result.err
     assert "Traceback" not in result.err
+
+
+def test_a_model_whose_own_loss_adds_the_router_loss_is_refused(cli, tmp_path, text_data):
+    """lstune's loss is token cross-entropy; a config asking HF to add the routers' load-balancing loss is refused
+    (exit 2, the key to change named) instead of training on a different objective."""
+    folder = tmp_path / "mixtral"
+    config = tiny_config("mixtral")
+    config.output_router_logits = True
+    config.save_pretrained(folder)
+    result = cli("train", "--model", folder, "--data", text_data, "--output-dir", tmp_path / "o", *ARGS)
+    assert result.code == 2, (result.out, result.err)
+    assert "load-balancing loss" in result.err and '"output_router_logits": false' in result.err
+    assert "Traceback" not in result.err and not (tmp_path / "o" / "final").exists()

@@ -20,6 +20,7 @@ from lstune.memory.loss import (
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy, tile_bounds
 from lstune.models.introspect import find_parts
 from lstune.models.presets import build_model
+from tests.support.archs import tiny_model
 from lstune.memory.measure import LiveBytes
 from tests.unit.memory._helpers import hf_loss_sum, long_batch
 
@@ -96,6 +97,31 @@ def test_check_loss_head_catches_an_unknown_logit_transform():
     check_loss_head(find_parts(model))
     model.config.final_logit_softcapping = 2.0  # lstune would softcap; Llama's forward does not
     with pytest.raises(ModelError, match="does not reproduce"):
+        check_loss_head(find_parts(model))
+
+
+def test_check_loss_head_refuses_a_config_asking_for_the_router_loss():
+    model = tiny_model("mixtral")
+    check_loss_head(find_parts(model))  # HF's default: no router loss, exact
+    model.config.output_router_logits = True  # Mixtral's forward now adds router_aux_loss_coef x its balance loss
+    with pytest.raises(ModelError, match="load-balancing loss .*output_router_logits"):
+        check_loss_head(find_parts(model))
+    model.config.router_aux_loss_coef = model.router_aux_loss_coef = 0.0  # a zero coefficient adds nothing: exact
+    check_loss_head(find_parts(model))
+
+
+def test_check_loss_head_catches_a_term_the_forward_adds_to_the_loss():
+    model = build_model("tiny-llama")
+    forward = model.forward
+
+    def with_extra_term(*args, **kwargs):  # a remote model's z-loss, say: its forward adds it when given labels
+        out = forward(*args, **kwargs)
+        if out.loss is not None:
+            out.loss = out.loss + 1e-2 * out.logits.float().logsumexp(-1).pow(2).mean()
+        return out
+
+    model.forward = with_extra_term
+    with pytest.raises(ModelError, match="own loss is not token cross-entropy"):
         check_loss_head(find_parts(model))
 
 

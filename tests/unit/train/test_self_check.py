@@ -64,6 +64,18 @@ def test_a_broken_technique_is_named(monkeypatch):
         self_check.run_self_check(tiny_model("llama"), _config(), CPU)
 
 
+def test_a_term_the_model_adds_to_its_own_loss_is_caught_in_fp32(monkeypatch):
+    """The router loss of an MoE config, with the config check that names it out of the way: ~3e-4 of the loss,
+    which a 16-bit probe would miss, stops the fp32 self-check."""
+    from lstune.memory import loss
+
+    monkeypatch.setattr(loss, "check_loss_config", lambda config: None)
+    model = tiny_model("mixtral")
+    model.config.output_router_logits = True
+    with pytest.raises(ModelError, match="own loss is not token cross-entropy"):
+        self_check.run_self_check(model, _config(), CPU)
+
+
 def test_big_models_are_checked_on_a_truncated_copy(monkeypatch):
     monkeypatch.setattr(self_check, "_SMALL_MODEL", 0)
     result = self_check.run_self_check(tiny_model("gemma3_text"), _config(True), CPU)
