@@ -9,6 +9,7 @@ RSS). matplotlib with its Agg backend, imported here only, so that no command pa
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from lstune.errors import UserError
 from lstune.train.metrics import METRICS_FILE
 
 PLOT_FILE = "metrics.png"
+_MARK = "lstune plot"
 GIB = 2**30
 
 
@@ -29,7 +31,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and "step" in record:
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
             records.append(record)
     return records
 
@@ -46,17 +48,34 @@ def plot_run(output_dir: Path, out: Path | None = None) -> Path:
     if not records:
         raise UserError(f"{metrics_path} has no step yet; plot again once the run has finished a step.")
     target = Path(out) if out is not None else output_dir / PLOT_FILE
-    if out is None and target.exists() and PLOT_FILE not in read_record(output_dir):
-        raise UserError(f"{target} exists and lstune did not write it; nothing is overwritten unasked. "
-                        "Choose another file with --out.")
+    _check_target(target, recorded=out is None and PLOT_FILE in read_record(output_dir))
     figure = draw(records, title=output_dir.resolve().name)
     tmp = target.with_name(f".tmp-{target.name}-{os.getpid()}")
     try:
-        figure.savefig(tmp, format="png", dpi=110)
+        figure.savefig(tmp, format="png", dpi=110, metadata={"Software": _MARK})
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
     return target
+
+
+def _check_target(target: Path, *, recorded: bool) -> None:
+    """UserError unless `target` may be written: absent, or a plot lstune wrote (named in the run record, or
+    carrying lstune's mark in its PNG text). An --out naming the user's own file is refused like the default."""
+    if target.is_dir():
+        raise UserError(f"--out {target} is a folder; give the PNG file to write, e.g. {target / PLOT_FILE}.")
+    if not target.parent.is_dir():
+        raise UserError(f"--out {target}: the folder {target.parent} does not exist; create it or choose another.")
+    if target.exists() and not (recorded or _marked(target)):
+        raise UserError(f"{target} exists and lstune did not write it; nothing is overwritten unasked. "
+                        "Choose another file with --out.")
+
+
+def _marked(path: Path) -> bool:
+    """The PNG carries the text chunk `Software: lstune plot` that plot_run writes (ahead of the image data)."""
+    with path.open("rb") as fh:
+        head = fh.read(1 << 16)
+    return head.startswith(b"\x89PNG\r\n\x1a\n") and b"tEXtSoftware\x00" + _MARK.encode() in head
 
 
 def draw(records: list[dict[str, Any]], *, title: str = ""):
@@ -73,7 +92,7 @@ def draw(records: list[dict[str, Any]], *, title: str = ""):
     loss_step, loss_tokens, speed, memory = figure.subplots(2, 2).flat
 
     for ax, x, label in ((loss_step, steps, "step"), (loss_tokens, tokens, "tokens seen")):
-        ax.plot(x, [r["loss"] for r in records], label="training loss", color="tab:blue")
+        ax.plot(x, _values(records, "loss"), label="training loss", color="tab:blue")
         if evals:
             ex = [r["step"] if label == "step" else r.get("tokens_seen", 0) for r in evals]
             ax.plot(ex, [r["eval_loss"] for r in evals], "o-", label="validation loss", color="tab:orange")
@@ -93,24 +112,36 @@ def draw(records: list[dict[str, Any]], *, title: str = ""):
     loss_step.set_title("loss vs step")
     loss_tokens.set_title("loss vs tokens")
 
-    speed.plot(steps, [r["tokens_per_s"] for r in records], color="tab:green")
+    speed.plot(steps, _values(records, "tokens_per_s"), color="tab:green")
     speed.set_title("throughput")
     speed.set_xlabel("step")
     speed.set_ylabel("tokens / s")
-    speed.set_ylim(0, 1.15 * max(r["tokens_per_s"] for r in records))
+    speed.set_ylim(0, 1.15 * _top(_values(records, "tokens_per_s")))
     speed.grid(alpha=0.3)
 
-    peak = [r["peak_device_mem_bytes"] / GIB for r in records]
-    rss = [r["host_rss_bytes"] / GIB for r in records]
+    peak = [v / GIB for v in _values(records, "peak_device_mem_bytes")]
+    rss = [v / GIB for v in _values(records, "host_rss_bytes")]
     # On CPU the "device" peak is the process's peak RSS (lstune.train.metrics).
     memory.plot(steps, peak, label="peak memory per step (device; on CPU: peak RSS)")
     memory.plot(steps, rss, label="host RSS", linestyle="--")
     memory.set_title("memory")
     memory.set_xlabel("step")
     memory.set_ylabel("GiB")
-    memory.set_ylim(0, 1.3 * max(peak + rss))
+    memory.set_ylim(0, 1.3 * _top(peak + rss))
     memory.grid(alpha=0.3)
     memory.legend()
     if title:
         figure.suptitle(title)
     return figure
+
+
+def _values(records: list[dict[str, Any]], key: str) -> list[float]:
+    """`key` of every record, NaN (a gap in the line) where a record lacks it or holds no number."""
+    values = [r.get(key) for r in records]
+    return [float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan for v in values]
+
+
+def _top(values: list[float]) -> float:
+    """The largest finite value (1 when there is none, so an axis still has a range)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite) if finite and max(finite) > 0 else 1.0

@@ -50,6 +50,33 @@ def test_refuses_a_foreign_png_and_missing_metrics(tmp_path):
     assert plot_run(tmp_path, tmp_path / "other.png").is_file()
 
 
+def test_an_out_file_lstune_did_not_write_is_never_replaced(tmp_path):
+    _write_metrics(tmp_path)
+    mine = tmp_path / "notes.png"
+    mine.write_bytes(b"\x89PNG\r\n\x1a\n a user's own picture")
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    for target in (mine, tmp_path / "metrics.jsonl"):
+        with pytest.raises(UserError, match="did not write it"):
+            plot_run(tmp_path, target)
+    assert mine.read_bytes().endswith(b"own picture") and (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    ours = plot_run(tmp_path, tmp_path / "plot.png")
+    assert plot_run(tmp_path, ours) == ours  # lstune's own plot (its PNG mark) is replaced on request
+    with pytest.raises(UserError, match="is a folder"):
+        plot_run(tmp_path, tmp_path)
+    with pytest.raises(UserError, match="does not exist"):
+        plot_run(tmp_path, tmp_path / "missing" / "plot.png")
+
+
+def test_records_missing_fields_leave_gaps_instead_of_failing(tmp_path):
+    lines = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0, "tokens_per_s": None, "host_rss_bytes": 2**30},
+             {"step": "3", "loss": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    path = plot_run(tmp_path)
+    axes = draw([{"step": 1, "loss": 3.0}]).axes
+    assert path.is_file() and axes[2].get_ylim() == (0, 1.15)
+    assert list(axes[0].get_lines()[0].get_ydata()) == [3.0]
+
+
 def test_cli_imports_no_matplotlib():
     code = "import sys, lstune.cli.app; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
