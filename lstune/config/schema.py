@@ -517,9 +517,11 @@ class RunSection:
     def output_dir_problems(self, output_dir: Path) -> list[str]:
         """Nothing is overwritten unasked: an existing folder holding a run needs --resume or --overwrite (one
         holding only a failed attempt's record and log does not: see lstune.config.record)."""
+        if output_dir.exists() and not output_dir.is_dir():
+            return [f"--output-dir {str(output_dir)!r} is a file; give a folder (a new one, or a run's to resume)."]
         if self.resume or self.overwrite or not output_dir.exists():
             return []
-        if output_dir.is_dir() and not holds_a_run(output_dir):
+        if not holds_a_run(output_dir):
             return []
         return [
             f"--output-dir {str(output_dir)!r} already exists and is not empty; nothing is overwritten unasked. "

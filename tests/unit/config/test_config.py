@@ -105,6 +105,10 @@ def test_a_non_empty_output_folder_is_refused_unless_resumed_or_overwritten(tmp_
     with pytest.raises(ConfigError, match="nothing is overwritten unasked"):
         build_config({}, {"output_dir": str(tmp_path)})
     assert build_config({}, {"output_dir": str(tmp_path), "overwrite": True}).run.overwrite is True
+    for flags in ({}, {"overwrite": True}, {"resume": "latest"}):  # a file is never a run's folder
+        with pytest.raises(ConfigError, match="is a file; give a folder"):
+            build_config({}, {"output_dir": str(tmp_path / "somefile"), **flags})
+    assert (tmp_path / "somefile").read_text() == "x"
 
 
 def test_rope_settings():
