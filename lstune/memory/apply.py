@@ -296,15 +296,24 @@ def _apply_loss(model, plan: MemoryPlan, tiled_loss, probing: bool) -> None:
         plan.loss_backend = "liger"
     else:
         plan.loss_backend = "tiled" if plan.loss_tiles_at_seq_len > 1 else "plain"
-    if plan.loss_backend == "tiled" and probing:
+    if plan.loss_backend in ("tiled", "liger") and probing:
         _fuse_final_norm(plan)
     logger.info("loss head: %s (%d tiles at %d tokens)%s", plan.loss_backend, plan.loss_tiles_at_seq_len,
-                plan.seq_len, ", final norm in the tiles" if plan.final_norm_fused else "")
+                plan.seq_len, _fused_norm_note(plan))
+
+
+def _fused_norm_note(plan: MemoryPlan) -> str:
+    if not plan.final_norm_fused:
+        return ""
+    if plan.loss_backend == "liger":
+        return ", final norm in the tiles before Liger's fused loss"
+    return ", final norm in the tiles"
 
 
 def _fuse_final_norm(plan: MemoryPlan) -> None:
     """The final norm's full-sequence fp32 copy and output go: each loss tile norms its slice (loss.fuse_final_norm),
-    where a probe shows that is exact. Not for Liger, whose fused loss takes normed hidden states."""
+    where a probe shows that is exact. For Liger, whose fused loss takes the whole normed sequence, the head norms it
+    in those tiles first (loss.normed_in_tiles)."""
     undo = fuse_final_norm(plan.parts, chunks=plan.attn_chunking)
     if undo is None:
         logger.info("loss head: the final norm stays in the body (no single final norm, or running it per tile "

@@ -14,12 +14,12 @@ Steps (generic path, `tiling.sequence_tiled` with `reduce="sum"`):
    tied embeddings) is accumulated over tiles and scaled by the upstream gradient once per tile.
    Under ZeRO-3 a tied weight is marked shared, so ZeRO reduces its gradient once, after the input
    embedding's gradient is added (see tiling.py).
-4. Fused final norm (`fuse_final_norm`, installed by `apply_memory_techniques` on the tiled path when a probe shows
-   it exact): the body calls its final norm as an identity (`patching.FusedNorm`, the mechanism mini-sequence
-   uses) and each tile norms its slice before the head, so forward and recompute keep only the un-normed hidden
-   states. HF's RMSNorm otherwise keeps a full-sequence fp32 copy of its input and its output for backward (with a
-   trainable weight also the normalised input): 6 B per hidden value in a bf16 LoRA run, of which the tiles leave
-   the 2 B head input plus one tile's worth.
+4. Fused final norm (`fuse_final_norm`, installed by `apply_memory_techniques` on the tiled and Liger paths when
+   a probe shows it exact): the body calls its final norm as an identity (`patching.FusedNorm`, the mechanism
+   mini-sequence uses) and each tile norms its slice before the head, so forward and recompute keep only the
+   un-normed hidden states. HF's RMSNorm otherwise keeps a full-sequence fp32 copy of its input and its output for
+   backward (with a trainable weight also the normalised input): 6 B per hidden value in a bf16 LoRA run, of which
+   the tiles leave the 2 B head input plus one tile's worth.
 The head returns (sum, count); the caller divides by the token count of the whole accumulation
 window (MST Alg. 2's per-chunk mean is only right when chunks have equal label counts).
 
@@ -33,8 +33,13 @@ gradient, as without tiling; a fused final norm runs twice too.
 On CUDA with liger-kernel installed, `auto` uses Liger's fused linear cross-entropy instead
 (reduction "sum", its softcap, scaling folded into the hidden states) when the head is a plain
 Linear not partitioned by ZeRO-3; it never materialises full logits either and is faster (ALST
-recommends it where it applies). It takes normed hidden states, so the final norm is not fused there.
-That path needs a GPU and is not exercised by the CPU test suite.
+recommends it where it applies). Liger takes the whole normed sequence, so a fused final norm (step 4) runs
+before it through the same mechanism, `sequence_tiled` in the loss head's tiles (`normed_in_tiles`): forward keeps
+no norm internals, backward recomputes the norm one tile at a time. Memory: the un-normed input (kept by the
+tiling), the normed output (one hidden vector per token in the input's dtype, read by Liger and then dropped; in
+backward the input's gradient takes its place) and one tile's norm internals, instead of the 6 B per hidden value
+HF's norm keeps (bf16 LoRA: 24 GiB at 1M tokens x hidden 4096) and the fp32 temporaries of its backward. Cost: the
+norm runs twice. The Liger path needs CUDA; the CPU tests run it with a pure-torch stand-in for Liger's function.
 """
 
 from __future__ import annotations
@@ -193,7 +198,8 @@ def loss_sum_from_hidden(
     labels_T = shift_labels_BS.reshape(-1).to(hidden_TD.device)
     count = (labels_T != IGNORE_INDEX).sum()
     if tiles == "auto" and liger_applies(head, hidden_TD):
-        return _liger_loss_sum(head, transform, _normed(norm, hidden_TD), labels_T), count
+        normed_TD = normed_in_tiles(norm, hidden_TD, vocab=vocab_rows(head))
+        return _liger_loss_sum(head, transform, normed_TD, labels_T), count
     n_tiles = loss_tile_count(tiles, hidden_TD.shape[0], vocab_rows(head), hidden_TD.shape[-1])
     fn = partial(_tile_loss_sum, head, transform, labels_T, norm)
     params = list(head.parameters()) + (list(norm.parameters()) if norm is not None else [])
@@ -233,6 +239,26 @@ def fused_final_norm(parts: ModelParts) -> "nn.Module | None":
 
 def _normed(norm: "nn.Module | None", hidden: torch.Tensor) -> torch.Tensor:
     return hidden if norm is None else FusedNorm.call(norm, hidden)
+
+
+def normed_in_tiles(norm: "nn.Module | None", hidden_TD: torch.Tensor, *, vocab: int) -> torch.Tensor:
+    """The fused final norm (`fused_final_norm`; None: `hidden_TD` as it is) applied to `[T, D]` hidden states tile by
+    tile through `sequence_tiled`, for Liger, which takes the whole normed sequence (module doc, step 5).
+
+    Memory: the normed output (one hidden vector per token in the input's dtype) and one tile's norm internals, instead
+    of HF's full-sequence fp32 copies and fp32 backward temporaries. Cost: the norm runs twice (forward, recompute)."""
+    if norm is None:
+        return hidden_TD
+    n_tokens, hidden = hidden_TD.shape
+    # The loss head's own tiles (ALST, ~1 GiB of fp32 logits: ~2K tokens at a 128K vocabulary): the tiled path norms
+    # in exactly these, so both paths keep the same norm memory (one estimate formula), and a tile of ~8M values is
+    # still large enough for the norm's elementwise kernels. int32-safe for the norm's own width as well.
+    tiles = int32_safe_tiles(n_tokens, hidden, loss_tile_count("auto", n_tokens, vocab, hidden))
+    return sequence_tiled(partial(_tile_normed, norm), hidden_TD, tiles=tiles, dim=0, params=list(norm.parameters()))
+
+
+def _tile_normed(norm: "nn.Module", hidden_tile: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return FusedNorm.call(norm, hidden_tile)
 
 
 def fuse_final_norm(parts: ModelParts, chunks: AttentionChunks | None = None) -> Undo | None:

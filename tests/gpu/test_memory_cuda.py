@@ -78,6 +78,29 @@ def test_liger_fused_loss_matches_the_tiled_loss():
         torch.testing.assert_close(liger_grads[name], ref, rtol=1e-3, atol=1e-5)
 
 
+def test_liger_after_the_final_norm_in_tiles_matches_the_tiled_loss(monkeypatch):
+    """The plan's Liger path (final norm fused, normed in 4 loss tiles before Liger: `loss.normed_in_tiles`) against
+    the plan's tiled path, which norms in its own 4 tiles."""
+    pytest.importorskip("liger_kernel")
+    from lstune.memory import loss
+
+    model = build_model("tiny-gemma2").cuda()  # softcap 30, tied embeddings
+    monkeypatch.setattr(loss, "LOSS_TILE_BYTES", 4 * 64 * model.config.vocab_size)  # ALST tiles of 64 tokens
+    batch = _on_cuda(long_batch(256))
+    results = {}
+    for tiles, backend in (("auto", "liger"), (4, "tiled")):
+        plan = apply_memory_techniques(model, MemorySection(tiled_mlp="off", tiled_loss=tiles, checkpointing=False),
+                                       seq_len=256)
+        try:
+            results[backend] = run_grads(model, plan.loss_sum, [batch])
+        finally:
+            plan.undo()
+        assert (plan.loss_backend, plan.final_norm_fused) == (backend, True)
+    assert results["liger"][0] == pytest.approx(results["tiled"][0], rel=1e-4)
+    for name, ref in results["tiled"][1].items():
+        torch.testing.assert_close(results["liger"][1][name], ref, rtol=1e-3, atol=1e-5)
+
+
 def test_offload_falls_back_below_the_pcie_threshold():
     model = build_model("tiny-llama").cuda()  # thin layers: offload only pays past ~14.5K tokens
     plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=True), seq_len=1024)
