@@ -16,8 +16,8 @@ checkpointing the device holds one layer input (res · hidden per token) per lay
 (the kept last layer and the one prefetched during the layer above's backward). The peak is the largest of
 four moments of the step (`Phase`), each with what is alive then:
 
-- the loss head: every checkpoint, the final norm (one tile's when it runs in the loss tiles), the gradient of
-  the head's input and the larger of one tile's log-softmax backward (12 B per logit) and a trainable head's
+- the loss head: every checkpoint, the final norm (one tile's when it runs in the loss tiles, before Liger too, with
+  the whole normed output Liger reads), the gradient of the head's input and the larger of one tile's log-softmax backward (12 B per logit) and a trainable head's
   weight gradient for one tile (Liger's chunks on CUDA); the head's gradient;
 - the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's, the
   MLP norm's (HF's RMSNorm backward in fp32) and attention's moments (`_layer_parts`); one layer's gradients;
@@ -589,14 +589,15 @@ def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tupl
     t, h, v = s.local_tokens, shape.hidden, shape.vocab
     final_norm = t * h * _norm_saved(s, res)
     backend = loss_backend(s)
+    alst_tiles = ceil_div(t, max(1, LOSS_TILE_BYTES // (4 * v)))
     if backend == "liger":
         chunk = ceil_div(t, ceil_div(v, h))  # Liger's chunks hold about as many logits as hidden states
-        return [("loss head: final norm", final_norm), ("loss head: Liger's gradient of its input", t * act * h),
+        return [*_liger_norm_parts(s, t, h, res, alst_tiles), ("loss head: Liger's gradient of its input", t * act * h),
                 ("loss head: one Liger chunk of logits", 2 * chunk * v * 4)]
     if backend == "mst":
         tiles = ceil_div(v, h)
     elif backend == "alst":
-        tiles = ceil_div(t, max(1, LOSS_TILE_BYTES // (4 * v)))
+        tiles = alst_tiles
     elif backend == "off":
         tiles = 1
     else:
@@ -620,6 +621,18 @@ def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tupl
         (f"loss head: peak moment, {moment}", max(logits, weight_grad)),
         ("loss head: autocast copies", _autocast_copies(shape, tile, act, res)),
     ]
+
+
+def _liger_norm_parts(s: Settings, t: int, h: int, res: int, tiles: int) -> list[tuple[str, int]]:
+    """The final norm before Liger's loss. Fused (lstune.memory.loss.normed_in_tiles, in the ALST loss tiles): its
+    input, kept by the tiling, and one tile's norm, as on the tiled path; and the whole normed output, which Liger
+    reads (Liger's gradient of it is counted with Liger) and whose place the norm's input gradient takes in backward.
+    Unfused: what HF's norm keeps of the whole sequence."""
+    if not (s.fuse_norms and tiles > 1):
+        return [("loss head: final norm", t * h * _norm_saved(s, res))]
+    one_tile = ceil_div(t, tiles) * h * _norm_saved(s, res)
+    return [("loss head: final norm in the tiles (its input, one tile's)", t * h * res + one_tile),
+            ("loss head: the normed states Liger reads (in backward, the norm's input gradient)", t * h * res)]
 
 
 def _autocast_copies(shape: ModelShape, tile: int, act: int, res: int) -> int:
