@@ -243,7 +243,7 @@ def _normed(norm: "nn.Module | None", hidden: torch.Tensor) -> torch.Tensor:
 
 def normed_in_tiles(norm: "nn.Module | None", hidden_TD: torch.Tensor, *, vocab: int) -> torch.Tensor:
     """The fused final norm (`fused_final_norm`; None: `hidden_TD` as it is) applied to `[T, D]` hidden states tile by
-    tile through `sequence_tiled`, for Liger, which takes the whole normed sequence (module doc, step 5).
+    tile through `sequence_tiled`, for Liger, which takes the whole normed sequence (module doc, the Liger paragraph).
 
     Memory: the normed output (one hidden vector per token in the input's dtype) and one tile's norm internals, instead
     of HF's full-sequence fp32 copies and fp32 backward temporaries. Cost: the norm runs twice (forward, recompute)."""
