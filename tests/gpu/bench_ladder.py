@@ -2,14 +2,18 @@
 
 A script, not a test. `lstune bench` has absorbed its ladder, kernel rates and longest-sequence search
 (lstune/bench/: the rungs and rates here are lstune.bench's); what stays here is what `lstune bench` does not do:
-the bf16 policy record, the copy/compute overlap, and the longest sequence of a deep model through a shallow one
-carrying the missing layers' bytes (`maxlen --as-layers`). Each sub-command prints JSON lines and appends them
+the bf16 policy record, the copy/compute overlap, chunked attention's steady-state cost (`chunks`), and the
+longest sequence of a deep model through a shallow one carrying the missing layers' bytes (`maxlen --as-layers`,
+with `--emulate-host` also the deep checkpoint placement's device and host bytes). Each sub-command prints JSON lines and appends them
 to `--out` (a .jsonl file), so a run cut short by its time limit still leaves every finished measurement behind.
 
     python -m tests.gpu.bench_ladder rates  --out R.jsonl                  # bf16 GEMM and attention kernel rates
     python -m tests.gpu.bench_ladder policy --out R.jsonl                  # device bytes by dtype, checkpoint B/token
     python -m tests.gpu.bench_ladder ladder --rungs hf,tiled_loss --lengths 8k,16k --steps 2 --out R.jsonl
     python -m tests.gpu.bench_ladder maxlen --rung tiled_mlp --start 96k --out R.jsonl
+    python -m tests.gpu.bench_ladder chunks --seq 128k --chunks off,4 --layers 2 --out R.jsonl   # chunked vs not
+    python -m tests.gpu.bench_ladder maxlen --rung mini_seq --layers 2 --as-layers 32 --attn-chunks 8 \
+        --emulate-host 125G --start 768k --out R.jsonl       # 32-layer longest with chunks + MEMO placement
 
 The model is a preset (random init) built directly on the device in bf16, LoRA (peft) on every linear layer
 with fp32 adapters, micro-batch 1, AdamW over the adapters, one training step = forward + backward + optimizer
@@ -100,9 +104,12 @@ def batch_of(seq: int, vocab: int, device: str) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def rung_applied(model, rung: str, seq: int) -> Iterator[tuple[Callable, Any]]:
-    """(loss function of a batch, memory plan or None) with `rung` applied to `model`; undone on exit."""
+def rung_applied(model, rung: str, seq: int, memory: dict[str, Any] | None = None) -> Iterator[tuple[Callable, Any]]:
+    """(loss function of a batch, memory plan or None) with `rung` applied to `model`, its memory settings
+    overridden by `memory` (e.g. {"attn_chunks": 4}); undone on exit."""
     options = RUNGS[rung]
+    if options is not None and memory:
+        options = {**options, **memory}
     if options is None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         try:
@@ -148,12 +155,16 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(model, rung: str, seq: int, *, steps: int, device: str, warmup_seq: int | None = None) -> dict:
-    """One rung at one length: per-step times, peaks, outcome ("ok" / "oom" / "error: ...")."""
+def measure(model, rung: str, seq: int, *, steps: int, device: str, warmup_seq: int | None = None,
+            memory: dict[str, Any] | None = None) -> dict:
+    """One rung at one length: per-step times, peaks, outcome ("ok" / "oom" / "error: ..."). `memory`: settings
+    over the rung's (`rung_applied`)."""
     record: dict[str, Any] = {"kind": "step", "rung": rung, "seq": seq, "layers": _layers(model)}
+    if memory:
+        record["memory"] = memory
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     try:
-        with rung_applied(model, rung, seq) as (loss_fn, plan):
+        with rung_applied(model, rung, seq, memory) as (loss_fn, plan):
             if warmup_seq:  # kernels, allocator and autotuning warmed on a short batch: not timed
                 train_step(model, loss_fn, batch_of(warmup_seq, _vocab(model), device), optimizer)
             batch = batch_of(seq, _vocab(model), device)
@@ -258,15 +269,41 @@ def predicted_max(records: list[dict], rung: str, layers: int, capacity: int, st
 
 def cmd_maxlen(args) -> None:
     """Longest length that completes a step, by steps of `--len-step` from `--start`: up while it fits, down
-    while it does not. In-process (the allocator recovers from an OOM once its tensors are freed)."""
+    while it does not. In-process (the allocator recovers from an OOM once its tensors are freed).
+
+    `--as-layers N`: the shallow model carries the missing layers' weights and adapter state (`_ballast`).
+    `--emulate-host BYTES` (with `--as-layers`, offloaded rungs): each trial also carries the deep model's
+    checkpoints as lstune would place them on a host of BYTES — chunked attention and the MEMO placement at
+    full depth (issue 14), whose host side binds near 1M tokens. Per trial: `deep_plan` (lstune.estimate's
+    budgets and placement for the N-layer model at that length), then `emulation_ballast`'s device bytes
+    (allocated on the device) and host bytes (pinned, in the offloader's blocks), then one step of the shallow
+    model with the deep plan's chunk count. What it models: every byte the deep placement holds for the
+    missing layers at its peak (device parts, split α parts, the fetched-back part, the longest recomputed
+    segment's inputs; host parts with the pinned allocator's rounding), and the real process's own host use
+    (the live layer's attention chunks, pinned buffers, CUDA context) because the shallow run really has it.
+    What it does not: the recomputed segments' extra forwards (FLOPs and time: the step time is not the deep
+    model's) and their real transient tensors (only the planner's estimate of them, as bytes), fragmentation
+    from 32 layers' interleaved allocations, page-cache or other host users the estimate does not see, and any
+    host memory the deep model would need that the planner leaves out. Its boundary is therefore the deep
+    model's if and only if the planner's byte model of placed checkpoints is right — which a full-depth step
+    at the found length (17-40 min) would confirm."""
     model = build(args.preset, args.layers, args.lora_r, args.device)
+    memory = {"attn_chunks": _chunks_arg(args.attn_chunks)} if args.attn_chunks else None
+    if args.emulate_host and not args.as_layers:
+        raise SystemExit("maxlen: --emulate-host needs --as-layers (the deep model it stands for)")
+
+    def trial(length: int) -> dict:
+        if args.emulate_host:
+            return measure_emulated(model, args, length)
+        return measure(model, args.rung, length, steps=1, device=args.device, memory=memory)
+
     ballast = _ballast(model, args.as_layers, args.device)  # noqa: F841  (held: stands for the missing layers)
     step = parse_length(args.len_step)
     seq = parse_length(args.start) if args.start else None
     if args.fit_lengths:
         records = []
         for fit_seq in (parse_length(s) for s in args.fit_lengths.split(",")):
-            records.append(measure(model, args.rung, fit_seq, steps=1, device=args.device))
+            records.append(trial(fit_seq))
             emit(args.out, {**records[-1], "preset": args.preset, "lora_r": args.lora_r, "fit": True})
         capacity = _capacity(args.device) - parse_length(args.margin)
         predicted = predicted_max(records, args.rung, _layers(model), capacity, step)
@@ -281,7 +318,7 @@ def cmd_maxlen(args) -> None:
     best, worst, tries = 0, None, 0
     while tries < args.max_tries and seq > 0:
         tries += 1
-        record = measure(model, args.rung, seq, steps=1, device=args.device)
+        record = trial(seq)
         emit(args.out, {**record, "preset": args.preset, "lora_r": args.lora_r, "search": True})
         if record["outcome"] == "ok":
             best = max(best, seq)
@@ -295,7 +332,12 @@ def cmd_maxlen(args) -> None:
             seq -= step
     emit(args.out, {"kind": "maxlen", "rung": args.rung, "preset": args.preset, "layers": _layers(model),
                     "as_layers": args.as_layers, "ballast_bytes": ballast.numel() if ballast is not None else 0,
+                    "attn_chunks": args.attn_chunks, "emulate_host": args.emulate_host,
                     "longest_ok": best, "shortest_failed": worst, "len_step": step})
+
+
+def _chunks_arg(text: str) -> str | int:
+    return text if text in ("off", "auto") else int(text)
 
 
 def _ballast(model, as_layers: int | None, device: str) -> torch.Tensor | None:
@@ -312,6 +354,117 @@ def _ballast(model, as_layers: int | None, device: str) -> torch.Tensor | None:
     nbytes = (as_layers - len(layers)) * per_layer
     print(json.dumps({"kind": "ballast", "as_layers": as_layers, "bytes": nbytes}), flush=True)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+# ---- the deep model's checkpoints, emulated on a shallow one (issue 14: chunked attention + MEMO placement) ----
+
+
+def deep_plan(preset: str, lora_r: int, seq: int, as_layers: int, host_bytes: int, attn_chunks: str | int,
+              gpu: str = "h100-80gb") -> dict[str, Any]:
+    """What lstune would run for the `as_layers`-deep preset at `seq` tokens on one `gpu` with `host_bytes` of
+    host RAM, with the weights on the device (AdamW, ZeRO off: what `build` makes), mini-sequence, offloaded
+    checkpoints and attention in `attn_chunks` chunks: lstune.estimate's memory choice (the placement's host and
+    device budgets, exactly as `lstune train` gets them) and the checkpoint placement it plans at that length
+    (lstune.estimate.placement: the same planner train calls). No torch, no GPU: arithmetic on the config."""
+    from lstune.config.schema import TrainConfig
+    from lstune.estimate import estimate
+    from lstune.estimate.hardware import resolve_hardware
+    from lstune.models.presets import preset_config
+
+    config = TrainConfig.from_flat({"model": preset, "lora_r": lora_r, "seq_len": seq, "mini_sequence": True,
+                                    "offload_checkpoints": True, "attn_chunks": attn_chunks, "zero_stage": "0"})
+    hardware = resolve_hardware(gpu=gpu, host_mem=host_bytes, detect=False)
+    model_config = preset_config(preset, num_hidden_layers=as_layers)
+    e = estimate(config, hardware, model_config=model_config, suggest=False)
+    choice = e.memory_choice
+    return {"placement": e.breakdown.placement, "attn_chunks": choice.attn_chunks,
+            "host_mem_budget": choice.host_mem_budget, "checkpoint_device_budget": choice.checkpoint_device_budget,
+            "predicted_device_peak": e.device_peak_bytes, "predicted_host_peak": e.host_peak_bytes,
+            "device_capacity": e.device_capacity, "host_capacity": e.host_capacity, "fits": e.fits}
+
+
+def emulation_ballast(deep, layers: int) -> tuple[int, int]:
+    """(device bytes, host bytes) of checkpoints the deep placement `deep` (a CheckpointPlacement of the deep
+    model at the trial's length) holds beyond what a `layers`-deep model's own placement holds at that length.
+
+    The shallow model runs with no budgets, so its own placement is `offload_all` (lstune.memory.placement):
+    layers 0..layers-2 on the host, the last on the device, and one host part fetched back in backward. The deep
+    plan's device side is `device_peak_bytes()` (device parts + the fetched-back part + the longest recomputed
+    segment's inputs, the planner's own model of backward's transients); its host side `host_bytes()` (pinned
+    blocks rounded as the offloader allocates them). The ballast is the difference, never negative. Exact when
+    the shallow run's own placement is `offload_all`, i.e. its copy fraction α is 1 — on an H100 from a few K
+    tokens on for 8B shapes (a layer's forward at 128K, ~0.5 s, hides its 1 GiB copy ten times over); each trial's
+    record carries the shallow run's real placement (`plan.checkpoint_placement`) to check it."""
+    from lstune.memory.placement import CheckpointPlacement
+
+    own = CheckpointPlacement.offload_all(layers, deep.checkpoint_bytes, host_bytes_of=deep.host_bytes_of)
+    return (max(deep.device_peak_bytes() - own.device_peak_bytes(), 0),
+            max(deep.host_bytes() - own.host_bytes(), 0))
+
+
+def host_ballast(nbytes: int, pinned: bool) -> list[torch.Tensor]:
+    """`nbytes` of host memory allocated as the offloader allocates checkpoints: blocks of HOST_BLOCK_BYTES from
+    torch's pinned (page-locked, caching) host allocator on CUDA, plain blocks on CPU."""
+    from lstune.memory.checkpoint import HOST_BLOCK_BYTES
+
+    blocks, left = [], nbytes
+    while left > 0:
+        n = min(HOST_BLOCK_BYTES, left)
+        blocks.append(torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
+        left -= n
+    return blocks
+
+
+def _release_host_cache() -> None:
+    """Give cached pinned blocks back to the OS: a freed ballast must not stay pinned into the next trial."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if torch.cuda.is_available() and empty is not None:
+        empty()
+
+
+def measure_emulated(model, args, seq: int) -> dict[str, Any]:
+    """One maxlen trial of the shallow model standing for the `--as-layers`-deep one under `--emulate-host`
+    (module doc of `cmd_maxlen`): the deep plan at `seq`, its checkpoint ballast on the device and the host,
+    then the step with the deep plan's chunk count."""
+    plan = deep_plan(args.preset, args.lora_r, seq, args.as_layers, parse_length(args.emulate_host),
+                     _chunks_arg(args.attn_chunks or "auto"), args.emulate_gpu)
+    placement = plan.pop("placement")
+    device_extra, host_extra = emulation_ballast(placement, _layers(model))
+    info = {**plan, "deep_placement": placement.describe(), "deep_host_bytes": placement.host_bytes(),
+            "deep_device_peak_ckpt_bytes": placement.device_peak_bytes(), "ballast_device_ckpt": device_extra,
+            "ballast_host_ckpt": host_extra}
+    try:
+        dev = torch.empty(device_extra, dtype=torch.uint8, device=args.device)
+        start = time.perf_counter()
+        host = host_ballast(host_extra, pinned=args.device.startswith("cuda"))
+        info["host_ballast_alloc_s"] = time.perf_counter() - start
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        return {"kind": "step", "rung": args.rung, "seq": seq, "layers": _layers(model), "outcome": "oom-ballast",
+                "error": str(exc).splitlines()[0][:300], "emulation": info}
+    record = measure(model, args.rung, seq, steps=1, device=args.device, memory={"attn_chunks": plan["attn_chunks"]})
+    del dev, host
+    gc.collect()
+    _release_host_cache()
+    return {**record, "emulation": info}
+
+
+def cmd_chunks(args) -> None:
+    """Chunked attention's cost in steady state: `--rung` at `--seq` with each `--chunks` setting (off first),
+    every setting warmed by one untimed step at the same length (kernels, autotuning, and the pinned host
+    buffers of offloaded checkpoints and chunks, which the first step at a length allocates: +36 % at 64K on
+    2026-11-23), then `--steps` timed steps; a record per setting, and the ratio of medians to `off`."""
+    model = build(args.preset, args.layers, args.lora_r, args.device)
+    seq = parse_length(args.seq)
+    base = None
+    for setting in args.chunks.split(","):
+        chunks = setting if setting in ("off", "auto") else int(setting)
+        record = measure(model, args.rung, seq, steps=args.steps, device=args.device, warmup_seq=seq,
+                         memory={"attn_chunks": chunks})
+        if record["outcome"] == "ok":
+            base = record["median_s"] if chunks == "off" else base
+            if base and chunks != "off":
+                record["vs_off"] = record["median_s"] / base
+        emit(args.out, {**record, "preset": args.preset, "lora_r": args.lora_r, "chunks_bench": True})
 
 
 def _model_bytes(model) -> dict[str, Any]:
@@ -395,7 +548,7 @@ def copy_overlap(seq: int, hidden: int, device: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("rates", "policy", "ladder", "maxlen", "overlap"):
+    for name in ("rates", "policy", "ladder", "maxlen", "overlap", "chunks"):
         p = sub.add_parser(name)
         p.add_argument("--out")
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -416,10 +569,18 @@ def main(argv: list[str] | None = None) -> None:
     maxlen.add_argument("--margin", default="1.5G", help="device bytes kept free in the prediction")
     maxlen.add_argument("--len-step", default="8k")
     maxlen.add_argument("--max-tries", type=int, default=4)
+    maxlen.add_argument("--attn-chunks", help="off|auto|N over the rung's setting (lstune's chunked attention)")
+    maxlen.add_argument("--emulate-host", help="host RAM of the deep run to emulate, e.g. 128G (cmd_maxlen's doc)")
+    maxlen.add_argument("--emulate-gpu", default="h100-80gb", help="the deep run's GPU for its estimate")
+    chunks = sub.choices["chunks"]
+    chunks.add_argument("--rung", choices=list(RUNGS), default="mini_seq")
+    chunks.add_argument("--seq", default="128k")
+    chunks.add_argument("--chunks", default="off,4", help="attn_chunks settings, off first (the baseline)")
+    chunks.add_argument("--steps", type=int, default=2)
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     {"rates": cmd_rates, "policy": cmd_policy, "ladder": cmd_ladder, "maxlen": cmd_maxlen,
-     "overlap": cmd_overlap}[args.cmd](args)
+     "overlap": cmd_overlap, "chunks": cmd_chunks}[args.cmd](args)
 
 
 if __name__ == "__main__":

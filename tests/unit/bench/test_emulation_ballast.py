@@ -1,0 +1,33 @@
+"""The GPU bench's emulation of a deep model's checkpoint placement on a shallow one (tests/gpu/bench_ladder.py):
+the ballast it allocates is the deep plan's checkpoint bytes less the shallow run's own, on each side."""
+
+from __future__ import annotations
+
+from lstune.memory.placement import CheckpointPlacement
+from tests.gpu.bench_ladder import deep_plan, emulation_ballast
+
+GIB = 2**30
+
+
+def test_ballast_is_the_deep_placements_bytes_less_the_shallow_runs_own():
+    ckpt = 1000
+    # 6 layers: host 0, 2; split 3 (α 0.5); recompute 1, 4; device 5.
+    deep = CheckpointPlacement((1.0, None, 1.0, 0.5, None, 0.0), ckpt)
+    device, host = emulation_ballast(deep, layers=2)
+    # deep: device parts 0.5 + 1 ckpt, + fetched 1 + longest segment 1 = 3.5 ckpt; host 2.5 ckpt.
+    # shallow offload_all(2): host 1 ckpt; device 1 ckpt + fetched 1 = 2 ckpt.
+    assert (device, host) == (1500, 1500)
+
+
+def test_ballast_never_goes_below_zero():
+    deep = CheckpointPlacement((0.0, 0.0), 1000)  # all on the device: less host than the shallow run's own
+    assert emulation_ballast(deep, layers=2) == (0, 0)  # device 2 ckpt either way; host 0 < 1 ckpt
+
+
+def test_llama_8b_at_768k_on_a_125_gib_host_matches_the_run_script():
+    plan = deep_plan("llama-3.1-8b", 16, 768 * 1024, 32, 125 * GIB, "auto")
+    device, host = emulation_ballast(plan["placement"], layers=2)
+    # tests/gpu/run_next.sh, phase 3: 8 chunks, 17 layers recomputed, 12.0 GiB device + 78.0 GiB host ballast.
+    assert plan["attn_chunks"] == 8 and plan["fits"]
+    assert len(plan["placement"].recomputed) == 17
+    assert (round(device / GIB, 1), round(host / GIB, 1)) == (12.0, 78.0)
