@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The third GPU run (issues 14 and 10's leftovers), most valuable first, every phase under its own limit; the
 # limits add up to 1500 s = 25 min, and each phase appends its records to $RES/bench.jsonl as they come, so a run
-# cut short keeps every finished one. Start it detached and poll (docs/benchmarks/README.md, "Still to measure"):
+# cut short keeps every finished one (limits: 150 + 120 + 400 + 240 + 150 + 320 + 120 = 1500 s). Start it
+# detached and poll (docs/benchmarks/README.md, "Running run_next.sh with the run tool"):
 #   RESULTS_DIR=$OUT; source .whl/prelude.sh && mkdir -p /tmp/res && cp $OUT/fingerprint.txt /tmp/res/ && \
 #     (RES=/tmp/res setsid nohup bash tests/gpu/run_next.sh > /tmp/run_next.log 2>&1 < /dev/null &); sleep 20
 #   then every ~9 min: sleep 540; grep '=== ' /tmp/run_next.log | tail -8; cp -r /tmp/res/. $OUT/
@@ -40,11 +41,12 @@ phase chunks-128k-2layers 120 $B chunks --out "$OUT" $L8 --layers 2 --rung mini_
 #    (1M needs the weights on the host too, ZeRO-3: the 1.08M of docs/memory.md; not emulated here: the bench
 #    model keeps its weights on the device.) tests/unit/bench/test_emulation_ballast.py pins the 768K numbers.
 #    Target ≥ 1.5 × lstune without them: 768K vs the 512K device limit, 675K vs the ~450K host cap.
-#    One trial at 768-896K: 2 layers × attention ~(6-7)² × 1.17 s ≈ 45-55 s each + MLP/projections (+ chunked
-#    projection re-runs) ≈ 2 min, plus pinning ~78 GiB of host (~10-30 s): 3 trials ≈ 7 min. A host OOM kills the
-#    process (rc 137 in the phase record): the last "search" record before it is the longest that completed.
-phase maxlen-chunks-emulated 420 $B maxlen --out "$OUT" $L8 --rung mini_seq --layers 2 --as-layers 32 \
-  --attn-chunks auto --emulate-host 125G --start 768k --len-step 64k --max-tries 3 --max-len 1024k
+#    One trial at 832K: 2 layers × attention (832/128)² × 1.17 s ≈ 2 × 49 s + MLP/projections/head ~10 s (+ the
+#    chunked projections' re-runs) ≈ 2 min, plus pinning ~78 GiB of host (~10-30 s). Two trials from the
+#    estimate's longest: 832K, then 896K if it fits (768K if not) ≈ 5 min + build. A host OOM kills the process
+#    (rc 137 in the phase record): the last "search" record before it is the longest that completed.
+phase maxlen-chunks-emulated 400 $B maxlen --out "$OUT" $L8 --rung mini_seq --layers 2 --as-layers 32 \
+  --attn-chunks auto --emulate-host 125G --start 832k --len-step 64k --max-tries 2 --max-len 1024k
 
 # 4. Issue 10: a steady-state full-depth step at 128K with lstune's defaults, i.e. what `lstune train` resolves
 #    at 128K on an H100 (`lstune estimate`: tiled MLP 4, tiled loss auto, no offload, no chunks; predicted peak
@@ -59,8 +61,8 @@ phase gpu-tests-rest 150 bash -c "python3 -m pytest -q -rs tests/gpu --ignore=te
   --ignore=tests/gpu/test_memory_cuda.py > $RES/gpu-tests-rest.log 2>&1"
 
 # 6. Issue 10: the Qwen3-8B recipe at its 128K, 3 steps through the CLI (36 layers: ~85 s a step in steady
-#    state, ~100 s for the first, + load ≈ 5 min); `--stop-at-step` would cut, so the limit is the whole thing.
-phase qwen3-recipe-128k 300 bash -c "python3 -m lstune train --config recipes/qwen3-8b/128k-1xh100.yaml \
+#    state, ~100 s for the first (it pins the offload buffers), + random init, self-check, imports ≈ 5.3 min).
+phase qwen3-recipe-128k 320 bash -c "python3 -m lstune train --config recipes/qwen3-8b/128k-1xh100.yaml \
   --model qwen3-8b --data builtin:passkey --max-steps 3 --save-every 3 --output-dir /tmp/qwen3-128k \
   > $RES/qwen3-128k.log 2>&1; cp /tmp/qwen3-128k/metrics.jsonl $RES/qwen3-128k-metrics.jsonl"
 
