@@ -3,9 +3,10 @@
 A script, not a test. `lstune bench` has absorbed its ladder, kernel rates and longest-sequence search
 (lstune/bench/: the rungs and rates here are lstune.bench's); what stays here is what `lstune bench` does not do:
 the bf16 policy record, the copy/compute overlap, chunked attention's steady-state cost (`chunks`), and the
-longest sequence of a deep model through a shallow one carrying the missing layers' bytes (`maxlen --as-layers`,
-with `--emulate-host` also the deep checkpoint placement's device and host bytes). Each sub-command prints JSON lines and appends them
-to `--out` (a .jsonl file), so a run cut short by its time limit still leaves every finished measurement behind.
+longest sequence of a deep model through a shallow one carrying the missing layers' bytes (`maxlen --as-layers`;
+with `--emulate-host` also the deep checkpoint placement's device and host bytes). Each sub-command prints JSON
+lines and appends them to `--out` (a .jsonl file), so a run cut short by its time limit still leaves every
+finished measurement behind.
 
     python -m tests.gpu.bench_ladder rates  --out R.jsonl                  # bf16 GEMM and attention kernel rates
     python -m tests.gpu.bench_ladder policy --out R.jsonl                  # device bytes by dtype, checkpoint B/token
@@ -438,7 +439,10 @@ def measure_emulated(model, args, seq: int) -> dict[str, Any]:
         start = time.perf_counter()
         host = host_ballast(host_extra, pinned=args.device.startswith("cuda"))
         info["host_ballast_alloc_s"] = time.perf_counter() - start
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
+    except (torch.OutOfMemoryError, RuntimeError) as exc:  # the host cannot pin it, or the device cannot hold it
+        dev = host = None
+        gc.collect()
+        _release_host_cache()
         return {"kind": "step", "rung": args.rung, "seq": seq, "layers": _layers(model), "outcome": "oom-ballast",
                 "error": str(exc).splitlines()[0][:300], "emulation": info}
     record = measure(model, args.rung, seq, steps=1, device=args.device, memory={"attn_chunks": plan["attn_chunks"]})

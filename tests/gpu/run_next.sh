@@ -23,7 +23,8 @@ phase gpu-tests-chunks 150 bash -c "python3 -m pytest -q -rs tests/gpu/test_atte
 #    chunking changes; the head is the same). Each setting: a warm-up step at 128K (pins the host buffers), then
 #    2 timed steps: 3 × ~4 s = 12 s, chunked a few % more; 3 settings + build ≈ 80 s. Target: ≤ 1.10 × `off`
 #    (the estimate predicts +3.6 % for 4 chunks with offloaded checkpoints); the record's `vs_off` is the ratio.
-phase chunks-128k-2layers 120 $B chunks --out "$OUT" $L8 --layers 2 --rung mini_seq --seq 128k --chunks off,4,8 --steps 2
+phase chunks-128k-2layers 120 $B chunks --out "$OUT" $L8 --layers 2 --rung mini_seq --seq 128k \
+  --chunks off,4,8 --steps 2
 
 # 3. Issue 14 (b): the longest 32-layer sequence with chunked attention + offload + MEMO placement on a 125 GiB
 #    host (this machine's RAM), through 2 layers carrying the other 30 layers' weights/adapter state AND the
@@ -52,7 +53,8 @@ phase maxlen-chunks-emulated 400 $B maxlen --out "$OUT" $L8 --rung mini_seq --la
 #    at 128K on an H100 (`lstune estimate`: tiled MLP 4, tiled loss auto, no offload, no chunks; predicted peak
 #    67.6 GiB): `lstune bench --rungs lstune`: one untimed warm-up step at 128K (bench's default --warmup 1,
 #    ~60-75 s) then one timed steady-state step (~56 s), build + imports ~40 s ≈ 170 s; the record also carries
-#    the estimate's predicted peak (issue 10's 5 % check). Target ≤ 1.2 × ideal (45.0 s, recompute counted: ≤ 54 s).
+#    the estimate's predicted peak (issue 10's 5 % check). Target ≤ 1.2 × ideal (45.0 s, recompute counted:
+#    ≤ 54 s).
 phase full-depth-128k 240 python3 -m lstune bench --model llama-3.1-8b --lora-r 16 --rungs lstune --seq-len 128k \
   --lengths 128k --steps 1 --trial-timeout 230 --output-dir "$RES/full-depth-128k"
 
