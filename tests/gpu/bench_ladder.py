@@ -14,7 +14,7 @@ finished measurement behind.
     python -m tests.gpu.bench_ladder maxlen --rung tiled_mlp --start 96k --out R.jsonl
     python -m tests.gpu.bench_ladder chunks --seq 128k --chunks off,4 --layers 2 --out R.jsonl   # chunked vs not
     python -m tests.gpu.bench_ladder maxlen --rung mini_seq --layers 2 --as-layers 32 --attn-chunks 8 \
-        --emulate-host 125G --start 768k --out R.jsonl       # 32-layer longest with chunks + MEMO placement
+        --emulate-host 125G --start 832k --out R.jsonl       # 32-layer longest with chunks + MEMO placement
 
 The model is a preset (random init) built directly on the device in bf16, LoRA (peft) on every linear layer
 with fp32 adapters, micro-batch 1, AdamW over the adapters, one training step = forward + backward + optimizer
