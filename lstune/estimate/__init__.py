@@ -177,7 +177,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
     offload = m.offload_checkpoints is True if offload is None else offload
     return Settings(
         seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp, world=hardware.world_size,
-        engine=engine, lora_r=config.model.lora_r, on_cuda=hardware.on_cuda,
+        engine=engine, lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout, on_cuda=hardware.on_cuda,
         dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence,
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,

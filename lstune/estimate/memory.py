@@ -21,6 +21,8 @@ four moments of the step (`Phase`), each with what is alive then:
   weight gradient for one tile (Liger's chunks on CUDA); the head's gradient;
 - the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's, the
   MLP norm's (HF's RMSNorm backward in fp32) and attention's moments (`_layer_parts`); one layer's gradients;
+  LoRA dropout saves nothing more (its cast + dropout are recomputed), only its replay joins the MLP's and
+  attention's moments (`_lora_dropout_replay`);
 - the first layer's backward: the same with one checkpoint and every layer's gradients;
 - the optimizer step: every gradient (fused AdamW).
 
@@ -94,6 +96,7 @@ class Settings:
     attn_chunks: str | int = "off"  # --attn-chunks as configured
     attn_chunk_count: int = 1  # FPDT chunks of the local sequence, resolved by `breakdown`; 1: not chunked
     chunks_fetched: bool = True  # offloaded chunks come back as device copies (CUDA); the CPU trace reads them in place
+    lora_dropout: float = 0.0  # > 0: each adapter's cast + dropout replays in backward (`_lora_dropout_replay`)
 
     @property
     def local_tokens(self) -> int:
@@ -376,11 +379,12 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
                  t * (upcast + act * (h + 3 * q + 2 * kv)))
         attention = ("attention's (gradients of q, k, v, output, input norm)", t * act * (3 * h + 3 * q + 2 * kv))
     casts, mlp_casts = _autocast_casts(shape, p, s, act, res)
+    replay = _lora_dropout_replay(shape, s, act)
     moments = [
         (f"the MLP's: {mlp_name}" + (", its norms fused" if fused else ", its norm's input and output"),
-         t * ((0 if fused else upcast + act * h) + grad) + mlp_work + mlp_casts),
+         t * ((0 if fused else upcast + act * h) + grad) + mlp_work + mlp_casts + replay),
         ("the MLP norm's (fp32 temporaries)", 0 if fused else t * (24 * h + grad)),
-        attention,
+        (attention[0], attention[1] + replay),
     ]
     name, working = max(moments, key=lambda moment: moment[1])
     parts = [
@@ -393,6 +397,21 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
     return parts
+
+
+def _lora_dropout_replay(shape: ModelShape, s: Settings, act: int) -> int:
+    """LoRA dropout saves nothing from forward to backward (lstune.memory.lora_inputs recomputes each adapter's
+    cast + dropout + lora_A from the input the base layer saves), so it adds no saved bytes to any moment. What it
+    adds is the replay in backward, one adapter at a time, at the start of the MLP's and attention's backward: the
+    dropout mask (4 B: the fake-tensor trace runs CPU dropout, an fp32 mask; CUDA's fused kernel keeps a 1 B bool,
+    so this over-counts by 3 B there), lora_A's input in `act` and the fp32 gradient of the dropout output, per
+    value of the widest adapted input (the hidden size over the sequence, or the MLP width over one MLP tile)."""
+    if not (s.lora_r and s.lora_dropout):
+        return 0
+    t = s.local_tokens
+    tiles = 1 if s.tiled_mlp == "off" else (ceil_div(t, shape.hidden) if s.tiled_mlp == "auto" else int(s.tiled_mlp))
+    mlp_tokens = ceil_div(t, max(min(tiles, t), 1))
+    return (4 + act + 4) * max(t * max(shape.hidden, shape.q_width), mlp_tokens * shape.intermediate)
 
 
 def _chunks_saved_per_token(shape: ModelShape, act: int, res: int) -> int:

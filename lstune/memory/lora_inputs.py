@@ -12,6 +12,14 @@ gives bit-identical numbers (bf16 -> fp32 -> bf16 is exact, and autocast casts t
 either way) and lets each adapter use the very tensor the base layer saves. Only vanilla LoRA layers
 without dropout are touched: dropout on an fp32 input could round differently from dropout on bf16.
 Outside autocast (fp32 runs, CPU tests, probes) the patch does nothing. Instance-level, undoable.
+
+Vanilla LoRA layers WITH dropout (p > 0) instead run each adapter's `lora_A(dropout(cast(x)))` as one recomputed
+region (`_recompute_dropout`): forward saves only the shared input x (which the base layer saves anyway) and the
+RNG state, not the cast copy, the dropout output and its mask — per adapted layer, per adapter, one to three
+sequence-sized tensors (measured on CPU, tiny-llama r=8, 2048 tokens, fp32: peak of forward+backward 136.2 MB with
+dropout 0.1 against 90.1 MB without; patched, the same as without). Backward pays one extra cast + dropout + rank-r
+matmul per adapter and holds the region's tensors transiently, one adapter at a time. Numbers are peft's to the
+bit: the same ops run in the same order, and the replay restores the RNG state, so it draws the same mask.
 """
 
 from __future__ import annotations
@@ -32,23 +40,94 @@ logger = logging.getLogger("lstune")
 
 def share_lora_inputs(model: "nn.Module") -> list[Undo]:
     """Patch every eligible peft LoRA layer of `model` (see module doc); one undo per patched layer."""
-    undos = [_patch(module) for module in model.modules() if _eligible(module)]
+    vanilla = [module for module in model.modules() if _vanilla_lora(module)]
+    undos = [_patch(module) for module in vanilla if not _has_dropout(module)]
     if undos:
         logger.info("LoRA: %d adapted layers read their input in autocast's dtype (no fp32 copy)", len(undos))
-    return undos
+    recomputed = [_recompute_dropout(module) for module in vanilla if _has_dropout(module)]
+    if recomputed:
+        logger.info("LoRA: %d adapted layers recompute cast + dropout in backward (only the input is saved)",
+                    len(recomputed))
+    return undos + recomputed
 
 
-def _eligible(module: "nn.Module") -> bool:
+def _vanilla_lora(module: "nn.Module") -> bool:
     lora_A = getattr(module, "lora_A", None)
-    dropouts = getattr(module, "lora_dropout", None)
     return (
         isinstance(lora_A, torch.nn.ModuleDict)
         and len(lora_A) > 0
         and callable(getattr(module, "_cast_input_dtype", None))
         and not getattr(module, "lora_variant", None)
-        and isinstance(dropouts, torch.nn.ModuleDict)
-        and all(isinstance(d, torch.nn.Identity) for d in dropouts.values())
+        and isinstance(getattr(module, "lora_dropout", None), torch.nn.ModuleDict)
+        and set(module.lora_dropout.keys()) >= set(lora_A.keys())
     )
+
+
+def _has_dropout(module: "nn.Module") -> bool:
+    return not all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values())
+
+
+def _recompute_dropout(module: "nn.Module") -> Undo:
+    """peft computes `lora_A(dropout(_cast_input_dtype(x)))` for each adapter, and that chain only (forward and
+    `_mixed_batch_forward`): the cast and every dropout become identities and each lora_A runs the whole chain as
+    one region under `torch.utils.checkpoint` (non-reentrant, preserve_rng_state). That is the library's mechanism
+    for exactly this: it saves the region's inputs and the RNG state, and in backward restores that state (in a
+    forked RNG, so the live stream is not advanced) before recomputing, so the dropout draws the same mask. Nested
+    inside lstune's own recompute (layer checkpointing, tiled MLP, attention chunks — all of which replay the RNG
+    state first), the region's forward sees the same state as the first time and records the same one, so every
+    replay draws the mask of the original forward. The cast sits inside the region, so its copy is not saved."""
+    cast = module._cast_input_dtype
+    patched: list[tuple[Any, dict]] = [(module, {"_cast_input_dtype": _no_cast})]
+    for name, lora_A in module.lora_A.items():
+        dropout = module.lora_dropout[name]
+        chain = functools.partial(_cast_dropout_project, cast, dropout.forward, lora_A.forward, lora_A.weight.dtype)
+        patched.append((dropout, {"forward": _identity}))
+        patched.append((lora_A, {"forward": functools.partial(_recomputed, chain, dropout)}))
+    undos = [_set_instance_attributes(owner, values) for owner, values in patched]
+
+    def undo() -> None:
+        for one in reversed(undos):
+            one()
+
+    return undo
+
+
+def _set_instance_attributes(owner: Any, values: dict) -> Undo:
+    own = vars(owner)
+    previous = {name: own[name] for name in values if name in own}
+    for name, value in values.items():
+        setattr(owner, name, value)
+
+    def undo() -> None:
+        for name in values:
+            if name in previous:
+                setattr(owner, name, previous[name])
+            else:
+                own.pop(name, None)
+
+    return undo
+
+
+def _no_cast(x: Any, dtype: torch.dtype) -> Any:
+    return x
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+def _cast_dropout_project(cast: Callable, dropout: Callable, project: Callable, dtype: torch.dtype,
+                          x: torch.Tensor) -> torch.Tensor:
+    return project(dropout(cast(x, dtype)))
+
+
+def _recomputed(chain: Callable[[torch.Tensor], torch.Tensor], dropout: "nn.Module", x: torch.Tensor) -> torch.Tensor:
+    """The chain, recomputed in backward when it would save anything (training with gradients on)."""
+    if not (torch.is_grad_enabled() and dropout.training):
+        return chain(x)
+    from torch.utils.checkpoint import checkpoint
+
+    return checkpoint(chain, x, use_reentrant=False, preserve_rng_state=True)
 
 
 def _patch(module: "nn.Module") -> Undo:

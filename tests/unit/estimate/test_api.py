@@ -62,6 +62,16 @@ def test_lora_on_one_h100_keeps_the_frozen_base_in_bf16_and_checkpoints_at_2_byt
     assert e.fits and 32768 < e.longest_seq_len < 10**6
 
 
+def test_lora_dropout_adds_only_its_backward_replay():
+    """Dropout's cast + mask are recomputed (lstune.memory.lora_inputs): only one adapter's replay is added, at the
+    layer backward, of (4 B mask + 2 B input + 4 B gradient) per value of the widest adapted input."""
+    hw = resolve_hardware(gpu="h100-80gb", host_mem=128 * GiB)
+    base = dict(model="qwen3-0.6b", seq_len=16384, lora_r=16, tiled_mlp="off", tiled_loss=64)
+    plain, dropped = (estimate(_config(**base, lora_dropout=p), hw) for p in (0.0, 0.05))
+    assert dropped.breakdown.phase == "layer backward"
+    assert dropped.device_peak_bytes - plain.device_peak_bytes == (4 + 2 + 4) * 16384 * 3072  # qwen3-0.6b: MLP width 3072
+
+
 def test_a_4bit_base_takes_about_a_quarter_of_bf16_and_lengthens_the_longest_sequence():
     """QLoRA (--load-in-4bit): NF4 linear weights at ~0.516 B a parameter, embeddings still bf16."""
     hw = resolve_hardware(gpu="h100-80gb", host_mem=128 * GiB)
