@@ -65,6 +65,24 @@ def run_grads(model, step, batches, scale=None) -> tuple[float, dict[str, torch.
     return total, grads
 
 
+def run_with_plan(model, options: dict, seq: int, batches) -> tuple:
+    """(plan, loss, grads) of `batches` with `MemorySection(**options)` applied to `model` (and lstune's attention
+    where the options chunk it); all of it undone afterwards, the plan's record kept for the caller's checks."""
+    from lstune.config.schema import MemorySection
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.models.attention import use_lstune_attention
+
+    attention = use_lstune_attention(model, backend="sdpa") if options.get("attn_chunks") else None
+    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq)
+    try:
+        loss, grads = run_grads(model, plan.loss_sum, batches)
+    finally:
+        plan.undo()
+        if attention is not None:
+            attention.undo()
+    return plan, loss, grads
+
+
 def assert_grads_match(grads: dict, reference: dict, *, rtol: float = 1e-4) -> None:
     """Every trainable parameter's gradient matches (fp32): no parameter missing, none extra."""
     assert grads.keys() == reference.keys(), sorted(set(grads) ^ set(reference))

@@ -14,7 +14,6 @@ from lstune.memory.apply import apply_memory_techniques
 from lstune.memory.loss import fuse_final_norm, loss_sum_from_hidden
 from lstune.memory.measure import LiveBytes
 from lstune.memory.tiling import TilePolicy
-from lstune.models.attention import use_lstune_attention
 from lstune.models.introspect import find_parts
 from lstune.models.presets import build_model
 from tests.support.archs import tiny_model
@@ -24,6 +23,7 @@ from tests.unit.memory._helpers import (
     long_batch,
     packed_batch,
     run_grads,
+    run_with_plan,
     split_documents,
 )
 
@@ -52,14 +52,7 @@ def _reference(model, data: str):
 
 
 def _compare(model, batch, reference, options):
-    attention = use_lstune_attention(model, backend="sdpa") if options.get("attn_chunks") else None
-    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=SEQ)
-    try:
-        loss, grads = run_grads(model, plan.loss_sum, [batch])
-    finally:
-        plan.undo()
-        if attention is not None:
-            attention.undo()
+    plan, loss, grads = run_with_plan(model, options, SEQ, [batch])
     assert plan.final_norm_fused
     assert loss == pytest.approx(reference[0], rel=1e-5)
     assert_grads_match(grads, reference[1])

@@ -15,17 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lstune.config.schema import MemorySection
 from lstune.memory import apply as apply_mod
 from lstune.memory import loss as loss_mod
-from lstune.memory.apply import apply_memory_techniques
 from lstune.memory.loss import fuse_final_norm, normed_in_tiles
 from lstune.memory.measure import LiveBytes
-from lstune.models.attention import use_lstune_attention
 from lstune.models.introspect import find_parts
 from lstune.models.presets import build_model
 from tests.support.archs import tiny_model
-from tests.unit.memory._helpers import assert_grads_match, hf_loss_sum, long_batch, run_grads
+from tests.unit.memory._helpers import assert_grads_match, hf_loss_sum, long_batch, run_grads, run_with_plan
 
 SEQ, TILE = 70, 12  # 6 tiles (tile_bounds: 5 of 12 tokens, 1 of 10)
 
@@ -165,14 +162,7 @@ def test_the_liger_path_with_the_fused_norm_matches_hf(arch, options, training, 
     small_tiles(model.config.vocab_size)
     batch = long_batch(SEQ)
     reference = run_grads(model, hf_loss_sum, [batch])
-    attention = use_lstune_attention(model, backend="sdpa") if options.get("attn_chunks") else None
-    plan = apply_memory_techniques(model, MemorySection(**options), seq_len=SEQ)
-    try:
-        loss, grads = run_grads(model, plan.loss_sum, [batch])
-    finally:
-        plan.undo()
-        if attention is not None:
-            attention.undo()
+    plan, loss, grads = run_with_plan(model, options, SEQ, [batch])
     assert (plan.loss_backend, plan.final_norm_fused) == ("liger", True)
     assert fake_liger == [torch.Size([SEQ, model.config.hidden_size])]  # the whole normed sequence, once
     assert loss == pytest.approx(reference[0], rel=1e-5)
