@@ -409,9 +409,7 @@ def _lora_dropout_replay(shape: ModelShape, s: Settings, act: int) -> int:
     if not (s.lora_r and s.lora_dropout):
         return 0
     t = s.local_tokens
-    tiles = 1 if s.tiled_mlp == "off" else (ceil_div(t, shape.hidden) if s.tiled_mlp == "auto" else int(s.tiled_mlp))
-    mlp_tokens = ceil_div(t, max(min(tiles, t), 1))
-    return (4 + act + 4) * max(t * max(shape.hidden, shape.q_width), mlp_tokens * shape.intermediate)
+    return (4 + act + 4) * max(t * max(shape.hidden, shape.q_width), _mlp_tile_tokens(shape, s) * shape.intermediate)
 
 
 def _chunks_saved_per_token(shape: ModelShape, act: int, res: int) -> int:
@@ -559,10 +557,16 @@ def _mlp_tile(shape: ModelShape, s: Settings, act: int, p: ParamCounts) -> int:
     """One MLP tile's working set (constant in the sequence length once tiled)."""
     if s.tiled_mlp == "off":
         return 0
+    return _mlp_tile_tokens(shape, s) * (_mlp_per_token(shape, act, lora=_lora_on_tokens(s, p)) + 2 * act * shape.hidden)
+
+
+def _mlp_tile_tokens(shape: ModelShape, s: Settings) -> int:
+    """Tokens in one MLP tile (ALST's ceil(seq / hidden) tiles under 'auto'); the whole local sequence untiled."""
     t = s.local_tokens
+    if s.tiled_mlp == "off":
+        return t
     tiles = ceil_div(t, shape.hidden) if s.tiled_mlp == "auto" else min(int(s.tiled_mlp), t)
-    tile = ceil_div(t, max(tiles, 1))
-    return tile * (_mlp_per_token(shape, act, lora=_lora_on_tokens(s, p)) + 2 * act * shape.hidden)
+    return ceil_div(t, max(tiles, 1))
 
 
 def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -> int:

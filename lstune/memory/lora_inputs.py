@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from lstune.memory.patching import Undo
+from lstune.memory.patching import Undo, patch_attribute, patch_forward, run_undos
 
 if TYPE_CHECKING:
     from torch import nn
@@ -77,35 +77,14 @@ def _recompute_dropout(module: "nn.Module") -> Undo:
     state first), the region's forward sees the same state as the first time and records the same one, so every
     replay draws the mask of the original forward. The cast sits inside the region, so its copy is not saved."""
     cast = module._cast_input_dtype
-    patched: list[tuple[Any, dict]] = [(module, {"_cast_input_dtype": _no_cast})]
+    what = "LoRA cast + dropout recomputed in backward"
+    undos = [patch_attribute(module, "_cast_input_dtype", _no_cast, what=what)]
     for name, lora_A in module.lora_A.items():
         dropout = module.lora_dropout[name]
         chain = functools.partial(_cast_dropout_project, cast, dropout.forward, lora_A.forward, lora_A.weight.dtype)
-        patched.append((dropout, {"forward": _identity}))
-        patched.append((lora_A, {"forward": functools.partial(_recomputed, chain, dropout)}))
-    undos = [_set_instance_attributes(owner, values) for owner, values in patched]
-
-    def undo() -> None:
-        for one in reversed(undos):
-            one()
-
-    return undo
-
-
-def _set_instance_attributes(owner: Any, values: dict) -> Undo:
-    own = vars(owner)
-    previous = {name: own[name] for name in values if name in own}
-    for name, value in values.items():
-        setattr(owner, name, value)
-
-    def undo() -> None:
-        for name in values:
-            if name in previous:
-                setattr(owner, name, previous[name])
-            else:
-                own.pop(name, None)
-
-    return undo
+        undos.append(patch_forward(dropout, _identity, what=what))
+        undos.append(patch_forward(lora_A, functools.partial(_recomputed, chain, dropout), what=what))
+    return functools.partial(run_undos, undos)
 
 
 def _no_cast(x: Any, dtype: torch.dtype) -> Any:
@@ -131,17 +110,9 @@ def _recomputed(chain: Callable[[torch.Tensor], torch.Tensor], dropout: "nn.Modu
 
 
 def _patch(module: "nn.Module") -> Undo:
-    had_own = "_cast_input_dtype" in vars(module)
-    previous = vars(module).get("_cast_input_dtype")
-    module._cast_input_dtype = functools.partial(_cast_unless_autocast, module._cast_input_dtype)
-
-    def undo() -> None:
-        if had_own:
-            module._cast_input_dtype = previous
-        else:
-            vars(module).pop("_cast_input_dtype", None)
-
-    return undo
+    return patch_attribute(module, "_cast_input_dtype",
+                           functools.partial(_cast_unless_autocast, module._cast_input_dtype),
+                           what="LoRA input read in autocast's dtype")
 
 
 def _cast_unless_autocast(cast: Callable[[Any, torch.dtype], Any], x: Any, dtype: torch.dtype) -> Any:

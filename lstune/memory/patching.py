@@ -1,4 +1,4 @@
-"""Reversible, logged replacement of one module instance's `forward`.
+"""Reversible, logged replacement of one module instance's `forward` (or another instance attribute).
 
 lstune never patches classes or anything at import time: each technique swaps the `forward` of the
 module *instances* it applies to (an instance attribute shadows the class method), logs it on the
@@ -21,17 +21,23 @@ Undo = Callable[[], None]
 
 def patch_forward(module: "nn.Module", new_forward: Callable, *, what: str) -> Undo:
     """Make `module(...)` run `new_forward`; the returned undo restores exactly what was there before."""
-    had_own = "forward" in vars(module)
-    previous = vars(module).get("forward")
-    module.forward = new_forward
-    logger.debug("patched %s.forward (%s)", type(module).__name__, what)
+    return patch_attribute(module, "forward", new_forward, what=what)
+
+
+def patch_attribute(owner: Any, name: str, value: Any, *, what: str) -> Undo:
+    """Set `owner.name` on the instance (shadowing its class's); the returned undo restores exactly what was there
+    before (the instance's own value, or none)."""
+    had_own = name in vars(owner)
+    previous = vars(owner).get(name)
+    setattr(owner, name, value)
+    logger.debug("patched %s.%s (%s)", type(owner).__name__, name, what)
 
     def undo() -> None:
         if had_own:
-            module.forward = previous
+            setattr(owner, name, previous)
         else:
-            vars(module).pop("forward", None)
-        logger.debug("restored %s.forward (%s)", type(module).__name__, what)
+            vars(owner).pop(name, None)
+        logger.debug("restored %s.%s (%s)", type(owner).__name__, name, what)
 
     return undo
 
