@@ -176,8 +176,8 @@ def _can_probe(lm: "nn.Module") -> bool:
 def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bool) -> None:
     """Chunked attention (FPDT), with the norms around each attention run per chunk when a probe confirms that is
     exact; its saved chunks go to host memory with --offload-checkpoints."""
-    setting = memory.attn_chunks
-    chunking = chunked_attn.attention_chunking(setting, plan.parts.lm.config)
+    chunking = chunked_attn.attention_chunking(memory.attn_chunks, plan.parts.lm.config)
+    setting = chunking.setting  # "off" for a model without attention
     auto_tokens = chunking.auto_tokens
     if setting == "auto" and chunked_attn.chunk_count(setting, plan.seq_len, auto_tokens) <= 1:
         setting = "off"  # unresolved `auto` (no estimate chose) that cuts nothing at this length: nothing to patch
@@ -394,9 +394,10 @@ def layer_flop_params(layer: "nn.Module", config) -> int:
 
 
 def _attention_width(config) -> int:
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads * head_dim
+    from lstune.models.introspect import attention_heads
+
+    heads = attention_heads(config)
+    return 0 if heads is None else heads[0] * heads[2]
 
 
 def _warn_untiled_overflow(plan: MemoryPlan) -> None:

@@ -82,7 +82,7 @@ from lstune.memory.tiling import (
 )
 from lstune.models.attention import chunked_attention_calls
 from lstune.models.chunk_layout import AttentionChunks, sequence_layout
-from lstune.models.introspect import layer_attention
+from lstune.models.introspect import attention_heads, layer_attention
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -146,16 +146,21 @@ def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, he
 
 
 def attention_widths(config: Any) -> tuple[int, int]:
-    """(h_q, h_kv) = (heads, kv heads) · head_dim of a transformers (text) config."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    """(h_q, h_kv) = (heads, kv heads) · head_dim of a transformers (text) config; (0, 0) without attention."""
+    heads = attention_heads(config)
+    if heads is None:
+        return 0, 0
+    q_heads, kv_heads, head_dim = heads
+    return q_heads * head_dim, kv_heads * head_dim
 
 
 def attention_chunking(setting: str | int, config: Any) -> AttentionChunks:
-    """`--attn-chunks` for a model of this (transformers) config: "auto" chunks of its `auto_chunk_tokens`."""
-    return AttentionChunks(setting, auto_chunk_tokens(*attention_widths(config)))
+    """`--attn-chunks` for a model of this (transformers) config: "auto" chunks of its `auto_chunk_tokens`; off for a
+    model without attention (nothing to chunk)."""
+    widths = attention_widths(config)
+    if widths == (0, 0):
+        return AttentionChunks("off")
+    return AttentionChunks(setting, auto_chunk_tokens(*widths))
 
 
 def chunk_count(setting: str | int, seq_len: int, auto_tokens: int) -> int:

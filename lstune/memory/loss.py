@@ -362,22 +362,31 @@ def check_loss_head(parts: ModelParts) -> None:
             f"lstune's loss head does not reproduce {type(parts.lm).__name__}'s logits "
             "(it post-processes logits in a way lstune does not know); this architecture is not supported yet."
         )
-    token_ce = F.cross_entropy(reference[:, :-1].flatten(0, 1), inputs["input_ids"][:, 1:].flatten())
-    check_own_loss(parts.lm, getattr(out, "loss", None), token_ce.item(), rtol=tol)
+    check_own_loss(parts.lm, getattr(out, "loss", None), own_loss_candidates(reference, inputs["input_ids"]), rtol=tol)
 
 
-def check_own_loss(lm: "nn.Module", own: "torch.Tensor | None", token_ce: float, *, rtol: float) -> None:
-    """ModelError when the model's own loss (`own`, its forward's `.loss` given labels) is not the token
-    cross-entropy `token_ce` of the same logits: the forward adds a term lstune's head does not compute. In a
-    16-bit probe a small term (a router loss of ~1e-3) hides under the tolerance; the fp32 self-check
-    (lstune.train.self_check) and `check_loss_config` catch those."""
+def own_loss_candidates(logits: "torch.Tensor", labels: "torch.Tensor") -> tuple[float, float]:
+    """The token cross-entropy a model's own loss may be, given `labels`: shifted by one (Hugging Face's causal-LM
+    convention) or as given (BartForCausalLM and the other encoder-decoder families' decoders, which expect labels
+    already shifted). Either is plain token cross-entropy; lstune computes its own from pre-shifted labels."""
+    logits = logits.float()
+    shifted = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
+    as_given = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    return shifted.item(), as_given.item()
+
+
+def check_own_loss(lm: "nn.Module", own: "torch.Tensor | None", token_ce: tuple[float, ...], *, rtol: float) -> None:
+    """ModelError when the model's own loss (`own`, its forward's `.loss` given labels) is none of the token
+    cross-entropies `token_ce` of the same logits (`own_loss_candidates`): the forward adds a term lstune's head
+    does not compute. In a 16-bit probe a small term (a router loss of ~1e-3) hides under the tolerance; the fp32
+    self-check (lstune.train.self_check) and `check_loss_config` catch those."""
     from lstune.errors import ModelError
 
-    if own is None or math.isclose(own.item(), token_ce, rel_tol=rtol, abs_tol=rtol):
+    if own is None or any(math.isclose(own.item(), ce, rel_tol=rtol, abs_tol=rtol) for ce in token_ce):
         return
     check_loss_config(text_config(lm))  # the known cause, with its fix
     raise ModelError(
-        f"{type(lm).__name__}'s own loss is not token cross-entropy ({own.item():.7g} against {token_ce:.7g} on a "
+        f"{type(lm).__name__}'s own loss is not token cross-entropy ({own.item():.7g} against {token_ce[0]:.7g} on a "
         "probe): its forward adds a term that lstune's loss head does not compute, so training would silently "
         "differ from Hugging Face's; this model is not supported yet."
     )

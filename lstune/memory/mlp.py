@@ -156,7 +156,8 @@ _EXTRA_ARGUMENT_MESSAGE = (
 def check_per_token(layers: "nn.ModuleList", hidden_size: int, names: tuple[str, ...] | None = None) -> None:
     """Refuse blocks whose output for a token depends on other tokens (tiling would change the result).
 
-    Runs each distinct block class once on 6 random tokens and on the first 3 of them.
+    Runs each distinct block class once on 6 random tokens, on the first 3 of them and on the last 3: a block that
+    reads later tokens changes the first, a causal one (a convolution, a state-space scan) the last.
     """
     checked = set()
     for layer, name in zip(layers, names or mlp_names(layers)):
@@ -171,7 +172,7 @@ def check_per_token(layers: "nn.ModuleList", hidden_size: int, names: tuple[str,
             )
         if not _is_per_token(block, hidden_size):
             raise ModelError(
-                f"{type(block).__name__} mixes tokens (its output for a token changes with the tokens after it), "
+                f"{type(block).__name__} mixes tokens (its output for a token changes with the other tokens), "
                 "so it cannot be sequence-tiled; set tiled_mlp: off and mini_sequence: false for this model."
             )
 
@@ -179,18 +180,20 @@ def check_per_token(layers: "nn.ModuleList", hidden_size: int, names: tuple[str,
 def _is_per_token(block: "nn.Module", hidden: int) -> bool:
     full = _probe_block(block, hidden, tokens=6)
     head = _probe_block(block, hidden, tokens=3)
+    tail = _probe_block(block, hidden, tokens=3, start=3)
     tol = 1e-4 if full.dtype == torch.float32 else 2e-2
-    return bool(torch.allclose(full[:, :3], head, rtol=tol, atol=tol))
+    return bool(torch.allclose(full[:, :3], head, rtol=tol, atol=tol)
+                and torch.allclose(full[:, 3:], tail, rtol=tol, atol=tol))
 
 
 @torch.no_grad()
-def _probe_block(block: "nn.Module", hidden: int, *, tokens: int):
-    """The block's output (eval mode) on the first `tokens` of a fixed random sequence."""
+def _probe_block(block: "nn.Module", hidden: int, *, tokens: int, start: int = 0):
+    """The block's output (eval mode) on `tokens` tokens from `start` of a fixed random 6-token sequence."""
     # A floating weight gives the input's dtype (a 4-bit block's packed weights are uint8; its LoRA is not).
     param = next((p for p in block.parameters() if p.is_floating_point()), next(block.parameters()))
     dtype = param.dtype if param.is_floating_point() else torch.float32
     gen = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(1, 6, hidden, generator=gen)[:, :tokens].to(device=param.device, dtype=dtype)
+    x = torch.randn(1, 6, hidden, generator=gen)[:, start:start + tokens].to(device=param.device, dtype=dtype)
     with eval_mode(block):
         return block(x.contiguous())
 

@@ -580,6 +580,16 @@ class ModelMask:
     local_size: int | None
     _checked: Any = field(default=None, repr=False)
 
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for what a mask tensor has and this object has not: the model's own code computes with its
+        # mask (Doge adds a learned per-key bias to it) before the attention function, which lstune cannot honour.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MaskTensorUse(_MASK_TENSOR_MESSAGE.format(what=f"reads the mask's `{name}`"))
+
+    def __getitem__(self, index: Any) -> Any:
+        raise MaskTensorUse(_MASK_TENSOR_MESSAGE.format(what="slices the mask"))
+
     def window_for(self, position_ids_BS: Tensor | None, seq: int, device: Any = None) -> int | None:
         if self._checked is not None and self._checked[0] is position_ids_BS and self._checked[1] == seq:
             return self.local_size
@@ -597,6 +607,19 @@ class ModelMask:
             _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
         self._checked = (position_ids_BS, seq)
         return self.local_size
+
+
+class MaskTensorUse(ModelError, AttributeError):
+    """A model's own code used its attention mask as a tensor. An AttributeError too, so that `hasattr` and
+    `getattr(mask, name, default)` in a model's code still see a mask without that attribute."""
+
+
+_MASK_TENSOR_MESSAGE = (
+    "this model's own code {what} before its attention runs: it computes with the mask tensor itself (a mask "
+    "overlay, such as Doge's learned dynamic mask). lstune's attention builds no mask tensor (documents and "
+    "causality come from position_ids), so it cannot train this model exactly; this model is not supported "
+    "(lstune's limitation: passing the overlay to lstune's kernels as a score bias would lift it)."
+)
 
 
 def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: int | None) -> None:

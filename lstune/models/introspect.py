@@ -209,6 +209,26 @@ def text_config(model: "nn.Module"):
     return _text_config(unwrap_model(model))
 
 
+def attention_heads(config: Any) -> tuple[int, int, int] | None:
+    """(query heads, key/value heads, head dim) of a transformers config (its text config for multimodal ones);
+    None for a model without attention heads (Mamba, RWKV). Where they vary per layer (transformers then refuses
+    the global attribute and lists the layers in `per_layer_config`), the widest layer's."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    try:
+        return _uniform_attention_heads(config)
+    except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
+        shapes = [shape for layer in config.per_layer_config if (shape := _uniform_attention_heads(layer))]
+        return max(shapes, key=lambda shape: shape[0] * shape[2], default=None)
+
+
+def _uniform_attention_heads(config: Any) -> tuple[int, int, int] | None:
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
 def _text_config(lm: "nn.Module"):
     config = lm.config
     return getattr(config, "text_config", None) or config

@@ -98,10 +98,11 @@ class ParallelDims:
 
     @classmethod
     def for_model(cls, world_size: int, sp: int | str, model_config: Any) -> "ParallelDims":
-        """Dims for a transformers model config (its text config for multimodal models)."""
-        text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-        q = text.num_attention_heads
-        kv = getattr(text, "num_key_value_heads", None) or q
+        """Dims for a transformers model config (its text config for multimodal models); a model without attention
+        heads counts as one head (Ulysses splits heads: sequence parallelism cannot split it)."""
+        from lstune.models.introspect import attention_heads
+
+        q, kv, _ = attention_heads(model_config) or (1, 1, 0)
         return cls(world_size, sp, q_heads=q, kv_heads=kv)
 
     @property

@@ -11,7 +11,8 @@ the unmodified model running its own attention implementation (eager) and its ow
    property of the code path, not of the weights or the window's size;
 2. probe batch: one sequence longer than every window/chunk the config names (at least 64 tokens), with two packed
    documents when the run packs; labels pre-shifted as the data pipeline makes them;
-3. reference: the probe model with `attn_implementation="eager"`, fp32, dropout off; prepared: a copy put through
+3. reference: the probe model with `attn_implementation="eager"`, fp32, dropout off, each packed document run alone
+   (so a model whose own code lets packed documents see each other is caught); prepared: a copy put through
    `prepare_model` with the run's settings (LoRA, attention backend, SP, every memory technique, tiles forced to 2
    where tiling is on so that tile edges are crossed);
 4. compare the mean loss (rel 1e-5) and the gradient at the input embeddings (rel 1e-4 of its largest entry). On
@@ -52,12 +53,15 @@ class SelfCheckResult:
     copy_kind: str  # "copy" | "truncated"
     loss_rel: float
     grad_rel: float
+    sampling: bool = False  # the model's training forward samples: compared in eval mode (`_compare`)
 
     def note(self) -> str:
+        mode = (" in eval mode (its training forward samples at random, so two passes cannot be compared there)"
+                if self.sampling else "")
         return (
             f"self-check passed: loss and input-embedding gradient equal the unmodified model's (eager attention, "
             f"its own mask) on a {self.tokens}-token probe ({self.documents} document"
-            f"{'s' if self.documents > 1 else ''}) of a {self.layers}-layer {self.copy_kind} "
+            f"{'s' if self.documents > 1 else ''}) of a {self.layers}-layer {self.copy_kind}{mode} "
             f"(loss rel {self.loss_rel:.1e}, gradient rel {self.grad_rel:.1e})"
         )
 
@@ -70,11 +74,13 @@ def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
     probe, kind = probe_model(model, trust_remote_code=config.model.trust_remote_code, device=runtime.device)
     check_config = _check_config(config, probe, runtime)
     batch = probe_batch(probe.config, pack=config.data.pack, sp=runtime.sp, vocab=probe.config.vocab_size)
-    with torch.random.fork_rng(devices=[]):
+    # The check seeds its passes (`_compare`): the run's own random streams, CPU and device, are left as they were.
+    devices = [runtime.device] if runtime.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
         result = _compare(probe, check_config, runtime, batch)
-    result.copy_kind, result.layers = kind, _layer_count(probe)
-    if not result.ok:
-        raise ModelError(_diagnose(probe, check_config, runtime, batch, result))
+        result.copy_kind, result.layers = kind, _layer_count(probe)
+        if not result.ok:
+            raise ModelError(_diagnose(probe, check_config, runtime, batch, result))
     log.info("%s", result.note())
     return result
 
@@ -228,17 +234,47 @@ def _check_config(config: Any, probe: Any, runtime: Any) -> Any:
 
 
 def _compare(probe: Any, config: Any, runtime: Any, batch: dict) -> SelfCheckResult:
+    """Compare in training mode; where that fails because the model's training forward samples at random (PhiMoE's
+    Gumbel routing: packing and tiling draw the same distribution in another order), compare in eval mode instead,
+    where the model is a deterministic function."""
+    result = _compare_in_mode(probe, config, runtime, batch, training=True)
+    if not result.ok and _samples_in_training(probe, batch, runtime.device):
+        result = _compare_in_mode(probe, config, runtime, batch, training=False)
+        result.sampling = True
+    return result
+
+
+def _compare_in_mode(probe: Any, config: Any, runtime: Any, batch: dict, *, training: bool) -> SelfCheckResult:
+    import torch
+
     prepared_input = copy.deepcopy(probe)
     _set_eager(probe)  # the probe is lstune's own copy: it serves as the reference
-    ref_loss, ref_grad, ref_layers = _reference_step(probe, batch, runtime.device)
+    # Both passes draw the same random numbers (callers fork the generators: the run's own streams are untouched).
+    torch.manual_seed(0)
+    ref_loss, ref_grad, ref_layers = _reference_step(probe, batch, runtime.device, training=training)
     probe.zero_grad(set_to_none=True)
-    loss, grad, layers = _prepared_step(prepared_input, config, runtime, batch)
+    torch.manual_seed(0)
+    loss, grad, layers = _prepared_step(prepared_input, config, runtime, batch, training=training)
     loss_rel = abs(loss - ref_loss) / max(abs(ref_loss), 1e-12)
     grad_rel = float((grad - ref_grad).abs().max() / ref_grad.abs().max().clamp_min(1e-12))
     ok = _all_ranks_agree(loss_rel <= _LOSS_RTOL and grad_rel <= _GRAD_RTOL, runtime)
     result = SelfCheckResult(ok, batch["input_ids"].shape[1], len(_doc_starts(batch)), 0, "", loss_rel, grad_rel)
     result.first_bad_layer = _first_difference(layers, ref_layers)  # type: ignore[attr-defined]
     return result
+
+
+def _samples_in_training(probe: Any, batch: dict, device: Any) -> bool:
+    """Whether the unmodified model's training forward depends on the random seed (dropout is off in the probe)."""
+    import torch
+
+    _set_eager(probe)
+    runs = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        runs.append(_reference_step(probe, batch, device, training=True))
+        probe.zero_grad(set_to_none=True)
+    (loss_a, grad_a, _), (loss_b, grad_b, _) = runs
+    return loss_a != loss_b or not torch.equal(grad_a, grad_b)
 
 
 def _set_eager(model: Any) -> None:
@@ -274,26 +310,47 @@ def _layer_capture(model: Any, store: dict) -> list:
     ]
 
 
-def _reference_step(model: Any, batch: dict, device: Any) -> tuple[float, Any, dict]:
+def _reference_step(model: Any, batch: dict, device: Any, *, training: bool = True) -> tuple[float, Any, dict]:
+    """The unmodified model's mean loss, input-embedding gradient and per-layer outputs on `batch`, each packed
+    document run alone: that is what packing means. A model whose own code lets documents see each other (a
+    linear-attention or recurrent state, positions counted from the row's start) differs from it, where the model
+    run on the whole packed row would err exactly as its prepared copy does."""
+    import torch
     import torch.nn.functional as F
 
-    from lstune.memory.loss import check_own_loss
-
-    model.to(device).train()
-    embeds, layers = [], {}
-    handles = [_embedding_capture(model, embeds), *_layer_capture(model, layers)]
+    model.to(device).train(training)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    starts = _doc_starts(batch)
+    embeds, logits, layers = [], [], []
+    handle = _embedding_capture(model, embeds)
     try:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        labels = batch["shift_labels"]
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=_unshifted(labels),
-                    use_cache=False)
-        loss = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
-        check_own_loss(model, out.loss, loss.item(), rtol=_LOSS_RTOL)  # lstune computes token cross-entropy only
+        for start, end in zip(starts, [*starts[1:], batch["input_ids"].shape[1]]):
+            doc_logits, doc_layers = _reference_forward(model, {k: v[:, start:end] for k, v in batch.items()})
+            logits.append(doc_logits)
+            layers.append(doc_layers)
+        loss = F.cross_entropy(torch.cat(logits, 1).flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=-100)
         loss.backward()
+    finally:
+        handle.remove()
+    grad = torch.cat([leaf.grad[0].detach() for leaf in embeds])
+    return loss.item(), grad, {i: torch.cat([doc[i] for doc in layers]) for i in layers[0]}
+
+
+def _reference_forward(model: Any, doc: dict) -> tuple[Any, dict]:
+    """(fp32 logits, {layer index: output}) of one document; ModelError when the model's own loss is not token
+    cross-entropy (lstune computes that only)."""
+    from lstune.memory.loss import check_own_loss, own_loss_candidates
+
+    layers: dict = {}
+    handles = _layer_capture(model, layers)
+    try:
+        unshifted = _unshifted(doc["shift_labels"])
+        out = model(input_ids=doc["input_ids"], position_ids=doc["position_ids"], labels=unshifted, use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
-    return loss.item(), embeds[0].grad[0].detach(), {i: h[0] for i, h in layers.items()}
+    check_own_loss(model, out.loss, own_loss_candidates(out.logits.detach(), unshifted), rtol=_LOSS_RTOL)
+    return out.logits.float(), {i: h[0] for i, h in layers.items()}
 
 
 def _unshifted(shift_labels: Any) -> Any:
@@ -303,12 +360,14 @@ def _unshifted(shift_labels: Any) -> Any:
     return torch.cat([torch.full_like(shift_labels[:, :1], -100), shift_labels[:, :-1]], dim=1)
 
 
-def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict) -> tuple[float, Any, dict]:
+def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict, *, training: bool = True
+                   ) -> tuple[float, Any, dict]:
     from lstune.models.chunk_layout import sequence_layout
     from lstune.parallel.sp_data import count_tokens, shard_batch
     from lstune.train.prepare import prepare_model
 
     prepared = prepare_model(model, config, runtime)
+    prepared.model.train(training)
     embeds, layers = [], {}
     handles = [_embedding_capture(prepared.model, embeds), *_layer_capture(prepared.model, layers)]
     chunks = prepared.memory.attn_chunking
@@ -394,7 +453,13 @@ def _diagnose(probe: Any, config: Any, runtime: Any, batch: dict, result: SelfCh
     """The message of a failed check: where it differs, and which technique (if any) to turn off."""
     where = _describe_layer(probe, getattr(result, "first_bad_layer", None))
     culprit = _find_culprit(probe, config, runtime, batch)
-    if culprit is None:
+    if culprit is None and result.documents > 1 and _matches_unpacked(probe, config, runtime):
+        fix = (
+            "it matches on one document, so this model lets packed documents see each other in a way lstune cannot "
+            "separate by position_ids (a linear-attention or recurrent state, or positions counted from the row's "
+            "start rather than read from position_ids); train without --pack"
+        )
+    elif culprit is None:
         fix = (
             "it differs with every memory technique off, so lstune's attention / sequence parallelism gets this "
             "model wrong; this model cannot be trained exactly by lstune (please report it)"
@@ -421,6 +486,13 @@ def _describe_layer(probe: Any, index: int | None) -> str:
     layer_types = getattr(probe.config, "layer_types", None)
     kind = f", layer type {layer_types[index]!r}" if layer_types and index < len(layer_types) else ""
     return f"layer {index} ({type(layer).__name__}{kind})"
+
+
+def _matches_unpacked(probe: Any, config: Any, runtime: Any) -> bool:
+    """Whether the check passes on a one-document probe with the run's other settings."""
+    batch = probe_batch(probe.config, pack=False, sp=runtime.sp, vocab=probe.config.vocab_size)
+    return _compare(probe, dataclasses.replace(config, data=dataclasses.replace(config.data, pack=False)), runtime,
+                    batch).ok
 
 
 def _find_culprit(probe: Any, config: Any, runtime: Any, batch: dict) -> str | None:

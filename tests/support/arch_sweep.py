@@ -1,0 +1,296 @@
+"""Every causal-LM architecture transformers ships, through lstune: exact, refused, or a defect (no network).
+
+    OMP_NUM_THREADS=1 python -m tests.support.arch_sweep [--only TYPE ...] [--jsonl FILE]
+
+The test matrix (tests/unit/models/test_model_matrix.py) pins ~25 hand-made tiny configs in CI. This sweep asks the
+same question of every model type in transformers' causal-LM mapping, with a tiny config shrunk from each config
+class's defaults, to find the architectures lstune gets wrong that nobody has put in the matrix:
+
+1. build a tiny fp32 random-init model (2+ layers, hidden 32; every per-layer type kept; windows cut to 16 tokens);
+   a type whose tiny model cannot be built or whose own eager forward fails is "not built" (not lstune's problem);
+2. lstune's config-time checks (`check_attention_support`), then, on one long sample and on packed documents, lstune's
+   attention alone and with every memory technique (tiles of 3), against plain HF — eager attention on the long
+   sample, each document run alone on the packed one — comparing the loss and every parameter's gradient;
+3. a case that is neither exact nor refused with lstune's own error is then put through the startup self-check
+   (`run_self_check`), which is what stands between such a model and a user's run.
+
+Outcomes per case: exact; refused (lstune's ModelError/UserError, first line kept); WRONG (caught by the self-check) —
+refused at startup, with the self-check's message; WRONG (self-check passes) and CRASH (another exception inside
+lstune's path) — defects. The summary line counts each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import traceback
+from typing import Any
+
+SEQ = 70
+DOCS = [29, 24, 17]
+WINDOW = 16
+TECHNIQUES = {
+    "attention": None,
+    "all": dict(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True),
+}
+_SIZES = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512)
+_MAX_PARAMS = 30_000_000
+
+
+def causal_lm_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# tiny configs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def tiny_generic_config(model_type: str) -> Any:
+    """The config class's defaults, shrunk: the matrix's hand-made config where there is one."""
+    from tests.support.archs import ARCHS, tiny_config
+
+    if model_type in ARCHS:
+        return tiny_config(model_type)
+    from transformers import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type]()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    _shrink(text)
+    if text is not config:
+        _shrink_sub_configs(config, text)
+    return config
+
+
+def _set(config: Any, key: str, value: Any) -> None:
+    try:
+        setattr(config, key, value)
+    except (AttributeError, ValueError, TypeError):
+        pass
+
+
+def _shrink(config: Any) -> None:
+    from lstune.train.self_check import truncated_config
+
+    for key, value in _SIZES.items():
+        if hasattr(config, key):
+            _set(config, key, value)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, bool) or key.startswith("_"):
+            continue
+        lower = key.lower()
+        if isinstance(value, float) and ("dropout" in lower or "pdrop" in lower or lower == "layerdrop"):
+            _set(config, key, 0.0)
+        elif not isinstance(value, int):
+            continue
+        elif "intermediate" in lower or "ffn" in lower or "ff_dim" in lower or lower in ("n_inner", "d_ff"):
+            _set(config, key, 32 if "moe" in lower or "expert" in lower else 64)
+        elif lower in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_routed_experts"):
+            _set(config, key, 4)
+        elif lower in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k"):
+            _set(config, key, min(value, 2))
+        elif lower in ("head_dim", "rotary_dim"):
+            _set(config, key, 8)
+        elif "window" in lower or "attention_chunk" in lower:
+            _set(config, key, WINDOW if value > 0 else value)
+        elif lower in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id") and value >= 320:
+            _set(config, key, {"pad_token_id": 0, "bos_token_id": 1}.get(lower, 2))
+    _set(config, "tie_word_embeddings", False)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > 2:
+        small = truncated_config(config)  # the shortest prefix holding every per-layer value (layer type)
+        for key, value in vars(small).items():
+            if isinstance(value, list) and len(value) == small.num_hidden_layers:
+                _set(config, key, value)
+        _set(config, "num_hidden_layers", small.num_hidden_layers)
+    _set(config, "use_cache", False)
+
+
+def _shrink_sub_configs(config: Any, text: Any) -> None:
+    for key, value in list(vars(config).items()):
+        if value is not text and hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            _shrink(value)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# one architecture
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def build(model_type: str) -> tuple[Any, str | None]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        config = tiny_generic_config(model_type)
+        with torch.device("meta"):  # sized before any memory is spent: a default that did not shrink can be huge
+            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        if params > _MAX_PARAMS:
+            return None, f"not built: {params / 1e6:.0f}M parameters after shrinking"
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    except Exception as exc:  # noqa: BLE001 - a sweep records whatever stops a type
+        return None, f"not built: {type(exc).__name__}: {_line(exc)}"
+    model.train()
+    return model, None
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else "")[:200]
+
+
+def sweep_one(model_type: str) -> dict:
+    from lstune.errors import UserError
+
+    model, problem = build(model_type)
+    record: dict[str, Any] = {"model_type": model_type}
+    if model is None:
+        record["outcome"] = problem
+        return record
+    record["class"] = type(model).__name__
+    pristine = copy.deepcopy(model)  # some models keep graph tensors after a forward (no deepcopy then)
+    for data in ("long", "packed"):
+        try:
+            batch, reference = _reference(copy.deepcopy(pristine), data)
+        except Exception as exc:  # noqa: BLE001
+            record[data] = f"not built: the plain model's own forward fails: {type(exc).__name__}: {_line(exc)}"
+            continue
+        for technique in TECHNIQUES:
+            key = f"{data}/{technique}"
+            try:
+                got = _lstune(copy.deepcopy(pristine), technique, data, batch)
+            except UserError as exc:
+                record[key] = f"refused: {_line(exc)}"
+                continue
+            except Exception as exc:  # noqa: BLE001
+                record[key] = f"CRASH: {type(exc).__name__}: {_line(exc)}"
+                record[f"{key}:trace"] = traceback.format_exc(limit=-4)
+                continue
+            mismatch = _mismatch(got, reference)
+            record[key] = "exact" if mismatch is None else _wrong(copy.deepcopy(pristine), data, technique, mismatch)
+    return record
+
+
+def _reference(model: Any, data: str):
+    from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads, split_documents
+
+    vocab = model.config.get_text_config().vocab_size
+    if data == "long":
+        batch = long_batch(SEQ, vocab=min(vocab, 320))
+        return batch, run_grads(model, hf_loss_sum, [batch])
+    batch = packed_batch(DOCS, vocab=min(vocab, 320))
+    return batch, run_grads(model, hf_loss_sum, split_documents(batch, DOCS))
+
+
+def _lstune(model: Any, technique: str, data: str, batch: dict):
+    from lstune.config.schema import MemorySection
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.loss import causal_lm_loss_sum
+    from lstune.models.attention import check_attention_support, use_lstune_attention
+    from lstune.models.introspect import decoder_layers
+    from lstune.models.mixers import check_token_mixers
+    from tests.unit.memory._helpers import run_grads
+
+    check_attention_support(model.config, pack=data == "packed", seq_len=SEQ, backend="sdpa", device="cpu")
+    check_token_mixers(decoder_layers(model), pack=data == "packed", sp=1)
+    use_lstune_attention(model, backend="sdpa")
+    step = causal_lm_loss_sum
+    if TECHNIQUES[technique] is not None:
+        step = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SEQ).loss_sum
+    return run_grads(model, step, [batch])
+
+
+def _mismatch(got, reference) -> str | None:
+    loss, grads = got
+    ref_loss, ref_grads = reference
+    if abs(loss - ref_loss) > 1e-5 * abs(ref_loss):
+        return f"loss {loss:.6g} vs {ref_loss:.6g}"
+    if grads.keys() != ref_grads.keys():
+        return f"gradient set differs: {sorted(set(grads) ^ set(ref_grads))[:3]}"
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for name, ref in ref_grads.items():
+        error = float((grads[name] - ref).abs().max())
+        if error > 1e-4 * max(float(ref.abs().max()), 1e-3 * scale) + 1e-5 * scale * 1e-3:
+            return f"gradient of {name}: max error {error:.3g} (largest entry {float(ref.abs().max()):.3g})"
+    return None
+
+
+def _wrong(model: Any, data: str, technique: str, mismatch: str) -> str:
+    """A mismatch: does the startup self-check (what a user's run goes through) catch it?"""
+    import torch
+
+    from lstune.config.schema import DataSection, MemorySection, ModelSection, TrainConfig
+    from lstune.errors import UserError
+    from lstune.train.runtime import Runtime
+    from lstune.train.self_check import run_self_check
+
+    memory = MemorySection(**TECHNIQUES[technique]) if TECHNIQUES[technique] else MemorySection(
+        tiled_mlp="off", tiled_loss="off", checkpointing=False)
+    config = TrainConfig(model=ModelSection(attn="sdpa"), data=DataSection(pack=data == "packed"), memory=memory)
+    try:
+        run_self_check(model, config, Runtime(torch.device("cpu"), None))
+    except UserError as exc:
+        return f"WRONG (caught by the self-check): {mismatch} | {_line(exc)}"
+    except Exception as exc:  # noqa: BLE001
+        return f"WRONG (self-check crashes: {type(exc).__name__}: {_line(exc)}): {mismatch}"
+    return f"WRONG (self-check passes): {mismatch}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# report
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _kind(value: str) -> str:
+    for prefix in ("exact", "refused", "WRONG (caught", "WRONG", "CRASH", "not built"):
+        if value.startswith(prefix):
+            return prefix
+    return value
+
+
+def _summary(cases: dict[str, str]) -> str:
+    """The cases grouped by outcome: `exact` once when all four are, else `case, case: outcome | ...`."""
+    groups: dict[str, list[str]] = {}
+    for case, value in cases.items():
+        groups.setdefault(value, []).append(case)
+    if len(groups) == 1:
+        return next(iter(groups))[:200]
+    return " | ".join(f"{', '.join(names)}: {value[:160]}" for value, names in groups.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+    import warnings
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
+    parser.add_argument("--jsonl", help="append one record per model type to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    counts: dict[str, int] = {}
+    for model_type in args.only or causal_lm_types():
+        record = sweep_one(model_type)
+        cases = {k: v for k, v in record.items() if "/" in k and not k.endswith(":trace")}
+        line = record.get("outcome") or _summary(cases) or record.get("long")
+        print(f"{model_type:28s} {line}", flush=True)
+        for value in cases.values() or [record.get("outcome") or record.get("long", "")]:
+            counts[_kind(value)] = counts.get(_kind(value), 0) + 1
+        if args.jsonl:
+            with open(args.jsonl, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+    print("cases: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    return 1 if any(k in ("WRONG", "CRASH") for k in counts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
