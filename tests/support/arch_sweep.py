@@ -11,6 +11,8 @@ class's defaults, to find the architectures lstune gets wrong that nobody has pu
 2. lstune's config-time checks (`check_attention_support`), then, on one long sample and on packed documents, lstune's
    attention alone and with every memory technique (tiles of 3), against plain HF — eager attention on the long
    sample, each document run alone on the packed one — comparing the loss and every parameter's gradient;
+   A model whose training forward samples at random (PhiMoE's routing) is compared in eval mode, as the self-check
+   does;
 3. a case that is neither exact nor refused with lstune's own error is then put through the startup self-check
    (`run_self_check`), which is what stands between such a model and a user's run.
 
@@ -155,16 +157,19 @@ def sweep_one(model_type: str) -> dict:
         return record
     record["class"] = type(model).__name__
     pristine = copy.deepcopy(model)  # some models keep graph tensors after a forward (no deepcopy then)
+    training = not _samples_in_training(pristine)
+    if not training:
+        record["compared"] = "in eval mode: the training forward samples at random (as the self-check does)"
     for data in ("long", "packed"):
         try:
-            batch, reference = _reference(copy.deepcopy(pristine), data)
+            batch, reference = _reference(copy.deepcopy(pristine).train(training), data)
         except Exception as exc:  # noqa: BLE001
             record[data] = f"not built: the plain model's own forward fails: {type(exc).__name__}: {_line(exc)}"
             continue
         for technique in TECHNIQUES:
             key = f"{data}/{technique}"
             try:
-                got = _lstune(copy.deepcopy(pristine), technique, data, batch)
+                got = _lstune(copy.deepcopy(pristine), technique, data, batch, training)
             except UserError as exc:
                 record[key] = f"refused: {_line(exc)}"
                 continue
@@ -177,18 +182,35 @@ def sweep_one(model_type: str) -> dict:
     return record
 
 
+def _samples_in_training(model: Any) -> bool:
+    """Whether the model's training forward depends on the random seed (PhiMoE's routing)."""
+    import torch
+
+    from tests.unit.memory._helpers import hf_loss_sum, long_batch
+
+    losses = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            losses.append(float(hf_loss_sum(copy.deepcopy(model).train(), long_batch(SEQ, vocab=_vocab(model)))[0]))
+    return losses[0] != losses[1]
+
+
+def _vocab(model: Any) -> int:
+    return min(model.config.get_text_config().vocab_size, 320)
+
+
 def _reference(model: Any, data: str):
     from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads, split_documents
 
-    vocab = model.config.get_text_config().vocab_size
     if data == "long":
-        batch = long_batch(SEQ, vocab=min(vocab, 320))
+        batch = long_batch(SEQ, vocab=_vocab(model))
         return batch, run_grads(model, hf_loss_sum, [batch])
-    batch = packed_batch(DOCS, vocab=min(vocab, 320))
+    batch = packed_batch(DOCS, vocab=_vocab(model))
     return batch, run_grads(model, hf_loss_sum, split_documents(batch, DOCS))
 
 
-def _lstune(model: Any, technique: str, data: str, batch: dict):
+def _lstune(model: Any, technique: str, data: str, batch: dict, training: bool = True):
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.loss import causal_lm_loss_sum
@@ -203,7 +225,7 @@ def _lstune(model: Any, technique: str, data: str, batch: dict):
     step = causal_lm_loss_sum
     if TECHNIQUES[technique] is not None:
         step = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SEQ).loss_sum
-    return run_grads(model, step, [batch])
+    return run_grads(model.train(training), step, [batch])
 
 
 def _mismatch(got, reference) -> str | None:
@@ -282,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         record = sweep_one(model_type)
         cases = {k: v for k, v in record.items() if "/" in k and not k.endswith(":trace")}
         line = record.get("outcome") or _summary(cases) or record.get("long")
+        line += " (compared in eval mode: samples in training)" if "compared" in record else ""
         print(f"{model_type:28s} {line}", flush=True)
         for value in cases.values() or [record.get("outcome") or record.get("long", "")]:
             counts[_kind(value)] = counts.get(_kind(value), 0) + 1

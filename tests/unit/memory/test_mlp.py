@@ -68,20 +68,23 @@ def test_tiled_mlp_saves_only_its_input(wide_llama):
 
 
 class _CumulativeMix(torch.nn.Module):
-    """Not per-token: each position sees the running sum of the earlier ones."""
+    """Not per-token: each position sees the running sum of the later ones (`causal`: of the earlier ones, as a
+    convolution or a state-space scan such as Mamba's mixer does)."""
 
-    def __init__(self, hidden):
+    def __init__(self, hidden, causal=False):
         super().__init__()
         self.proj = torch.nn.Linear(hidden, hidden)
+        self.causal = causal
 
     def forward(self, x):
-        return self.proj(x).cumsum(dim=1).flip(1)
+        return self.proj(x).cumsum(dim=1) if self.causal else self.proj(x).flip(1).cumsum(dim=1).flip(1)
 
 
-def test_a_token_mixing_block_is_refused(wide_llama):
+@pytest.mark.parametrize("causal", [False, True], ids=["reads-later-tokens", "causal"])
+def test_a_token_mixing_block_is_refused(wide_llama, causal):
     layers = decoder_layers(wide_llama)
     original = layers[0].mlp
-    layers[0].mlp = _CumulativeMix(HIDDEN)
+    layers[0].mlp = _CumulativeMix(HIDDEN, causal=causal)
     try:
         with pytest.raises(ModelError, match="cannot be sequence-tiled"):
             check_per_token(layers, HIDDEN)

@@ -358,3 +358,36 @@ def test_cuda_backends_match_reference(backend, window):
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got.float(), want.float(), rtol=5e-2, atol=5e-2)
+
+
+def test_a_model_computing_with_its_mask_tensor_is_refused():
+    """lstune hands a model's layers a ModelMask, not a tensor: code that reads it as one (Doge adds a learned
+    per-key bias to its mask) gets a refusal naming the problem, while `hasattr` / `getattr` with a default still
+    see an object without that attribute."""
+    from lstune.models.attention import MaskTensorUse, ModelMask
+
+    mask = ModelMask(mask_function=lambda b, h, q, kv: kv <= q, local_size=None)
+    with pytest.raises(ModelError, match=r"reads the mask's `dtype`.*computes with the mask tensor itself"):
+        mask.dtype
+    with pytest.raises(MaskTensorUse, match="slices the mask"):
+        mask[:, :, :, :4]
+    assert not hasattr(mask, "shape") and getattr(mask, "device", None) is None
+
+
+def test_doge_is_refused_end_to_end():
+    from transformers import CONFIG_MAPPING
+
+    if "doge" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no Doge")
+    from tests.support.arch_sweep import SEQ, build
+    from tests.unit.memory._helpers import long_batch
+    from lstune.memory.loss import causal_lm_loss_sum
+
+    model, problem = build("doge")
+    assert problem is None, problem
+    handle = use_lstune_attention(model, backend="sdpa")
+    try:
+        with pytest.raises(ModelError, match="reads the mask's `dtype`"):
+            causal_lm_loss_sum(model, long_batch(SEQ))
+    finally:
+        handle.undo()

@@ -73,3 +73,21 @@ def test_a_layer_with_two_unnamed_per_token_blocks_is_refused():
 def test_a_model_without_a_body_is_refused():
     with pytest.raises(ModelError, match="cannot find the decoder body"):
         decoder_body(build_model("tiny-llama").model)
+
+
+def test_attention_heads_of_a_model_without_attention_and_of_per_layer_heads():
+    """Mamba has no heads (None, so chunking and SP have nothing to split); a config whose head dim varies per
+    layer refuses the global attribute, and the widest layer's shape is used."""
+    from transformers import CONFIG_MAPPING, MambaConfig
+
+    from lstune.models.introspect import attention_heads
+
+    assert attention_heads(MambaConfig(hidden_size=32, num_hidden_layers=2)) is None
+    assert attention_heads(CONFIG_MAPPING["llama"](hidden_size=64, num_attention_heads=4,
+                                                   num_key_value_heads=2)) == (4, 2, 16)
+    if "gemma4_unified" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no per-layer attention configs")
+    config = CONFIG_MAPPING["gemma4_unified"]().get_text_config()
+    widest = max((layer.num_attention_heads * layer.head_dim, layer.head_dim) for layer in config.per_layer_config)
+    heads, _, head_dim = attention_heads(config)
+    assert heads * head_dim == widest[0] and head_dim == widest[1]

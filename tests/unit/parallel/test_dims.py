@@ -64,6 +64,13 @@ def test_for_model_reads_head_counts():
     assert (dims.q_heads, dims.kv_heads, dims.sp) == (4, 1, 4)
 
 
+def test_a_model_without_attention_heads_gets_no_sequence_parallelism():
+    from transformers import MambaConfig
+
+    dims = ParallelDims.for_model(2, "auto", MambaConfig(hidden_size=32, num_hidden_layers=2))
+    assert (dims.q_heads, dims.sp) == (1, 1)
+
+
 def test_build_groups_needs_distributed():
     with pytest.raises(RuntimeError, match="initialised"):
         ParallelDims(2, 2).build_groups()

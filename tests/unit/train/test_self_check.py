@@ -107,3 +107,85 @@ def test_training_setup_runs_it_unless_skipped(skip, tmp_path):
     loaded, _ = _setup_model(config, CPU, resolve_model("tiny-llama"), None, [])
     expected = "self-check skipped" if skip else "self-check passed"
     assert any(expected in note for note in loaded.notes)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# what the architecture sweep (tests/support/arch_sweep.py) found
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _all_techniques(pack: bool) -> TrainConfig:
+    from lstune.config.schema import MemorySection
+
+    return TrainConfig(data=DataSection(pack=pack),
+                       memory=MemorySection(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True))
+
+
+def test_documents_that_see_each_other_through_a_linear_attention_state_are_caught():
+    """MiniMax's lightning-attention layers carry a state across a packed row; the model run on the packed row errs
+    exactly as lstune's copy does, so the reference runs each document alone."""
+    assert self_check.run_self_check(tiny_model("minimax"), _config(False), CPU).ok
+    with pytest.raises(ModelError, match=r"layer 1 \(MiniMaxDecoderLayer, layer type 'linear_attention'\).*"
+                                         r"matches on one document.*train without --pack"):
+        self_check.run_self_check(tiny_model("minimax"), _config(True), CPU)
+
+
+def test_a_reference_on_the_packed_row_would_have_missed_the_leak(monkeypatch):
+    """The same check with the old reference (the unmodified model on the whole packed row) passes MiniMax: the
+    per-document reference is what catches it."""
+    def whole_row(batch):
+        return [0]
+
+    monkeypatch.setattr(self_check, "_doc_starts", whole_row)
+    assert self_check.run_self_check(tiny_model("minimax"), _config(True), CPU).ok
+
+
+def test_positions_counted_from_the_row_start_are_caught_with_pack():
+    """BART's causal-LM decoder embeds positions from the token index, not position_ids: exact on one document,
+    refused with --pack. Its own loss takes labels already shifted, which is plain cross-entropy, not an extra term."""
+    from lstune.config.schema import MemorySection
+
+    config = TrainConfig(data=DataSection(pack=False), memory=MemorySection(tiled_mlp="off", mini_sequence=False))
+    assert self_check.run_self_check(tiny_model("bart"), config, CPU).ok
+    packed = TrainConfig(data=DataSection(pack=True), memory=config.memory)
+    with pytest.raises(ModelError, match="positions counted from the row's start.*train without --pack"):
+        self_check.run_self_check(tiny_model("bart"), packed, CPU)
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_model_that_samples_in_training_is_compared_in_eval_mode(pack):
+    """PhiMoE draws its routing at random in training mode, so tiles and documents draw in another order than the
+    unmodified model; the check finds the forward depends on the seed and compares the deterministic function."""
+    result = self_check.run_self_check(tiny_model("phimoe"), _all_techniques(pack), CPU)
+    assert result.ok and result.sampling and "in eval mode" in result.note()
+
+
+def test_a_deterministic_model_is_compared_in_training_mode():
+    result = self_check.run_self_check(tiny_model("llama"), _all_techniques(True), CPU)
+    assert result.ok and not result.sampling and "eval mode" not in result.note()
+
+
+def test_a_mismatch_is_not_excused_as_sampling_when_the_model_is_deterministic(monkeypatch):
+    """The eval-mode comparison is only for models whose own training forward depends on the seed: a broken
+    technique on a deterministic model still fails."""
+    monkeypatch.setattr(self_check, "_compare_in_mode", _always_failing(self_check._compare_in_mode))
+    with pytest.raises(ModelError, match="self-check failed"):
+        self_check.run_self_check(tiny_model("llama"), _config(), CPU)
+
+
+def _always_failing(compare):
+    def wrapped(*args, **kwargs):
+        result = compare(*args, **kwargs)
+        result.ok = False
+        return result
+
+    return wrapped
+
+
+def test_the_run_s_random_streams_are_left_as_they_were():
+    model = tiny_model("phimoe")
+    torch.manual_seed(1234)
+    expected = torch.rand(3)
+    torch.manual_seed(1234)
+    self_check.run_self_check(model, _config(), CPU)
+    torch.testing.assert_close(torch.rand(3), expected)
