@@ -157,7 +157,11 @@ def sweep_one(model_type: str) -> dict:
         return record
     record["class"] = type(model).__name__
     pristine = copy.deepcopy(model)  # some models keep graph tensors after a forward (no deepcopy then)
-    training = not _samples_in_training(pristine)
+    try:
+        training = not _samples_in_training(pristine)
+    except Exception as exc:  # noqa: BLE001
+        record["outcome"] = f"not built: the plain model's own forward fails: {type(exc).__name__}: {_line(exc)}"
+        return record
     if not training:
         record["compared"] = "in eval mode: the training forward samples at random (as the self-check does)"
     for data in ("long", "packed"):
@@ -269,11 +273,12 @@ def _wrong(model: Any, data: str, technique: str, mismatch: str) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+_KINDS = {"exact": "exact", "refused": "refused", "WRONG (caught": "refused by the self-check",
+          "WRONG": "WRONG", "CRASH": "CRASH", "not built": "not built"}
+
+
 def _kind(value: str) -> str:
-    for prefix in ("exact", "refused", "WRONG (caught", "WRONG", "CRASH", "not built"):
-        if value.startswith(prefix):
-            return prefix
-    return value
+    return next((kind for prefix, kind in _KINDS.items() if value.startswith(prefix)), value)
 
 
 def _summary(cases: dict[str, str]) -> str:
@@ -286,6 +291,31 @@ def _summary(cases: dict[str, str]) -> str:
     return " | ".join(f"{', '.join(names)}: {value[:160]}" for value, names in groups.items())
 
 
+def report(path: str) -> str:
+    """A markdown table of a sweep's records (one row per model type, its cases grouped by outcome)."""
+    import transformers
+
+    records = [json.loads(line) for line in open(path)]
+    counts: dict[str, int] = {}
+    rows = []
+    for record in records:
+        cases = {k: v for k, v in record.items() if "/" in k and not k.endswith(":trace")}
+        outcome = record.get("outcome") or _summary(cases) or record.get("long", "")
+        outcome += " (compared in eval mode: samples in training)" if "compared" in record else ""
+        kind = _kind(outcome) if "outcome" in record or not cases else " / ".join(
+            sorted({_kind(v) for v in cases.values()}))
+        counts[kind] = counts.get(kind, 0) + 1
+        rows.append(f"| {record['model_type']} | {outcome.replace('|', '/')} |")
+    header = [
+        f"{len(records)} model types (transformers {transformers.__version__}); by outcome: "
+        + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + ".",
+        "",
+        "| model type | outcome (cases: long / packed × lstune's attention alone / every memory technique) |",
+        "|---|---|",
+    ]
+    return "\n".join(header + rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     import logging
     import warnings
@@ -295,7 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
     parser.add_argument("--jsonl", help="append one record per model type to this file")
+    parser.add_argument("--report", help="print a markdown table of this --jsonl file's records and stop")
     args = parser.parse_args(argv)
+    if args.report:
+        print(report(args.report), end="")
+        return 0
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -312,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.jsonl, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
     print("cases: " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
-    return 1 if any(k in ("WRONG", "CRASH") for k in counts) else 0
+    return 1 if any(k in ("WRONG", "CRASH") for k in counts) else 0  # defects only
 
 
 if __name__ == "__main__":
