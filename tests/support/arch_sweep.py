@@ -39,7 +39,7 @@ TECHNIQUES = {
 }
 _SIZES = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512)
-_MAX_PARAMS = 30_000_000
+_MAX_PARAMS = 100_000_000
 
 
 def causal_lm_types() -> list[str]:
@@ -96,12 +96,31 @@ def _shrink(config: Any) -> None:
             _set(config, key, 4)
         elif lower in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k"):
             _set(config, key, min(value, 2))
-        elif lower in ("head_dim", "rotary_dim"):
+        elif lower in ("head_dim", "rotary_dim", "v_head_dim", "mamba_d_head", "mamba_head_dim",
+                       "index_head_dim", "linear_key_head_dim", "linear_value_head_dim"):
             _set(config, key, 8)
+        elif lower in ("qk_rope_head_dim", "qk_nope_head_dim"):
+            _set(config, key, 8)  # = head_dim: multi-head latent attention's rotary tables are sized from it
+        elif lower in ("kv_lora_rank", "q_lora_rank"):
+            _set(config, key, 16)
+        elif lower.endswith("attention_heads") and lower != "num_attention_heads" or lower in (
+                "mamba_n_heads", "mamba_num_heads", "index_n_heads", "linear_num_key_heads", "linear_num_value_heads"):
+            _set(config, key, 4 if "mamba" not in lower else 8)
+        elif lower in ("n_groups", "mamba_n_groups", "n_group", "topk_group"):
+            _set(config, key, 1)
+        elif lower in ("state_size", "mamba_d_state", "d_state"):
+            _set(config, key, 16)
+        elif "vocab_size" in lower and value > 320:
+            _set(config, key, 320)
+        elif "hidden_size" in lower and lower != "hidden_size" and value > 32:
+            _set(config, key, 16)
         elif "window" in lower or "attention_chunk" in lower:
             _set(config, key, WINDOW if value > 0 else value)
         elif lower in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id") and value >= 320:
             _set(config, key, {"pad_token_id": 0, "bos_token_id": 1}.get(lower, 2))
+    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: one key/value head per query head
+        _set(config, "num_key_value_heads", config.num_attention_heads)
+        _set(config, "qk_head_dim", config.qk_nope_head_dim + config.qk_rope_head_dim)
     _set(config, "tie_word_embeddings", False)
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(layers, int) and layers > 2:
