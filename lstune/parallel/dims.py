@@ -102,7 +102,11 @@ class ParallelDims:
         heads counts as one head (Ulysses splits heads: sequence parallelism cannot split it)."""
         from lstune.models.introspect import attention_heads
 
-        q, kv, _ = attention_heads(model_config) or (1, 1, 0)
+        heads = attention_heads(model_config)
+        if heads is None and sp not in (1, "1", "auto"):
+            raise ConfigError([f"--sp {sp}: this model has no attention heads (a state-space / recurrent model), and "
+                               "Ulysses sequence parallelism splits attention heads; use --sp 1 (or auto)."])
+        q, kv, _ = heads or (1, 1, 0)
         return cls(world_size, sp, q_heads=q, kv_heads=kv)
 
     @property

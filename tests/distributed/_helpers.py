@@ -95,13 +95,14 @@ def reference_samples(seq: int, docs: list[int]) -> dict:
     return {"long": (long, [long]), "packed": (packed, split_documents(packed, docs))}
 
 
-def compare_sp_with_hf(model_types: list[str], samples: dict, variants: dict) -> dict:
+def compare_sp_with_hf(model_types: list[str], samples: dict, variants: dict, build=None) -> dict:
     """Each variant under SP against plain HF on the whole sequence (fp32), per model type and sample.
 
     `samples[data] = (batch, reference pieces)` (`reference_samples`); `variants[name](model, batch, data)` prepares
     its copy of the model (Ulysses, memory techniques), shards `batch` and returns (local loss sum, shard, *extra).
     Returns {(model_type, data, name): ("ran", (loss, reference loss, worst relative gradient difference, same
-    parameters have gradients, *extra)) or ("refused", message of the UserError the variant raised)}.
+    parameters have gradients, *extra)) or ("refused", message of the UserError the variant raised)}. `build`: the
+    model of a type (default: tests.support.archs.tiny_model).
     """
     import copy
 
@@ -113,7 +114,7 @@ def compare_sp_with_hf(model_types: list[str], samples: dict, variants: dict) ->
 
     results = {}
     for model_type in model_types:
-        base = tiny_model(model_type)
+        base = (build or tiny_model)(model_type)
         for data, (batch, pieces) in samples.items():
             n = int(count_tokens(batch))
             ref_loss, ref_grads = run_grads(base, hf_loss_sum, pieces, scale=n)

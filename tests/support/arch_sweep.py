@@ -266,7 +266,7 @@ def _mismatch(got, reference) -> str | None:
     return None
 
 
-def _wrong(model: Any, data: str, technique: str, mismatch: str) -> str:
+def _wrong(model: Any, data: str, technique: str, mismatch: str, dims: Any = None) -> str:
     """A mismatch: does the startup self-check (what a user's run goes through) catch it?"""
     import torch
 
@@ -278,13 +278,109 @@ def _wrong(model: Any, data: str, technique: str, mismatch: str) -> str:
     memory = MemorySection(**TECHNIQUES[technique]) if TECHNIQUES[technique] else MemorySection(
         tiled_mlp="off", tiled_loss="off", checkpointing=False)
     config = TrainConfig(model=ModelSection(attn="sdpa"), data=DataSection(pack=data == "packed"), memory=memory)
+    runtime = Runtime(torch.device("cpu"), None)
+    if dims is not None:
+        from types import SimpleNamespace
+
+        runtime = Runtime(torch.device("cpu"), None, launch=SimpleNamespace(rank=dims.rank, world_size=dims.world_size),
+                          dims=dims)
     try:
-        run_self_check(model, config, Runtime(torch.device("cpu"), None))
+        run_self_check(model, config, runtime)
     except UserError as exc:
         return f"WRONG (caught by the self-check): {mismatch} | {_line(exc)}"
     except Exception as exc:  # noqa: BLE001
         return f"WRONG (self-check crashes: {type(exc).__name__}: {_line(exc)}): {mismatch}"
     return f"WRONG (self-check passes): {mismatch}"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# under sequence parallelism (2 gloo processes)
+# --------------------------------------------------------------------------------------------------------------------
+
+SP_SEQ, SP_DOCS = 64, [27, 21, 16]  # windows (16) shorter than each rank's shard (32)
+
+
+def sweep_sp(model_types: list[str], world: int = 2) -> list[dict]:
+    """`sweep_one`'s question under Ulysses SP: each case against plain HF on the whole sequence (documents alone),
+    a mismatch sent through the self-check under SP. Only models that build and do not sample in training."""
+    from tests.support.distributed import run_distributed
+
+    return run_distributed(_sp_worker, world, model_types, timeout=3600)[0]
+
+
+def _sp_model(model_type: str) -> Any:
+    model, problem = build(model_type)
+    if model is None:
+        raise _NotBuilt(problem)
+    return model
+
+
+class _NotBuilt(Exception):
+    pass
+
+
+def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
+    from lstune.config.schema import MemorySection
+    from lstune.errors import UserError
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.loss import causal_lm_loss_sum
+    from lstune.models.introspect import decoder_layers
+    from lstune.models.mixers import check_token_mixers
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.sp_data import shard_batch
+    from lstune.parallel.ulysses import apply_ulysses
+    from tests.distributed._helpers import compare_sp_with_hf, reference_samples
+
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    dims = ParallelDims(world, sp=world).build_groups()
+
+    def variant(technique: str):
+        def run(model, batch, data):
+            from lstune.models.attention import use_lstune_attention
+
+            check_token_mixers(decoder_layers(model), pack=data == "packed", sp=world)
+            use_lstune_attention(model, backend="sdpa")
+            apply_ulysses(model, dims)
+            step = causal_lm_loss_sum
+            if TECHNIQUES[technique] is not None:
+                step = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]),
+                                               seq_len=SP_SEQ // world).loss_sum
+            shard = shard_batch(batch, dims.sp, dims.sp_rank)
+            return step(model, shard)[0], shard
+        return run
+
+    records = []
+    for model_type in model_types:
+        record: dict[str, Any] = {"model_type": model_type, "sp": world}
+        try:
+            ParallelDims.for_model(world, world, _sp_model(model_type).config)
+            results = compare_sp_with_hf([model_type], reference_samples(SP_SEQ, SP_DOCS),
+                                         {t: variant(t) for t in TECHNIQUES}, build=_sp_model)
+        except _NotBuilt as exc:
+            record["outcome"] = str(exc)
+        except UserError as exc:
+            record["outcome"] = f"refused: {_line(exc)}"
+        except Exception as exc:  # noqa: BLE001
+            record["outcome"] = f"CRASH: {type(exc).__name__}: {_line(exc)}"
+        else:
+            for (_, data, technique), (outcome, detail) in results.items():
+                record[f"{data}/{technique}"] = _sp_outcome(model_type, data, technique, outcome, detail, dims)
+        records.append(record)
+    return records
+
+
+def _sp_outcome(model_type: str, data: str, technique: str, outcome: str, detail: Any, dims: Any) -> str:
+    if outcome == "refused":
+        return f"refused: {_line(Exception(detail))}"
+    loss, ref_loss, diff, same_keys = detail[:4]
+    if same_keys and abs(loss - ref_loss) <= 2e-5 * abs(ref_loss) and diff < 1e-4:
+        return "exact"
+    mismatch = f"loss {loss:.6g} vs {ref_loss:.6g}, gradients rel {diff:.1e}"
+    return _wrong(_sp_model(model_type), data, technique, mismatch, dims=dims)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -345,6 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
     parser.add_argument("--jsonl", help="append one record per model type to this file")
     parser.add_argument("--report", help="print a markdown table of this --jsonl file's records and stop")
+    parser.add_argument("--sp", type=int, default=1, help="sweep under sequence parallelism of this degree (gloo)")
     args = parser.parse_args(argv)
     if args.report:
         print(report(args.report), end="")
@@ -353,8 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     counts: dict[str, int] = {}
-    for model_type in args.only or causal_lm_types():
-        record = sweep_one(model_type)
+    types = args.only or causal_lm_types()
+    records = sweep_sp(types, args.sp) if args.sp > 1 else map(sweep_one, types)
+    for model_type, record in zip(types, records):
         cases = {k: v for k, v in record.items() if "/" in k and not k.endswith(":trace")}
         line = record.get("outcome") or _summary(cases) or record.get("long")
         line += " (compared in eval mode: samples in training)" if "compared" in record else ""

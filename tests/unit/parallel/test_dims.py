@@ -67,8 +67,11 @@ def test_for_model_reads_head_counts():
 def test_a_model_without_attention_heads_gets_no_sequence_parallelism():
     from transformers import MambaConfig
 
-    dims = ParallelDims.for_model(2, "auto", MambaConfig(hidden_size=32, num_hidden_layers=2))
+    config = MambaConfig(hidden_size=32, num_hidden_layers=2)
+    dims = ParallelDims.for_model(2, "auto", config)
     assert (dims.q_heads, dims.sp) == (1, 1)
+    with pytest.raises(ConfigError, match="no attention heads.*use --sp 1"):
+        ParallelDims.for_model(2, 2, config)
 
 
 def test_build_groups_needs_distributed():
