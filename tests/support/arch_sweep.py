@@ -53,8 +53,10 @@ def causal_lm_types() -> list[str]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def tiny_generic_config(model_type: str) -> Any:
-    """The config class's defaults, shrunk: the matrix's hand-made config where there is one."""
+def tiny_generic_config(model_type: str, *, extended: bool = False) -> Any:
+    """The config class's defaults, shrunk: the matrix's hand-made config where there is one. `extended` also
+    shrinks the less common widths (latent attention, Mamba-2 heads, per-layer inputs), which some types need and
+    others break on: `build` tries without first."""
     from tests.support.archs import ARCHS, tiny_config
 
     if model_type in ARCHS:
@@ -63,9 +65,9 @@ def tiny_generic_config(model_type: str) -> Any:
 
     config = CONFIG_MAPPING[model_type]()
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    _shrink(text)
+    _shrink(text, extended)
     if text is not config:
-        _shrink_sub_configs(config, text)
+        _shrink_sub_configs(config, text, extended)
     return config
 
 
@@ -76,7 +78,7 @@ def _set(config: Any, key: str, value: Any) -> None:
         pass
 
 
-def _shrink(config: Any) -> None:
+def _shrink(config: Any, extended: bool = False) -> None:
     from lstune.train.self_check import truncated_config
 
     for key, value in _SIZES.items():
@@ -96,7 +98,11 @@ def _shrink(config: Any) -> None:
             _set(config, key, 4)
         elif lower in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token", "moe_k"):
             _set(config, key, min(value, 2))
-        elif lower in ("head_dim", "rotary_dim", "v_head_dim", "mamba_d_head", "mamba_head_dim",
+        elif lower in ("head_dim", "rotary_dim"):
+            _set(config, key, 8)
+        elif not extended:
+            continue
+        elif lower in ("v_head_dim", "mamba_d_head", "mamba_head_dim",
                        "index_head_dim", "linear_key_head_dim", "linear_value_head_dim"):
             _set(config, key, 8)
         elif lower in ("qk_rope_head_dim", "qk_nope_head_dim"):
@@ -118,7 +124,7 @@ def _shrink(config: Any) -> None:
             _set(config, key, WINDOW if value > 0 else value)
         elif lower in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id") and value >= 320:
             _set(config, key, {"pad_token_id": 0, "bos_token_id": 1}.get(lower, 2))
-    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: one key/value head per query head
+    if extended and getattr(config, "kv_lora_rank", None):  # multi-head latent attention: one key/value head per query head
         _set(config, "num_key_value_heads", config.num_attention_heads)
         _set(config, "qk_head_dim", config.qk_nope_head_dim + config.qk_rope_head_dim)
     _set(config, "tie_word_embeddings", False)
@@ -132,10 +138,10 @@ def _shrink(config: Any) -> None:
     _set(config, "use_cache", False)
 
 
-def _shrink_sub_configs(config: Any, text: Any) -> None:
+def _shrink_sub_configs(config: Any, text: Any, extended: bool) -> None:
     for key, value in list(vars(config).items()):
         if value is not text and hasattr(value, "to_dict") and hasattr(value, "model_type"):
-            _shrink(value)
+            _shrink(value, extended)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -144,11 +150,21 @@ def _shrink_sub_configs(config: Any, text: Any) -> None:
 
 
 def build(model_type: str) -> tuple[Any, str | None]:
+    """(tiny fp32 model in training mode, None), or (None, why not): the plain shrink, else the extended one."""
+    problem = None
+    for extended in (False, True):
+        model, problem = _build(model_type, extended)
+        if model is not None:
+            return model, None
+    return None, problem
+
+
+def _build(model_type: str, extended: bool) -> tuple[Any, str | None]:
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
-        config = tiny_generic_config(model_type)
+        config = tiny_generic_config(model_type, extended=extended)
         with torch.device("meta"):  # sized before any memory is spent: a default that did not shrink can be huge
             params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         if params > _MAX_PARAMS:
@@ -157,6 +173,11 @@ def build(model_type: str) -> tuple[Any, str | None]:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     except Exception as exc:  # noqa: BLE001 - a sweep records whatever stops a type
         return None, f"not built: {type(exc).__name__}: {_line(exc)}"
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(3, 19)[None] % _vocab(model), use_cache=False)
+    except Exception as exc:  # noqa: BLE001
+        return None, f"not built: the plain model's own forward fails: {type(exc).__name__}: {_line(exc)}"
     model.train()
     return model, None
 
@@ -309,10 +330,15 @@ def sweep_sp(model_types: list[str], world: int = 2) -> list[dict]:
 
 
 def _sp_model(model_type: str) -> Any:
+    """The type's tiny model; in eval mode where its training forward samples (compared there, as `sweep_one`)."""
     model, problem = build(model_type)
     if model is None:
         raise _NotBuilt(problem)
-    return model
+    try:
+        sampling = _samples_in_training(model)
+    except Exception as exc:  # noqa: BLE001
+        raise _NotBuilt(f"not built: the plain model's own forward fails: {type(exc).__name__}: {_line(exc)}") from None
+    return model.eval() if sampling else model
 
 
 class _NotBuilt(Exception):
