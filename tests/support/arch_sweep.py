@@ -432,29 +432,43 @@ def _summary(cases: dict[str, str]) -> str:
     return " | ".join(f"{', '.join(names)}: {value[:160]}" for value, names in groups.items())
 
 
-def report(path: str) -> str:
-    """A markdown table of a sweep's records (one row per model type, its cases grouped by outcome)."""
+def report(path: str, sp_path: str | None = None) -> str:
+    """A markdown table of a sweep's records (one row per model type, its cases grouped by outcome), with the SP
+    sweep's outcome beside each when `sp_path` names its records."""
     import transformers
 
     records = [json.loads(line) for line in open(path)]
-    counts: dict[str, int] = {}
+    sp = {r["model_type"]: r for r in map(json.loads, open(sp_path))} if sp_path else {}
+    counts: dict[str, dict[str, int]] = {"one process": {}, "SP 2": {}}
     rows = []
     for record in records:
-        cases = {k: v for k, v in record.items() if "/" in k and not k.endswith(":trace")}
-        outcome = record.get("outcome") or _summary(cases) or record.get("long", "")
-        outcome += " (compared in eval mode: samples in training)" if "compared" in record else ""
-        kind = _kind(outcome) if "outcome" in record or not cases else " / ".join(
-            sorted({_kind(v) for v in cases.values()}))
-        counts[kind] = counts.get(kind, 0) + 1
-        rows.append(f"| {record['model_type']} | {outcome.replace('|', '/')} |")
+        cells = [_cell(record, counts["one process"])]
+        if sp:
+            cells.append(_cell(sp[record["model_type"]], counts["SP 2"]) if record["model_type"] in sp else "—")
+        rows.append(f"| {record['model_type']} | " + " | ".join(cells) + " |")
+    totals = "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())) for name, c in counts.items()
+                       if c)
+    columns = ["one process"] + (["SP 2 (two gloo processes)"] if sp else [])
     header = [
-        f"{len(records)} model types (transformers {transformers.__version__}); by outcome: "
-        + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) + ".",
+        f"{len(records)} model types (transformers {transformers.__version__}); model types by the outcomes of their "
+        f"four cases — {totals}.",
         "",
-        "| model type | outcome (cases: long / packed × lstune's attention alone / every memory technique) |",
-        "|---|---|",
+        "Cases: long sample / packed documents × lstune's attention alone / every memory technique.",
+        "",
+        "| model type | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
     ]
     return "\n".join(header + rows) + "\n"
+
+
+def _cell(record: dict, counts: dict[str, int]) -> str:
+    cases = {k: v for k, v in record.items() if "/" in k and not k.endswith(":trace")}
+    outcome = record.get("outcome") or _summary(cases) or record.get("long", "")
+    outcome += " (compared in eval mode: samples in training)" if "compared" in record else ""
+    kinds = {_kind(outcome)} if "outcome" in record or not cases else {_kind(v) for v in cases.values()}
+    kind = " / ".join(sorted(kinds))
+    counts[kind] = counts.get(kind, 0) + 1
+    return outcome.replace("|", "/")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -467,10 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="model types to sweep (default: all)")
     parser.add_argument("--jsonl", help="append one record per model type to this file")
     parser.add_argument("--report", help="print a markdown table of this --jsonl file's records and stop")
+    parser.add_argument("--report-sp", help="with --report: an SP sweep's --jsonl records, as a second column")
     parser.add_argument("--sp", type=int, default=1, help="sweep under sequence parallelism of this degree (gloo)")
     args = parser.parse_args(argv)
     if args.report:
-        print(report(args.report), end="")
+        print(report(args.report, args.report_sp), end="")
         return 0
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
