@@ -208,7 +208,9 @@ class UlyssesAttention:
         s = seq // self.sp
         send = out_BShD.reshape(b, self.sp, s, h, d).permute(1, 3, 0, 2, 4).reshape(self.sp * h, b, s, d)
         recv_HBsD = _all_to_all(send, list(counts), [h] * self.sp, self.group)
-        return recv_HBsD.permute(1, 2, 0, 3)
+        # Contiguous, as transformers' own attention functions return it: models `.view` the output (AFMoE, JetMoE);
+        # the usual `.reshape` would copy the permuted tensor anyway, so this costs those nothing.
+        return recv_HBsD.permute(1, 2, 0, 3).contiguous()
 
     def full_positions(self, position_ids_Bs):
         """position_ids of the whole sequence `[B, S]`, gathered once per forward (every layer reuses it): the

@@ -114,10 +114,10 @@ def compare_sp_with_hf(model_types: list[str], samples: dict, variants: dict, bu
 
     results = {}
     for model_type in model_types:
-        base = (build or tiny_model)(model_type)
+        base = (build or tiny_model)(model_type)  # copied before any forward: some models keep graph tensors
         for data, (batch, pieces) in samples.items():
             n = int(count_tokens(batch))
-            ref_loss, ref_grads = run_grads(base, hf_loss_sum, pieces, scale=n)
+            ref_loss, ref_grads = run_grads(copy.deepcopy(base), hf_loss_sum, pieces, scale=n)
             for name, run in variants.items():
                 model = copy.deepcopy(base)
                 try:

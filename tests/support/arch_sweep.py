@@ -9,7 +9,8 @@ class's defaults, to find the architectures lstune gets wrong that nobody has pu
 1. build a tiny fp32 random-init model (2+ layers, hidden 32; every per-layer type kept; windows cut to 16 tokens);
    a type whose tiny model cannot be built or whose own eager forward fails is "not built" (not lstune's problem);
 2. lstune's config-time checks (`check_attention_support`), then, on one long sample and on packed documents, lstune's
-   attention alone and with every memory technique (tiles of 3), against plain HF — eager attention on the long
+   attention alone, with every memory technique (tiles of 3) and with those and chunked attention (3 chunks,
+   FPDT), against plain HF — eager attention on the long
    sample, each document run alone on the packed one — comparing the loss and every parameter's gradient;
    A model whose training forward samples at random (PhiMoE's routing) is compared in eval mode, as the self-check
    does;
@@ -36,6 +37,7 @@ WINDOW = 16
 TECHNIQUES = {
     "attention": None,
     "all": dict(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True),
+    "chunked": dict(attn_chunks=3, tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True),
 }
 _SIZES = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512)
@@ -392,6 +394,7 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
             record["outcome"] = f"refused: {_line(exc)}"
         except Exception as exc:  # noqa: BLE001
             record["outcome"] = f"CRASH: {type(exc).__name__}: {_line(exc)}"
+            record["outcome:trace"] = traceback.format_exc(limit=-6)
         else:
             for (_, data, technique), (outcome, detail) in results.items():
                 record[f"{data}/{technique}"] = _sp_outcome(model_type, data, technique, outcome, detail, dims)
@@ -451,9 +454,10 @@ def report(path: str, sp_path: str | None = None) -> str:
     columns = ["one process"] + (["SP 2 (two gloo processes)"] if sp else [])
     header = [
         f"{len(records)} model types (transformers {transformers.__version__}); model types by the outcomes of their "
-        f"four cases — {totals}.",
+        f"cases — {totals}.",
         "",
-        "Cases: long sample / packed documents × lstune's attention alone / every memory technique.",
+        "Cases: long sample / packed documents × lstune's attention alone / every memory technique / those and chunked "
+        "attention (FPDT).",
         "",
         "| model type | " + " | ".join(columns) + " |",
         "|---|" + "---|" * len(columns),
