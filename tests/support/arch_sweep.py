@@ -86,6 +86,8 @@ def _shrink(config: Any, extended: bool = False) -> None:
     for key, value in _SIZES.items():
         if hasattr(config, key):
             _set(config, key, value)
+    if "head_dim" in vars(config) and config.head_dim is None:  # "derive it" in some configs, read as-is in others
+        _set(config, "head_dim", _SIZES["hidden_size"] // _SIZES["num_attention_heads"])
     for key, value in list(vars(config).items()):
         if isinstance(value, bool) or key.startswith("_"):
             continue
@@ -114,6 +116,8 @@ def _shrink(config: Any, extended: bool = False) -> None:
         elif lower.endswith("attention_heads") and lower != "num_attention_heads" or lower in (
                 "mamba_n_heads", "mamba_num_heads", "index_n_heads", "linear_num_key_heads", "linear_num_value_heads"):
             _set(config, key, 4 if "mamba" not in lower else 8)
+        elif lower == "num_heads" and not hasattr(config, "num_attention_heads"):  # Mamba-2: heads x head_dim = 64
+            _set(config, key, 8)
         elif lower in ("n_groups", "mamba_n_groups", "n_group", "topk_group"):
             _set(config, key, 1)
         elif lower in ("state_size", "mamba_d_state", "d_state"):
