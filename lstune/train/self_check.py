@@ -75,14 +75,22 @@ def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
     check_config = _check_config(config, probe, runtime)
     batch = probe_batch(probe.config, pack=config.data.pack, sp=runtime.sp, vocab=probe.config.vocab_size)
     # The check seeds its passes (`_compare`): the run's own random streams, CPU and device, are left as they were.
-    devices = [runtime.device] if runtime.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=_cuda_ids(runtime.device)):
         result = _compare(probe, check_config, runtime, batch)
         result.copy_kind, result.layers = kind, _layer_count(probe)
         if not result.ok:
             raise ModelError(_diagnose(probe, check_config, runtime, batch, result))
     log.info("%s", result.note())
     return result
+
+
+def _cuda_ids(device: Any) -> list[int]:
+    """The CUDA device index whose random stream the check must leave as it was ([] off CUDA)."""
+    import torch
+
+    if device.type != "cuda":
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
 # --------------------------------------------------------------------------------------------------------------------
