@@ -377,11 +377,11 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
             check_token_mixers(decoder_layers(model), pack=data == "packed", sp=world)
             use_lstune_attention(model, backend="sdpa")
             apply_ulysses(model, dims)
-            step = causal_lm_loss_sum
+            step, chunks = causal_lm_loss_sum, None
             if TECHNIQUES[technique] is not None:
-                step = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]),
-                                               seq_len=SP_SEQ // world).loss_sum
-            shard = shard_batch(batch, dims.sp, dims.sp_rank)
+                plan = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SP_SEQ // world)
+                step, chunks = plan.loss_sum, plan.attn_chunking  # chunks: the shards are FPDT's pieces
+            shard = shard_batch(batch, dims.sp, dims.sp_rank, chunks)
             return step(model, shard)[0], shard
         return run
 
