@@ -24,7 +24,7 @@ def test_the_families_the_sp_sweep_found_wrong_are_exact_or_refused(pools):
     for record in records:
         assert "outcome" not in record, (record["model_type"], record.get("outcome"))
         cases = {k: v for k, v in record.items() if "/" in k}
-        assert len(cases) == 2 * len(arch_sweep.TECHNIQUES)
+        assert len(cases) == 2 * len(arch_sweep.SP_TECHNIQUES)
         for case, outcome in cases.items():
             assert outcome.startswith(("exact", "refused", "WRONG (caught by the self-check)")), (
                 record["model_type"], case, outcome)

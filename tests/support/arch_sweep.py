@@ -38,7 +38,11 @@ TECHNIQUES = {
     "attention": None,
     "all": dict(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True),
     "chunked": dict(attn_chunks=3, tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True),
+    # every memory technique on a LoRA-wrapped model (peft, r=4, every linear layer), against HF with the same LoRA:
+    # lstune's shared LoRA inputs (lstune.memory.lora_inputs) on each architecture's linear layers
+    "lora": dict(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True),
 }
+LORA_R = 4
 _SIZES = dict(vocab_size=320, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=512)
 _MAX_PARAMS = 100_000_000
@@ -210,16 +214,24 @@ def sweep_one(model_type: str) -> dict:
         return record
     if not training:
         record["compared"] = "in eval mode: the training forward samples at random (as the self-check does)"
+    starts = {"plain": pristine, "lora": _with_lora(pristine)}
     for data in ("long", "packed"):
-        try:
-            batch, reference = _reference(copy.deepcopy(pristine).train(training), data)
-        except Exception as exc:  # noqa: BLE001
-            record[data] = f"not built: the plain model's own forward fails: {type(exc).__name__}: {_line(exc)}"
-            continue
+        references: dict[str, Any] = {}
         for technique in TECHNIQUES:
-            key = f"{data}/{technique}"
+            key, start = f"{data}/{technique}", starts["lora" if technique == "lora" else "plain"]
+            if isinstance(start, str):  # LoRA could not be applied
+                record[key] = start
+                continue
             try:
-                got = _lstune(copy.deepcopy(pristine), technique, data, batch, training)
+                kind = "lora" if technique == "lora" else "plain"
+                if kind not in references:
+                    references[kind] = _reference(copy.deepcopy(start).train(training), data)
+                batch, reference = references[kind]
+            except Exception as exc:  # noqa: BLE001
+                record[key] = f"not built: the plain model's own forward fails: {type(exc).__name__}: {_line(exc)}"
+                continue
+            try:
+                got = _lstune(copy.deepcopy(start), technique, data, batch, training)
             except UserError as exc:
                 record[key] = f"refused: {_line(exc)}"
                 continue
@@ -230,6 +242,26 @@ def sweep_one(model_type: str) -> dict:
             mismatch = _mismatch(got, reference)
             record[key] = "exact" if mismatch is None else _wrong(copy.deepcopy(pristine), data, technique, mismatch)
     return record
+
+
+def _with_lora(model: Any) -> Any:
+    """A LoRA-wrapped copy of `model` (lstune's `apply_lora`, every linear layer), its B matrices random so that
+    A gets a gradient too; or lstune's refusal as a "refused: ..." string."""
+    import torch
+
+    from lstune.errors import UserError
+    from lstune.models.loading import apply_lora
+
+    try:
+        wrapped = apply_lora(copy.deepcopy(model), r=LORA_R, alpha=2 * LORA_R, dropout=0.0, targets="auto")
+    except UserError as exc:
+        return f"refused: {_line(exc)}"
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in wrapped.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+    return wrapped
 
 
 def _samples_in_training(model: Any) -> bool:
@@ -304,7 +336,9 @@ def _wrong(model: Any, data: str, technique: str, mismatch: str, dims: Any = Non
 
     memory = MemorySection(**TECHNIQUES[technique]) if TECHNIQUES[technique] else MemorySection(
         tiled_mlp="off", tiled_loss="off", checkpointing=False)
-    config = TrainConfig(model=ModelSection(attn="sdpa"), data=DataSection(pack=data == "packed"), memory=memory)
+    lora = dict(lora_r=LORA_R, lora_alpha=2 * LORA_R, lora_dropout=0.0) if technique == "lora" else {}
+    config = TrainConfig(model=ModelSection(attn="sdpa", **lora), data=DataSection(pack=data == "packed"),
+                         memory=memory)
     runtime = Runtime(torch.device("cpu"), None)
     if dims is not None:
         from types import SimpleNamespace
@@ -325,6 +359,7 @@ def _wrong(model: Any, data: str, technique: str, mismatch: str, dims: Any = Non
 # --------------------------------------------------------------------------------------------------------------------
 
 SP_SEQ, SP_DOCS = 64, [27, 21, 16]  # windows (16) shorter than each rank's shard (32)
+SP_TECHNIQUES = [t for t in TECHNIQUES if t != "lora"]  # LoRA is the same code path with or without SP
 
 
 def sweep_sp(model_types: list[str], world: int = 2) -> list[dict]:
@@ -391,7 +426,7 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
         try:
             ParallelDims.for_model(world, world, _sp_model(model_type).config)
             results = compare_sp_with_hf([model_type], reference_samples(SP_SEQ, SP_DOCS),
-                                         {t: variant(t) for t in TECHNIQUES}, build=_sp_model)
+                                         {t: variant(t) for t in SP_TECHNIQUES}, build=_sp_model)
         except _NotBuilt as exc:
             record["outcome"] = str(exc)
         except UserError as exc:
