@@ -174,15 +174,27 @@ def _check_causal_lm(config, name: str) -> None:
         )
 
 
+def _not_plain_linear(model) -> list[str]:
+    """Linear layers with a forward of their own (PhiMoE's router returns routing tuples): peft's "all-linear" would
+    wrap them as if they computed x·Wᵀ + b, and break the model's forward."""
+    from torch import nn
+
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward]
+
+
 def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any):
-    """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head."""
+    """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head and those
+    with a forward of their own (`_not_plain_linear`)."""
     from peft import LoraConfig, get_peft_model
 
+    auto = targets == "auto"
     lora = LoraConfig(
         r=r,
         lora_alpha=alpha or 2 * r,
         lora_dropout=dropout,
-        target_modules="all-linear" if targets == "auto" else list(targets),
+        target_modules="all-linear" if auto else list(targets),
+        exclude_modules=(_not_plain_linear(model) or None) if auto else None,
         task_type="CAUSAL_LM",
     )
     try:

@@ -73,7 +73,7 @@ def run_self_check(model: Any, config: Any, runtime: Any) -> SelfCheckResult:
 
     probe, kind = probe_model(model, trust_remote_code=config.model.trust_remote_code, device=runtime.device)
     check_config = _check_config(config, probe, runtime)
-    batch = probe_batch(probe.config, pack=config.data.pack, sp=runtime.sp, vocab=probe.config.vocab_size)
+    batch = probe_batch(probe.config, pack=config.data.pack, sp=runtime.sp, vocab=_text(probe.config).vocab_size)
     # The check seeds its passes (`_compare`): the run's own random streams, CPU and device, are left as they were.
     with torch.random.fork_rng(devices=_cuda_ids(runtime.device)):
         result = _compare(probe, check_config, runtime, batch)
@@ -142,10 +142,12 @@ def _truncated_copy(config: Any, trust_remote_code: bool, device: Any) -> Any:
 
 
 def truncated_config(config: Any) -> Any:
-    """`config` with the shortest prefix of layers holding every value of its per-layer lists, and a small vocab."""
-    small = copy.deepcopy(config)
-    layers = getattr(config, "num_hidden_layers", 1)
-    per_layer = {k: v for k, v in vars(config).items() if isinstance(v, list) and len(v) == layers and layers > 1}
+    """`config` with the shortest prefix of layers holding every value of its per-layer lists, and a small vocab
+    (all in its text config, for a multimodal model's)."""
+    whole = copy.deepcopy(config)
+    small = _text(whole)
+    layers = getattr(small, "num_hidden_layers", 1)
+    per_layer = {k: v for k, v in vars(small).items() if isinstance(v, list) and len(v) == layers and layers > 1}
     keep = 1
     for values in per_layer.values():
         firsts = {}
@@ -161,7 +163,12 @@ def truncated_config(config: Any) -> Any:
         small.vocab_size = _PROBE_VOCAB
         if (getattr(small, "pad_token_id", None) or 0) >= _PROBE_VOCAB:
             small.pad_token_id = None
-    return small
+    return whole
+
+
+def _text(config: Any) -> Any:
+    """The config of the language model: a multimodal config's text config, else the config itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _drop_dropout(model: Any) -> None:
@@ -174,15 +181,16 @@ def _drop_dropout(model: Any) -> None:
         for name, value in list(vars(module).items()):
             if "dropout" in name and isinstance(value, float):
                 setattr(module, name, 0.0)
-    for name, value in list(vars(model.config).items()):
-        if "dropout" in name and isinstance(value, float):
-            setattr(model.config, name, 0.0)
+    for config in {id(c): c for c in (model.config, _text(model.config))}.values():
+        for name, value in list(vars(config).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(config, name, 0.0)
 
 
 def named_windows(config: Any) -> dict[str, int]:
-    """Integer config entries that limit how far attention reaches (sliding windows, attention chunks)."""
+    """Integer (text) config entries that limit how far attention reaches (sliding windows, attention chunks)."""
     return {
-        key: value for key, value in vars(config).items()
+        key: value for key, value in vars(_text(config)).items()
         if ("window" in key or "attention_chunk" in key) and isinstance(value, int) and not isinstance(value, bool)
         and value > 0
     }
@@ -498,7 +506,7 @@ def _describe_layer(probe: Any, index: int | None) -> str:
 
 def _matches_unpacked(probe: Any, config: Any, runtime: Any) -> bool:
     """Whether the check passes on a one-document probe with the run's other settings."""
-    batch = probe_batch(probe.config, pack=False, sp=runtime.sp, vocab=probe.config.vocab_size)
+    batch = probe_batch(probe.config, pack=False, sp=runtime.sp, vocab=_text(probe.config).vocab_size)
     return _compare(probe, dataclasses.replace(config, data=dataclasses.replace(config.data, pack=False)), runtime,
                     batch).ok
 

@@ -186,3 +186,16 @@ def _prepared_step(monkeypatch, lean: bool, memory: dict, bf16: bool = False):
 def test_dropout_recompute_nests_in_lstune_recompute(monkeypatch, memory):
     """Layer checkpointing, tiled MLP and attention chunks replay the RNG; the nested region replays its own."""
     _assert_same(_prepared_step(monkeypatch, False, memory), _prepared_step(monkeypatch, True, memory))
+
+
+def test_auto_targets_leave_out_linear_layers_with_a_forward_of_their_own():
+    """PhiMoE's router is an nn.Linear whose forward returns routing tuples: peft's "all-linear" wrapped it and the
+    model's own forward broke (found by tests/support/arch_sweep.py). 'auto' leaves such layers out."""
+    from tests.support.archs import tiny_model
+
+    model = apply_lora(tiny_model("phimoe"), r=4, alpha=8, dropout=0.0, targets="auto")
+    wrapped = {name for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert wrapped and not any("router" in name for name in wrapped)
+    assert any("experts" in name or "q_proj" in name for name in wrapped)
+    loss_sum, _ = hf_loss_sum(model, long_batch(16))
+    loss_sum.backward()  # the forward and backward run
