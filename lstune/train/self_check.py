@@ -191,8 +191,8 @@ def named_windows(config: Any) -> dict[str, int]:
     """Integer (text) config entries that limit how far attention reaches (sliding windows, attention chunks)."""
     return {
         key: value for key, value in vars(_text(config)).items()
-        if ("window" in key or "attention_chunk" in key) and isinstance(value, int) and not isinstance(value, bool)
-        and value > 0
+        if ("window" in key or "attention_chunk" in key) and "pattern" not in key  # a layer pattern is no length
+        and isinstance(value, int) and not isinstance(value, bool) and value > 0
     }
 
 

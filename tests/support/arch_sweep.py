@@ -130,7 +130,7 @@ def _shrink(config: Any, extended: bool = False) -> None:
             _set(config, key, 320)
         elif "hidden_size" in lower and lower != "hidden_size" and value > 32:
             _set(config, key, 16)
-        elif "window" in lower or "attention_chunk" in lower:
+        elif ("window" in lower or "attention_chunk" in lower) and "pattern" not in lower:
             _set(config, key, WINDOW if value > 0 else value)
         elif lower in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id") and value >= 320:
             _set(config, key, {"pad_token_id": 0, "bos_token_id": 1}.get(lower, 2))

@@ -189,3 +189,19 @@ def test_the_run_s_random_streams_are_left_as_they_were():
     torch.manual_seed(1234)
     self_check.run_self_check(model, _config(), CPU)
     torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_a_multimodal_config_is_truncated_and_probed_through_its_text_config():
+    """Gemma-3's config keeps layers, windows and vocab in its text config: the truncated copy must cut those (it
+    built the whole depth before), and the probe must cross the text config's window."""
+    from transformers import Gemma3Config
+
+    config = Gemma3Config()
+    text = config.get_text_config()
+    assert text.num_hidden_layers > 6 and text.sliding_window > 64
+    small = self_check.truncated_config(config)
+    small_text = small.get_text_config()
+    assert small_text.num_hidden_layers == 6 and small_text.layer_types == text.layer_types[:6]
+    assert small_text.sliding_window == 16 and small_text.vocab_size == 512
+    assert self_check.named_windows(config) == {"sliding_window": text.sliding_window}
+    assert text.num_hidden_layers > 6  # the model's own config is untouched
