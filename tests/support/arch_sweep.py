@@ -515,8 +515,9 @@ def report(path: str, sp_path: str | None = None) -> str:
         f"{len(records)} model types (transformers {transformers.__version__}); model types by the outcomes of their "
         f"cases — {totals}.",
         "",
-        "Cases: long sample / packed documents × lstune's attention alone / every memory technique / those and chunked "
-        "attention (FPDT).",
+        "Cases: long sample / packed documents × lstune's attention alone (`attention`) / every memory technique "
+        "(`all`) / those and chunked attention, FPDT (`chunked`) / every memory technique on a LoRA-wrapped model "
+        "(`lora`, one process only).",
         "",
         "| model type | " + " | ".join(columns) + " |",
         "|---|" + "---|" * len(columns),
