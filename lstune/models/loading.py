@@ -175,12 +175,15 @@ def _check_causal_lm(config, name: str) -> None:
 
 
 def _not_plain_linear(model) -> list[str]:
-    """Linear layers with a forward of their own (PhiMoE's router returns routing tuples): peft's "all-linear" would
-    wrap them as if they computed x·Wᵀ + b, and break the model's forward."""
+    """Linear layers whose model code gives them a forward of their own (PhiMoE's router returns routing tuples):
+    peft's "all-linear" would wrap them as if they computed x·Wᵀ + b, and break the model's forward. Quantized
+    linear layers (bitsandbytes' Linear4bit) override forward too, to compute that same projection: they stay."""
     from torch import nn
 
+    model_code = ("transformers.models.", "transformers_modules.")  # a model's own classes, remote code included
     return [name for name, module in model.named_modules()
-            if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward]
+            if isinstance(module, nn.Linear) and type(module).forward is not nn.Linear.forward
+            and type(module).__module__.startswith(model_code)]
 
 
 def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any):
