@@ -264,21 +264,15 @@ def _matches_hf_sdpa(model: Any, data: str, training: bool, got: Any) -> bool:
 def _with_lora(model: Any) -> Any:
     """A LoRA-wrapped copy of `model` (lstune's `apply_lora`, every linear layer), its B matrices random so that
     A gets a gradient too; or lstune's refusal as a "refused: ..." string."""
-    import torch
-
     from lstune.errors import UserError
     from lstune.models.loading import apply_lora
+    from tests.unit.memory._helpers import nonzero_lora_B
 
     try:
         wrapped = apply_lora(copy.deepcopy(model), r=LORA_R, alpha=2 * LORA_R, dropout=0.0, targets="auto")
     except UserError as exc:
         return f"refused: {_line(exc)}"
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in wrapped.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
-    return wrapped
+    return nonzero_lora_B(wrapped, seed=1)
 
 
 def _samples_in_training(model: Any) -> bool:

@@ -90,3 +90,13 @@ def assert_grads_match(grads: dict, reference: dict, *, rtol: float = 1e-4) -> N
         scale = ref.abs().max().item()
         torch.testing.assert_close(grads[name], ref, rtol=rtol, atol=1e-5 * scale + 1e-12, msg=lambda m: f"{name}: {m}")
 
+
+def nonzero_lora_B(model, seed: int = 7):
+    """peft starts lora_B at zero, which leaves lora_A without a gradient and hides the adapters from the loss: give
+    it small random values."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    return model

@@ -13,7 +13,7 @@ from lstune.memory.patching import run_undos
 from lstune.models.loading import apply_lora
 from lstune.models.presets import build_model
 from lstune.memory.measure import LiveBytes, SavedBytes
-from tests.unit.memory._helpers import hf_loss_sum, long_batch
+from tests.unit.memory._helpers import hf_loss_sum, long_batch, nonzero_lora_B
 
 
 def _lora_model(dropout: float = 0.0):
@@ -82,20 +82,11 @@ def _assert_same(a, b):
         assert torch.equal(b[1][name], ref), name
 
 
-def _nonzero_lora_B(model):
-    """peft starts lora_B at zero, which would hide the dropout from the loss: give it values."""
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    return model
-
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 def test_dropout_recomputed_bit_identical_to_peft(bf16):
     model = build_model("tiny-llama", dtype=torch.bfloat16 if bf16 else torch.float32)
-    model = _nonzero_lora_B(apply_lora(model, r=4, alpha=None, dropout=0.1, targets="auto"))
+    model = nonzero_lora_B(apply_lora(model, r=4, alpha=None, dropout=0.1, targets="auto"))
     model.train()
     batch = long_batch(256)
     ref = _dropout_step(model, batch, bf16)
@@ -168,7 +159,7 @@ def _prepared_step(monkeypatch, lean: bool, memory: dict, bf16: bool = False):
         monkeypatch.setattr("lstune.memory.apply.share_lora_inputs", lambda model: [])
     config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 256, "lora_r": 4, "lora_dropout": 0.1, **memory})
     prep = prepare_model(build_model("tiny-llama"), config, Runtime(torch.device("cpu"), None))
-    _nonzero_lora_B(prep.model)
+    nonzero_lora_B(prep.model)
     monkeypatch.undo()
     batch = long_batch(256)
     torch.manual_seed(4321)
