@@ -12,6 +12,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from lstune.models.introspect import attention_heads
+
 # Architectures whose MLP is a plain up/act/down (two matrices); every other one is gated (SwiGLU/GeGLU: three).
 _UNGATED_MLP = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "opt", "falcon", "bloom", "phi", "starcoder2", "gptj",
                           "codegen", "mpt"})
@@ -46,9 +48,10 @@ class ModelShape:
     def from_config(cls, config: Any) -> "ModelShape":
         c = text_config(config)
         hidden = _first(c, "hidden_size", "n_embd", "d_model")
-        heads = _first(c, "num_attention_heads", "n_head")
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or hidden // heads
+        shape = attention_heads(c)  # the widest layer's where heads vary per layer
+        if shape is None:
+            raise ValueError("the model config has no attention heads (num_attention_heads)")
+        heads, kv_heads, head_dim = shape
         experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
         moe_width = getattr(c, "moe_intermediate_size", None)
         intermediate = (moe_width if experts and moe_width else None) or getattr(c, "intermediate_size", None) \

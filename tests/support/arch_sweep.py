@@ -81,7 +81,7 @@ def _set(config: Any, key: str, value: Any) -> None:
     try:
         setattr(config, key, value)
     except (AttributeError, ValueError, TypeError):
-        pass
+        pass  # best effort: a config that refuses one width keeps its default (and may then not build)
 
 
 def _shrink(config: Any, extended: bool = False) -> None:
@@ -397,7 +397,7 @@ def _sp_model(model_type: str) -> Any:
 
 
 class _NotBuilt(Exception):
-    pass
+    """A model type whose tiny model cannot be built (the sweep's limitation, recorded as "not built")."""
 
 
 def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:

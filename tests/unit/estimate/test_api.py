@@ -146,3 +146,18 @@ def test_the_estimate_is_within_3_percent_of_the_h100_peaks_measured_with_todays
     rows = [r for r in bench_rows(str(bench)) if r["run"] == 2]
     assert len(rows) >= 9
     assert all(abs(r["error"]) <= 0.03 for r in rows), [(r["rung"], r["seq"], r["error"]) for r in rows]
+
+
+def test_a_config_whose_heads_vary_per_layer_is_sized_by_its_widest_layer():
+    """transformers refuses the global `head_dim` of such a config (Gemma-4-unified): the estimate reads the heads
+    through lstune.models.introspect.attention_heads, as training does, instead of crashing."""
+    from transformers import CONFIG_MAPPING
+
+    from lstune.estimate.shapes import ModelShape
+
+    if "gemma4_unified" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no per-layer attention configs")
+    config = CONFIG_MAPPING["gemma4_unified"]()
+    shape = ModelShape.from_config(config)
+    widest = max(layer.num_attention_heads * layer.head_dim for layer in config.get_text_config().per_layer_config)
+    assert shape.q_width == widest
