@@ -319,6 +319,8 @@ def run_job(job: Job) -> dict[str, Any]:
 
 def run_to_file(job: Job, result_path: str) -> None:
     """A trial process's body: run `job`, write its record to `result_path` (rank 0 only, atomically)."""
+    from lstune.parallel.comm import close_process_group
+
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         record = run_job(job)
@@ -328,6 +330,10 @@ def run_to_file(job: Job, result_path: str) -> None:
         tmp = Path(f"{result_path}.tmp")
         tmp.write_text(json.dumps(record, default=str))
         os.replace(tmp, result_path)
+    # Only after a trial that went well on this rank: after a failure another rank may be stuck in a collective and
+    # never reach the barrier (the record is written either way; the parent reads it, not the exit code).
+    if record.get("outcome") == "ok":
+        close_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,9 +1,9 @@
 """The `lstune` command: a Typer app with one thin module per command.
 
 User mistakes (lstune.errors.UserError) and usage errors (an unknown flag or command, a flag without
-its value) print one message and exit with code 2; `--debug` adds the traceback. SIGTERM before the
-training loop takes over (while loading data or the model) stops with code 130 and a message, like
-Ctrl-C. Heavy libraries are imported by the commands' work, never here, so `--help` is instant.
+its value) print one message and exit with code 2; `--debug` adds the traceback. SIGTERM outside the
+training steps (loading data or the model before them; the plot and summary after them) stops with code 130
+and a message saying what was saved, like Ctrl-C. Heavy libraries are imported by the commands' work, never here, so `--help` is instant.
 """
 
 from __future__ import annotations
@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except Terminated as exc:
-        typer.echo(f"lstune: {exc.args[0] if exc.args else 'SIGTERM'} received before training started; "
-                   "stopped without writing a checkpoint (nothing had been trained).", err=True)
+        typer.echo(f"lstune: {exc.args[0] if exc.args else 'SIGTERM'} received {_terminated_when()}", err=True)
         sys.exit(130)
     except (_click_classes("Abort") + (KeyboardInterrupt,)):
         typer.echo("lstune: interrupted", err=True)
@@ -142,6 +141,16 @@ def main(argv: list[str] | None = None) -> None:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _terminated_when() -> str:
+    """Where a SIGTERM outside the training steps found the run: before them, or after its last checkpoint."""
+    from lstune.train.signals import newest_checkpoint
+
+    saved = newest_checkpoint()
+    if saved is None:
+        return "before training started; stopped without writing a checkpoint (nothing had been trained)."
+    return f"after the training steps; stopped. The newest checkpoint, {saved}, is complete (--resume continues from it)."
 
 
 def _in_main_thread() -> bool:

@@ -54,11 +54,13 @@ def _train_command(**kwargs: Any) -> int:
         argv = _relaunch_argv(ctx, flags, config_path)
         return relaunch(argv, config.parallel.gpus, config.parallel.hostfile)
 
+    from lstune.parallel.comm import close_process_group
     from lstune.train.run import train
 
     result = train(config, RichReporter(console(), log_every=config.run.log_every))
     if result.is_main:
         print_summary(result)
+    close_process_group()  # every rank got here: end the group before the process exits (lstune.parallel.comm)
     return 130 if result.interrupted else 0
 
 

@@ -20,8 +20,8 @@ from lstune.errors import ConfigError
 from lstune.estimate.copies import StepCopies, step_copies
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
-from lstune.estimate.memory import (GIB, LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
-                                    loss_backend, reserve_bytes)
+from lstune.estimate.memory import (LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
+                                    loss_backend, reserve_bytes, size_text)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
 
@@ -330,7 +330,7 @@ def placement_budgets(shape: ModelShape, params: ParamCounts, s: Settings,
         elsewhere = breakdown(shape, params, replace(s, host_mem_budget=0, checkpoint_device_budget=None)).host_peak
         host = max(hardware.host_bytes // hardware.gpus - elsewhere, 0)
         ranks = f" / {hardware.gpus} ranks" if hardware.gpus > 1 else ""
-        why.append(f"host {_gib(host)} (the host's {_gib(hardware.host_bytes)}{ranks} less {_gib(elsewhere)} else "
+        why.append(f"host {size_text(host)} (the host's {size_text(hardware.host_bytes)}{ranks} less {size_text(elsewhere)} else "
                    "on it)")
     if device is None:
         b = breakdown(shape, params, replace(s, host_mem_budget=host, checkpoint_device_budget=None))
@@ -338,13 +338,9 @@ def placement_budgets(shape: ModelShape, params: ParamCounts, s: Settings,
         if b.placement is not None and b.placement.host_bytes() < every.host_bytes():
             target = int(AUTO_HEADROOM * device_capacity(hardware))
             device = max(target - b.device_besides_checkpoints, 0)
-            why.append(f"device {_gib(device)} ({AUTO_HEADROOM:.0%} of the device less "
-                       f"{_gib(b.device_besides_checkpoints)} else at the peak)")
+            why.append(f"device {size_text(device)} ({AUTO_HEADROOM:.0%} of the device less "
+                       f"{size_text(b.device_besides_checkpoints)} else at the peak)")
     return host, device, ", ".join(why)
-
-
-def _gib(nbytes: int) -> str:
-    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
 
 
 def _offload_options(config, hardware, shape, sp, engine) -> list[bool]:

@@ -42,6 +42,11 @@ from lstune.estimate.shapes import ModelShape, ParamCounts, ceil_div
 from lstune.models.quant import frozen_weight_bytes
 
 GIB = 2**30
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as a person reads them: GiB from one GiB up, MiB below (a tiny model's peak is not "0.0 GiB")."""
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
 CUDA_CONTEXT_BYTES = 512 * 2**20  # the CUDA context and kernels, outside torch's allocator
 ALLOCATOR_RESERVE = 0.025  # of device memory the caching allocator cannot hand out (expandable segments)
 HOST_PROCESS_BYTES = 2 * GIB  # one training process's own memory (python, torch, CUDA libraries): measured 1.5-1.9 GB

@@ -6,6 +6,7 @@ with a config.json, then the hub (which may answer from the local cache when off
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,7 +202,11 @@ def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any
         task_type="CAUSAL_LM",
     )
     try:
-        peft_model = get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # peft reads the model's `is_gradient_checkpointing`, which transformers 5 deprecates (a warning per
+            # process that the user can do nothing about).
+            warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            peft_model = get_peft_model(model, lora)
     except ValueError as exc:
         raise UserError(f"--lora-targets: {_first_line(exc)}. Use auto, or names of linear layers like q_proj,v_proj.") from None
     return peft_model

@@ -7,7 +7,11 @@ so the runtime, checkpoints, the loss and export run unchanged with or without a
 Tensor collectives inside the model (Ulysses all-to-alls, the SP data scatter) stay with their code.
 
 `init_process_group` is the one place a process group is created: joining a launched run, or a
-one-process group where DeepSpeed needs one on a single device.
+one-process group where DeepSpeed needs one on a single device. `close_process_group` ends it before a process
+exits: one that exits with a gloo group alive can abort in the interpreter's teardown (SIGABRT, "terminate called
+without an active exception"), turning a finished run's exit code 0 into -6. Only the process's owner (the CLI
+command, a bench trial) calls it: DeepSpeed keeps the groups it derives, so a later engine in the same process
+would find them destroyed.
 """
 
 from __future__ import annotations
@@ -117,6 +121,17 @@ def init_process_group(launch: Any = None) -> None:
                         ("MASTER_ADDR", launch.master_addr), ("MASTER_PORT", launch.master_port)):
         os.environ.setdefault(name, str(value))
     dist.init_process_group(backend, init_method="env://")
+
+
+def close_process_group() -> None:
+    """All ranks meet at a barrier, so none tears its group down while another still talks to it, then each
+    destroys its process group; nothing without one. Every rank of the group must call it."""
+    if not process_group_ready():
+        return
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _free_port() -> int:

@@ -62,9 +62,10 @@ def prediction_note(prediction) -> str:
 
 
 def _peaks(prediction) -> str:
-    gib = 2**30
-    return (f"predicted peak {prediction.device_peak_bytes / gib:,.1f} of {prediction.device_capacity / gib:,.1f} GiB "
-            f"per device, host {prediction.host_peak_bytes / gib:,.1f} of {prediction.host_capacity / gib:,.1f} GiB")
+    from lstune.estimate.memory import size_text
+
+    return (f"predicted peak {size_text(prediction.device_peak_bytes)} of {size_text(prediction.device_capacity)} "
+            f"per device, host {size_text(prediction.host_peak_bytes)} of {size_text(prediction.host_capacity)}")
 
 
 def check_fits(config: TrainConfig, prediction, runtime) -> None:
@@ -72,9 +73,10 @@ def check_fits(config: TrainConfig, prediction, runtime) -> None:
     if prediction.fits or config.run.force:
         return
     from lstune.config.parse import format_length
+    from lstune.estimate.memory import size_text
 
     changes = [s for s in prediction.suggestions if s.fits][:3]
-    advice = "; ".join(f"{s.flags} (peak {s.device_peak_bytes / 2**30:,.1f} GiB)" for s in changes)
+    advice = "; ".join(f"{s.flags} (peak {size_text(s.device_peak_bytes)})" for s in changes)
     longest = prediction.longest_seq_len
     raise ConfigError([
         f"--seq-len {format_length(config.data.seq_len)} is predicted not to fit: {_peaks(prediction)}. "

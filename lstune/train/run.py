@@ -26,7 +26,7 @@ from lstune.train.outputs import (
 )
 from lstune.train.reporter import LogReporter, Reporter
 from lstune.train.runtime import Runtime, start_runtime
-from lstune.train.signals import StopOnSignal
+from lstune.train.signals import StopOnSignal, note_checkpoint
 from lstune.train.step import RunState, Stepper
 
 log = logging.getLogger("lstune")
@@ -67,6 +67,7 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # lstune draws its own progress; HF's per-save bars are noise here
+    note_checkpoint(None)
     runtime = start_runtime(config.model.dtype)
     reporter = (reporter or LogReporter()) if runtime.is_main else _Silent()
     output_dir, resume_from, folder = _setup_output(config, runtime)
@@ -382,8 +383,8 @@ def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Run
     model = prepared.model
     plan = {
         "model": f"{config.model.name} ({loaded.source.kind})",
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "parameters": sum(_numel(p) for p in model.parameters()),
+        "trainable_parameters": sum(_numel(p) for p in model.parameters() if p.requires_grad),
         "device": str(runtime.device),
         "seq_len": config.data.seq_len,
         "data": dataset.summary()["note"],
@@ -396,6 +397,15 @@ def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Run
     if runtime.distributed:
         plan["parallelism"] = f"{runtime.world_size} processes: SP {runtime.sp} × DP {runtime.dims.dp}"
     return plan
+
+
+def _numel(param) -> int:
+    """A parameter's size as the model defines it: ZeRO-3 leaves each rank an empty placeholder (the full count in
+    `ds_numel`), and a 4-bit weight stores two values per byte (its `quant_state` keeps the shape)."""
+    if hasattr(param, "ds_numel"):
+        return int(param.ds_numel)
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    return int(math.prod(shape)) if shape is not None else param.numel()
 
 
 def _describe_memory(memory_plan) -> str:
@@ -573,6 +583,7 @@ def _save(config, engine, state: RunState, result: TrainResult, reporter, folder
             result.output_dir, state.step, write_state=engine.save, train_state=train_state,
             keep_last=config.run.keep_last or None,
         )
+    note_checkpoint(path)
     reporter.note(f"checkpoint saved: {path}")
     return path
 

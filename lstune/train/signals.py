@@ -1,9 +1,27 @@
-"""Stop cleanly on SIGINT/SIGTERM: finish the current step, save a checkpoint, exit."""
+"""Stop cleanly on SIGINT/SIGTERM: finish the current step, save a checkpoint, exit.
+
+Outside the steps (loading before them; the plot, the summary and the process group's end after them) the
+CLI's own SIGTERM handler stops the process; `newest_checkpoint` tells it what the run had saved by then.
+"""
 
 from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
+
+# The newest checkpoint this process's run saved: the one record a signal outside the steps reads (the CLI's
+# handler runs wherever the process happens to be, with no run object at hand).
+_saved: dict[str, Path | None] = {"checkpoint": None}
+
+
+def note_checkpoint(path: Path | None) -> None:
+    """Record `path` as the run's newest checkpoint (None when a run starts)."""
+    _saved["checkpoint"] = path
+
+
+def newest_checkpoint() -> Path | None:
+    return _saved["checkpoint"]
 
 
 class StopOnSignal:

@@ -227,3 +227,21 @@ def test_a_really_full_disk_names_the_path(cli, tmp_path, text_data):
         assert not list(out.glob(".tmp-*"))
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+def test_sigterm_after_the_steps_names_the_saved_checkpoint(cli, tmp_path, text_data, monkeypatch):
+    """A SIGTERM once the steps are over (here: during the summary) stops with 130 and says what is saved, not that
+    nothing had been trained."""
+    import lstune.cli.render
+    from lstune.cli.app import Terminated
+
+    def terminated(result):
+        raise Terminated("SIGTERM")  # what the CLI's SIGTERM handler raises wherever the process is
+
+    monkeypatch.setattr(lstune.cli.render, "print_summary", terminated)
+    out = tmp_path / "run"
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", out)
+    assert result.code == 130, result.err
+    assert f"SIGTERM received after the training steps; stopped. The newest checkpoint, {out / 'checkpoint-2'}" in result.err
+    assert "before training started" not in result.err
+    assert (out / "checkpoint-2").is_dir() and (out / "final").is_dir()

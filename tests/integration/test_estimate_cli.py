@@ -4,6 +4,7 @@ input's one-line message with exit code 2."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -93,9 +94,10 @@ def test_train_prints_the_predicted_peak_before_loading_weights(cli, tmp_path, t
 
     result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", tmp_path / "run")
     assert result.code == 0, result.err
-    note = next(line for line in result.out.splitlines() if "estimate:" in line)
-    assert "predicted peak" in note and "fits" in note
     assert result.out.index("estimate:") < result.out.index("engine:")
+    note = " ".join(result.out[result.out.index("estimate:"):result.out.index("engine:")].split())  # unwrapped
+    # A tiny model's peak in MiB, not "0.0 GiB".
+    assert re.search(r"predicted peak \d+\.\d MiB of \d+\.\d GiB per device", note) and "fits" in note, note
 
 
 def test_the_checkpoint_placement_is_predicted_and_shown(cli):
