@@ -111,10 +111,11 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
     from lstune.bench.runner import Limits, TrialRunner
 
     rungs = plan(config, options)
+    fp = fingerprint or read_fingerprint()
+    _check_gpu_count(config, fp)
     folder = output_dir(options, config)
     observer = observer or _Quiet()
     started = time.monotonic()
-    fp = fingerprint or read_fingerprint()
     limits = Limits(options.trial_timeout, host_cap(options, fp))
     runner = TrialRunner(limits, folder / "trials", cuda=bool(fp["gpus"]), on_tick=observer.tick)
     configs = {r.name: rung_config(config, r, in_ladder=options.ablation) for r in rungs}
@@ -132,6 +133,22 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
     result.seconds = time.monotonic() - started
     result.files = write_outputs(result, folder)
     return result
+
+
+def _check_gpu_count(config: TrainConfig, fp: dict[str, Any]) -> None:
+    """On a CUDA machine, --gpus no more than the devices its processes see: the fingerprint's (nvidia-smi's) list,
+    narrowed by CUDA_VISIBLE_DEVICES, which nvidia-smi ignores."""
+    import os
+
+    from lstune.parallel.launch import gpu_count_problems
+
+    if fp["gpus"] and config.parallel.hostfile is None:
+        visible = len(fp["gpus"])
+        if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+            visible = min(visible, len([d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]))
+        problems = gpu_count_problems(config.parallel.gpus, visible)
+        if problems:
+            raise ConfigError(problems)
 
 
 def host_cap(options: BenchOptions, fp: dict[str, Any]) -> int | None:

@@ -90,6 +90,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def gpu_count_problems(gpus: int, visible: int) -> list[str]:
+    """--gpus N on one CUDA machine needs N visible devices: the N-th process would otherwise stop on an invalid
+    device ordinal after the others have loaded. (On CPU the processes are gloo processes, as many as asked.)"""
+    if gpus <= visible:
+        return []
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={shown})" if shown is not None else ""
+    return [f"--gpus {gpus} but this machine shows {visible} CUDA device{'s' if visible != 1 else ''}{where}; "
+            f"use --gpus {visible} or fewer, or --hostfile for several machines."]
+
+
 def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> list[str]:
     """The command that runs `python -m <module> <argv>` once per process (see the module docstring)."""
     problems = ParallelSection(gpus=gpus, hostfile=hostfile).problems()
@@ -127,6 +138,12 @@ def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module:
         if hostfile is not None:
             raise ConfigError(["--hostfile needs CUDA GPUs on every node; on CPU use --gpus N on one machine."])
         env["DS_ACCELERATOR"] = "cpu"
+    elif hostfile is None:
+        import torch
+
+        problems = gpu_count_problems(gpus, torch.cuda.device_count())
+        if problems:
+            raise ConfigError(problems)
     command = launch_command(argv, gpus, hostfile, module=module)
     return subprocess.run(command, env=env, check=False).returncode
 

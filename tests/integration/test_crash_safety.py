@@ -23,12 +23,12 @@ def _start(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _wait_for(predicate, timeout: float = 120) -> None:
+def _wait_for(predicate, timeout: float = 120, poll: float = 0.1) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if predicate():
             return
-        time.sleep(0.1)
+        time.sleep(poll)
     raise AssertionError("timed out")
 
 
@@ -132,8 +132,10 @@ def test_a_nonfinite_update_is_never_applied_and_can_be_skipped():
 def test_sigterm_while_loading_exits_130_with_a_message(tmp_path, text_data):
     out = tmp_path / "run"
     proc = _start("train", *TINY_MODEL, "--data", text_data, "--max-steps", "3", "--output-dir", out)
-    # The first line of the run's log is written while the model is being prepared: loading, not training.
-    _wait_for(lambda: (out / "lstune.log").exists() and (out / "lstune.log").stat().st_size > 0, timeout=120)
+    # The lock is taken before the estimate, the data and the model: from then on the run is loading, seconds
+    # before its first step. (The log's first line, waited for before, comes a fraction of a second before the
+    # steps of a tiny model: a signal could land in the steps, which save a checkpoint instead.)
+    _wait_for(lambda: (out / ".lstune.lock").exists(), timeout=120, poll=0.005)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr

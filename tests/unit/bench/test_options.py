@@ -79,3 +79,16 @@ def test_rung_configs_keep_the_flags_and_set_the_rungs_memory_and_processes():
     assert rung_config(given, RUNGS["lstune"], in_ladder=True).parallel.gpus == 1
     assert rung_config(given, RUNGS["lstune"]).parallel.gpus == 2  # alone: on --gpus, like train
     assert not rung_config(given, RUNGS["lstune"]).problems()
+
+
+def test_more_gpus_than_the_machine_shows_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from lstune.bench.run import run_bench
+    from lstune.errors import ConfigError
+
+    options, problems = parse_options({"rungs": "lstune", "lengths": "1k", "output_dir": str(tmp_path / "b")})
+    assert not problems
+    fingerprint = {"gpus": [{"name": "H100", "memory_bytes": 80 * 2**30, "driver": "x"}] * 4}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    with pytest.raises(ConfigError, match=r"--gpus 4 but this machine shows 2 CUDA devices \(CUDA_VISIBLE_DEVICES=0,1\)"):
+        run_bench(_config(gpus=4), options, command="lstune bench", fingerprint=fingerprint)
+    assert not (tmp_path / "b").exists()

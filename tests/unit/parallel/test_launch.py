@@ -72,3 +72,21 @@ def test_missing_hostfile_is_a_user_error(tmp_path):
 def test_zero_gpus_is_a_user_error():
     with pytest.raises(ConfigError, match="--gpus 0"):
         launch_command(["train"], 0)
+
+
+def test_more_gpus_than_cuda_devices_is_refused_before_launch(monkeypatch):
+    """On a CUDA machine showing one device, --gpus 2 is an error before any process starts (not the second
+    process's invalid device ordinal after the first has loaded)."""
+    import subprocess
+
+    import torch
+
+    from lstune.parallel import launch
+
+    monkeypatch.setattr(launch, "_cuda_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("launched"))
+    with pytest.raises(ConfigError, match=r"--gpus 2 but this machine shows 1 CUDA device \(CUDA_VISIBLE_DEVICES=3\)"):
+        launch.relaunch(["train"], 2)
+    assert launch.gpu_count_problems(1, 1) == [] and launch.gpu_count_problems(8, 8) == []
