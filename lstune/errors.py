@@ -11,6 +11,7 @@ class UserError(Exception):
     """A problem with the user's input. The message names the problem and the fix."""
 
     exit_code = 2
+    quiet = False  # True: the CLI exits with the code without printing (the message was printed elsewhere)
 
     def __init__(self, message: str, *, problems: list[str] | None = None):
         self.problems = problems or [message]
@@ -37,3 +38,10 @@ class ModelError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, partial or corrupt."""
+
+
+class PeerFailed(UserError):
+    """Another process of a distributed run failed with a message of its own (the main process's, shown once);
+    this one only stops, with the same exit code and without repeating it."""
+
+    quiet = True

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as exc:
         if debug:
             traceback.print_exc()
-        typer.echo(f"lstune: {exc}", err=True)
+        if debug or not exc.quiet:
+            typer.echo(f"lstune: {exc}", err=True)
         sys.exit(exc.exit_code)
     except _click_classes("Exit") as exc:
         sys.exit(exc.exit_code)

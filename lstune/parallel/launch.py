@@ -3,8 +3,8 @@
 Three ways a run is distributed:
 
 * `lstune train --gpus N` (no launcher in the environment): `relaunch` re-runs the same command under
-  torchrun (`python -m torch.distributed.run --standalone --nproc-per-node N --no-python python -c ...`),
-  one process per GPU. Each process runs lstune's `__main__` from the lstune this process imported, not
+  torchrun (`python -c <lstune.parallel.agent> --standalone --nproc-per-node N --no-python python -c ...`: torchrun's
+  own `run`, its failures turned into an exit code and one line, lstune.parallel.agent), one process per GPU. Each process runs lstune's `__main__` from the lstune this process imported, not
   through `python -m lstune`: that puts the working directory first on sys.path, and a folder named
   `lstune` there would be imported instead. Without CUDA it starts N CPU processes with the gloo backend and DS_ACCELERATOR=cpu
   (for tests and demos).
@@ -24,14 +24,21 @@ which one and passes the argv on.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 from lstune.config.schema import ParallelSection
 from lstune.errors import ConfigError
+
+# After a signal, how long torchrun lets the processes finish (save a checkpoint) before it kills them: its default,
+# 30 s, is shorter than writing a large model's ZeRO checkpoint.
+SHUTDOWN_TIMEOUT_S = 600
 
 LAUNCHER_MARKERS = (
     ("TORCHELASTIC_RUN_ID", "torchrun"),
@@ -112,8 +119,8 @@ def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, m
             "--module", module, *argv,
         ]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus),
-        "--no-python", *module_entry(module), *argv,
+        *module_entry("lstune.parallel.agent"), "--standalone", "--nproc-per-node", str(gpus),
+        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--no-python", *module_entry(module), *argv,
     ]
 
 
@@ -145,7 +152,28 @@ def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module:
         if problems:
             raise ConfigError(problems)
     command = launch_command(argv, gpus, hostfile, module=module)
-    return subprocess.run(command, env=env, check=False).returncode
+    process = subprocess.Popen(command, env=env)
+    with _passing_signals_to(process):
+        return process.wait()
+
+
+@contextmanager
+def _passing_signals_to(process: subprocess.Popen) -> Iterator[None]:
+    """While `process` (the launcher) runs: SIGTERM is passed to it (it passes it to the ranks, which save a
+    checkpoint), and SIGINT is ignored here — a Ctrl-C reaches every process of the terminal's group, the ranks
+    included, and this process must wait for them to save rather than end (or kill the launcher) at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    }
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def init_distributed(env: LaunchEnv | None) -> None:

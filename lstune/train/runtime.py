@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -83,12 +83,23 @@ class Runtime:
 
     @contextmanager
     def main_first(self) -> Iterator[None]:
-        """The main process runs the block first (e.g. filling a cache), then the others."""
+        """The main process runs the block first (e.g. filling a cache), then the others. When it fails there (bad
+        data), it tells the others, which stop quietly (PeerFailed) instead of waiting on a peer that is gone (a
+        connection error and a traceback from each) — its own message is the one the user sees."""
         if not self.is_main:
-            self.barrier()
-        yield
-        if self.is_main:
-            self.barrier()
+            if self.any(False):
+                from lstune.errors import PeerFailed
+
+                raise PeerFailed("stopped: the main process failed first (its message says why)")
+            yield
+            return
+        try:
+            yield
+        except BaseException:
+            with suppress(Exception):  # a peer already gone: the error at hand is the one to report
+                self.any(True)
+            raise
+        self.any(False)
 
 
 def start_runtime(dtype: str) -> Runtime:

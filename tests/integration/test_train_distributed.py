@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from tests.integration.conftest import TINY_MODEL, read_metrics, run_subprocess
+from tests.integration.conftest import REPO, TINY_MODEL, read_metrics, run_subprocess
 
 
 def _train(*args, timeout=400):
@@ -69,3 +74,54 @@ def test_lora_with_tiling_under_zero3_and_sp_equals_one_process(tmp_path, text_d
     assert "eval_loss" not in sp2[0] and sp2[1]["eval_tokens"] == one[1]["eval_tokens"] > 0
     assert sp2[1]["eval_loss"] == pytest.approx(one[1]["eval_loss"], rel=1e-5)
     assert (tmp_path / "sp2" / "final" / "adapter_config.json").exists()
+
+
+def test_bad_data_on_two_processes_is_one_message_and_exit_code_2(tmp_path):
+    """The main process's data error stops the others quietly (no connection error from a rank waiting on it) and
+    the launcher adds no traceback or report of its own."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"foo": 1}\n')
+    proc = run_subprocess("train", *TINY_MODEL, "--data", data, "--gpus", "2", "--output-dir", tmp_path / "o",
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("lstune: the records have columns ['foo']") == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "FAILED" not in proc.stderr, proc.stderr[-3000:]
+
+
+def _start(out, *flags):
+    """`lstune train --gpus 2` in a session of its own (a terminal's Ctrl-C reaches its whole process group)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "lstune", "train", *TINY_MODEL, "--data", "builtin:passkey", "--gpus", "2",
+               "--sp", "2", "--max-steps", "100000", "--output-dir", str(out), *flags]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_stopped_two_process_run_saves_a_checkpoint_and_exits_130(tmp_path, how):
+    """Ctrl-C (SIGINT to the terminal's process group: every process, and torchrun passes it on once more) or
+    SIGTERM to `lstune` alone (passed to torchrun, then to the ranks): each rank finishes its step, the checkpoint
+    is saved, `lstune` waits for it and exits 130 without a traceback."""
+    out = tmp_path / "run"
+    proc = _start(out)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "received: saving a checkpoint, then stopping" in stdout, stdout[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    newest = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert (newest / "lstune-checkpoint.json").is_file() and f"checkpoint saved: {newest}" in stdout
+    assert not (out / ".lstune.lock").exists()
+    with pytest.raises(ProcessLookupError):  # lstune returned only once its processes had ended
+        os.killpg(proc.pid, 0)

@@ -48,8 +48,9 @@ def test_openmpi_environment():
 
 def test_single_node_uses_torchrun_with_the_same_argv():
     cmd = launch_command(["train", "--gpus", "8", "--seq-len", "2M"], 8)
-    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
-    assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
+    # torchrun through lstune.parallel.agent, which turns its failures into an exit code and a line.
+    assert cmd[:2] == [sys.executable, "-c"] and "run_module('lstune.parallel.agent', run_name='__main__'" in cmd[2]
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8" and cmd[cmd.index("--shutdown-timeout") + 1] == "600"
     assert cmd[-5:] == ["train", "--gpus", "8", "--seq-len", "2M"]
     entry = cmd[cmd.index("--no-python") + 1 : -5]
     assert entry[:2] == [sys.executable, "-c"] and "run_module('lstune', run_name='__main__'" in entry[2]

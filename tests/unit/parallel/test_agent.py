@@ -1,0 +1,60 @@
+"""lstune.parallel.agent: how a launched run's ending becomes an exit code and, for a signal, one line."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from lstune.parallel import agent
+
+
+def _failed(**codes: int) -> ChildFailedError:
+    """A ChildFailedError with one failure per `rankN=exitcode`, all in the same second."""
+    failures = {}
+    for name, code in codes.items():
+        failure = ProcessFailure(local_rank=int(name[4:]), pid=100 + int(name[4:]), exitcode=code, error_file="")
+        failure.timestamp = 1_000
+        failures[int(name[4:])] = failure
+    return ChildFailedError("lstune", failures)
+
+
+def _run_raising(monkeypatch, exc) -> None:
+    import torch.distributed.run
+
+    def run(args):
+        raise exc
+
+    monkeypatch.setattr(torch.distributed.run, "run", run)
+
+
+def test_a_process_that_said_why_gives_its_exit_code_and_nothing_more(monkeypatch, capsys):
+    _run_raising(monkeypatch, _failed(rank1=-15, rank0=2))  # rank 0: bad data (its message); rank 1: stopped
+    assert agent.main(["--standalone", "x"]) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_a_process_killed_by_a_signal_is_named_with_a_hint(monkeypatch, capsys):
+    _run_raising(monkeypatch, _failed(rank0=-15, rank1=-9))
+    assert agent.main(["x"]) == 128 + 15  # the same second, both signalled: the lower rank
+    err = capsys.readouterr().err
+    assert "rank 0 was killed by SIGTERM" in err and "Traceback" not in err
+    _run_raising(monkeypatch, _failed(rank1=-9))
+    assert agent.main(["x"]) == 137
+    assert "rank 1 was killed by SIGKILL (the kernel's out-of-memory killer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130), (signal.SIGHUP, 129)])
+def test_a_stopped_launcher_exits_without_a_traceback(monkeypatch, capsys, sig, code):
+    _run_raising(monkeypatch, SignalException("stopped", sigval=sig))
+    assert agent.main(["x"]) == code
+    assert capsys.readouterr().err == ""
+
+
+def test_a_finished_run_exits_0(monkeypatch):
+    import torch.distributed.run
+
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: None)
+    assert agent.main(["--standalone", "--nproc-per-node", "2", "--no-python", "true"]) == 0
