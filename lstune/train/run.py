@@ -83,16 +83,18 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     from lstune.train.engine_choice import check_fits, plan_run, prediction_note
     from lstune.train.preflight import check_resume_compatible
 
-    if resume_from is not None:
-        check_resume_compatible(config, resume_from, runtime.world_size)
-    spec = _check_model_support(config, runtime)
-    runtime.set_dims(config.parallel.sp, spec.config)
-    for note in _adapt_positions(config, spec, runtime):
-        reporter.note(note)
+    with runtime.decided_alike():  # every rank refuses alike what these check: one message, the main process's
+        if resume_from is not None:
+            check_resume_compatible(config, resume_from, runtime.world_size)
+        spec = _check_model_support(config, runtime)
+        runtime.set_dims(config.parallel.sp, spec.config)
+        for note in _adapt_positions(config, spec, runtime):
+            reporter.note(note)
     # Rank 0's answer for every rank: nodes with different host memory must not pick different engines or tile
     # counts (ZeRO-3 gathers weights once per tile, so the ranks' collectives would no longer match).
     prediction = runtime.comm.broadcast(plan_run(config, runtime, spec.config))
-    check_fits(config, prediction, runtime)  # before any data or weights are loaded
+    with runtime.decided_alike():
+        check_fits(config, prediction, runtime)  # before any data or weights are loaded
     tokenizer, notes = _setup_tokenizer(config, spec)
     template_note = set_chat_template(tokenizer, config.data.chat_template)
     notes += [template_note] if template_note else []

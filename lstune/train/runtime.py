@@ -82,6 +82,20 @@ class Runtime:
         return self.comm.any(flag)
 
     @contextmanager
+    def decided_alike(self) -> Iterator[None]:
+        """A block whose user errors every rank raises alike (checks of the config, the model's config and rank 0's
+        broadcast estimate): the main process reports it; the others stop quietly (PeerFailed), so that N processes
+        do not print the same message N times. `--debug` prints every rank's."""
+        from lstune.errors import PeerFailed, UserError
+
+        try:
+            yield
+        except UserError as exc:
+            if self.is_main or exc.quiet:
+                raise
+            raise PeerFailed(f"stopped on the main process's error: {exc}", problems=exc.problems) from exc
+
+    @contextmanager
     def main_first(self) -> Iterator[None]:
         """The main process runs the block first (e.g. filling a cache), then the others. When it fails there (bad
         data), it tells the others, which stop quietly (PeerFailed) instead of waiting on a peer that is gone (a

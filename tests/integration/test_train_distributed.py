@@ -88,6 +88,14 @@ def test_bad_data_on_two_processes_is_one_message_and_exit_code_2(tmp_path):
     assert "Traceback" not in proc.stderr and "FAILED" not in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_refusal_every_rank_makes_is_printed_once(tmp_path):
+    """Each rank checks the fit (rank 0's estimate, broadcast) and refuses alike: one message, not one per rank."""
+    proc = run_subprocess("train", "--model", "llama-3.1-8b", "--seq-len", "64k", "--data", "builtin:passkey",
+                          "--gpus", "2", "--output-dir", tmp_path / "o", timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("is predicted not to fit") == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def _start(out, *flags):
     """`lstune train --gpus 2` in a session of its own (a terminal's Ctrl-C reaches its whole process group)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
