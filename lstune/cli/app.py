@@ -9,6 +9,8 @@ and a message saying what was saved, like Ctrl-C. Heavy libraries are imported b
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import signal
 import sys
 import traceback
@@ -114,6 +116,42 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The CLI's entry point (see the module doc). A rank of a launched run that ends with its process group still
+    alive (an error, a signal) leaves through os._exit once its output is flushed: the interpreter's teardown
+    with a live gloo/NCCL group can abort (SIGABRT) or wait on a peer, turning exit code 2 into a crash report;
+    the group cannot be ended properly there, since the other ranks may never reach the barrier that needs."""
+    try:
+        _main(argv)
+    except SystemExit as exc:
+        if _launched_group_alive():
+            _hard_exit(exc.code)
+        raise
+    except BaseException:
+        if _launched_group_alive():
+            traceback.print_exc()
+            _hard_exit(1)
+        raise
+
+
+def _launched_group_alive() -> bool:
+    """This process is one of several launched ranks and its process group is still up (torch never imported
+    here for the answer)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
+def _hard_exit(code) -> None:
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    logging.shutdown()  # OUTPUT_DIR/lstune.log's last lines
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
+def _main(argv: list[str] | None) -> None:
     args = _hoist_globals(_normalise_resume(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if _in_main_thread() else None
