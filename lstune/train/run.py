@@ -115,6 +115,9 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     if resume_from is not None:
         state, saved_config = _resume(engine, resume_from)
         reporter.note(f"resumed from {resume_from} at step {state.step}")
+        if state.step >= max_steps:
+            reporter.note(f"the checkpoint is at step {state.step} of {max_steps}: nothing left to train (raise "
+                          "--max-steps or --epochs to train on); the final model is written from it")
         changes = config_changes(saved_config, _recipe_view(config))
         if changes:
             reporter.note("resumed with settings that differ from the checkpoint's run; they take effect from "

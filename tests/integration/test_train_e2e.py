@@ -92,6 +92,9 @@ def test_five_step_run_resumed_for_five_more(cli, tmp_path, text_data):
     assert cli("train", *common, "--max-steps", "5", "--output-dir", part).code == 0
     assert cli("train", *common, "--max-steps", "10", "--output-dir", part, "--resume").code == 0
     assert [m["loss"] for m in read_metrics(part)] == pytest.approx([m["loss"] for m in read_metrics(full)], rel=1e-6)
+    again = cli("train", *common, "--max-steps", "10", "--output-dir", part, "--resume")  # a finished run
+    assert again.code == 0 and "at step 10 of 10: nothing left to train" in " ".join(again.out.split())
+    assert len(read_metrics(part)) == 10
 
 
 def test_keep_last_prunes_old_checkpoints(cli, tmp_path, text_data):
