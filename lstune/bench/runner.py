@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-PRELOAD = ["torch", "transformers", "peft", "lstune.bench.trial", "lstune.train.run", "lstune.train.prepare",
+# lstune.bench.trial first: it quiets a warning peft's import of bitsandbytes would print (models.quant).
+PRELOAD = ["lstune.bench.trial", "torch", "transformers", "peft", "lstune.train.run", "lstune.train.prepare",
            "lstune.train.step", "lstune.memory.apply", "lstune.models.attention", "lstune.estimate"]
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

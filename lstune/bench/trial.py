@@ -29,6 +29,10 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from lstune.models.quant import quiet_cpu_kernel_warning
+
+quiet_cpu_kernel_warning()  # a trial's processes (the forkserver included) have no CLI to configure logging
+
 
 @dataclass
 class Job:

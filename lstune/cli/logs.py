@@ -29,6 +29,10 @@ def setup_logging(level: str = "warning", *, debug: bool = False) -> None:
     logger.addHandler(handler)
     logger.setLevel(min(console_level, logging.INFO))  # the run's log file keeps INFO
     logger.propagate = False
+    if not debug:
+        from lstune.models.quant import quiet_cpu_kernel_warning
+
+        quiet_cpu_kernel_warning()
 
 
 def _main_handler(debug: bool) -> logging.Handler:

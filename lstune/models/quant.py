@@ -20,6 +20,15 @@ NF4_BLOCK = 64  # values per absmax (bitsandbytes' 4-bit blocksize)
 DOUBLE_QUANT_BLOCK = 256  # absmax values per fp32 scale of the second quantization
 
 
+def quiet_cpu_kernel_warning() -> None:
+    """bitsandbytes, when installed, is imported by peft and warns on CPUs with AVX-512 BF16 that an optional
+    4-bit CPU kernel package is missing: lstune quantizes only on CUDA, so that kernel is never used. Its logger
+    is set to errors before bitsandbytes is imported (by the CLI and by a bench trial's forkserver)."""
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
 def frozen_weight_bytes(numel: int, load_in_4bit: bool, dtype_bytes: int = 2) -> float:
     """Bytes that `numel` frozen base parameters take: NF4 + double-quantized absmax, or `dtype_bytes` each."""
     if not load_in_4bit:

@@ -8,7 +8,6 @@ are known.
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from contextlib import contextmanager, suppress
@@ -130,9 +129,6 @@ def start_runtime(dtype: str) -> Runtime:
         # DeepSpeed gets imported on the way (accelerate imports it to unwrap models); told the accelerator,
         # it does not warn that it "was unable to detect" one.
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        # bitsandbytes, when installed, is imported by peft and warns on CPUs with AVX-512 BF16 that an optional
-        # 4-bit CPU kernel package is missing: 4-bit weights are CUDA-only in lstune, so the kernel is never used.
-        logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     launch = detect_launch_env()
     init_distributed(launch)
     # DeepSpeed's ZeRO calls torch.distributed collectives that torch deprecates, warning every step.
