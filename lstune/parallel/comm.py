@@ -10,8 +10,7 @@ Tensor collectives inside the model (Ulysses all-to-alls, the SP data scatter) s
 one-process group where DeepSpeed needs one on a single device. `close_process_group` ends it before a process
 exits: one that exits with a gloo group alive can abort in the interpreter's teardown (SIGABRT, "terminate called
 without an active exception"), turning a finished run's exit code 0 into -6. Only the process's owner (the CLI
-command, a bench trial) calls it: DeepSpeed keeps the groups it derives, so a later engine in the same process
-would find them destroyed.
+command, a bench trial) calls it, when every rank is done.
 """
 
 from __future__ import annotations
@@ -128,10 +127,18 @@ def close_process_group() -> None:
     destroys its process group; nothing without one. Every rank of the group must call it."""
     if not process_group_ready():
         return
+    import sys
+
     import torch.distributed as dist
 
     dist.barrier()
-    dist.destroy_process_group()
+    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")  # where DeepSpeed keeps its backend (`cdb`)
+    if deepspeed_comm is not None and getattr(deepspeed_comm, "cdb", None) is not None:
+        # Through DeepSpeed when it wraps the group: it also drops the groups it derived and keeps (its data-parallel
+        # group and others), which a later engine in this process would otherwise find destroyed.
+        deepspeed_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

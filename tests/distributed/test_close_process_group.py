@@ -37,3 +37,26 @@ def test_ranks_wait_for_each_other_then_have_no_group(tmp_path):
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     assert not any(report["ready"] for report in reports)
     assert reports[1]["waited"] > 1.0  # rank 1 did not end its group while rank 0 was still busy
+
+
+def test_a_process_can_train_under_deepspeed_again_after_closing_its_group(tmp_path, monkeypatch):
+    """The CLI ends the group after `train` (here a one-process ZeRO-3 group); through DeepSpeed, so that the groups
+    DeepSpeed derived and keeps go too and a second engine in the same process (the CLI run in-process again)
+    builds fresh ones — destroying torch's group alone left it a stale data-parallel group."""
+    import torch.distributed as dist
+
+    from lstune.config.schema import TrainConfig
+    from lstune.parallel.comm import close_process_group
+    from lstune.train.run import train
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the one-process group sets them; gone again after the test
+        monkeypatch.delenv(name, raising=False)
+    losses = []
+    for run in range(2):
+        config = TrainConfig.from_flat({"model": "tiny-llama", "data": "builtin:passkey", "seq_len": 256, "max_steps": 1,
+                                        "zero_stage": 3, "max_records": 4, "output_dir": str(tmp_path / f"r{run}")})
+        losses.append(train(config).history[-1]["loss"])
+        close_process_group()
+        assert not dist.is_initialized()
+    assert losses[0] == losses[1]
