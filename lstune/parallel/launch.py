@@ -119,8 +119,8 @@ def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, m
             "--module", module, *argv,
         ]
     return [
-        *module_entry("lstune.parallel.agent"), "--standalone", "--nproc-per-node", str(gpus),
-        "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), "--no-python", *module_entry(module), *argv,
+        *module_entry("lstune.parallel.agent"), "--standalone", "--nproc-per-node", str(gpus), "--no-python",
+        *module_entry(module), *argv,
     ]
 
 
@@ -141,6 +141,9 @@ def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module:
     `detect_launch_env` is not None there and they run instead of relaunching.
     """
     env = dict(os.environ)
+    # Through the environment, not torchrun's --shutdown-timeout flag, which older torch releases do not take (they
+    # keep their 30 s); a value the user set wins.
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     if not _cuda_available():
         if hostfile is not None:
             raise ConfigError(["--hostfile needs CUDA GPUs on every node; on CPU use --gpus N on one machine."])

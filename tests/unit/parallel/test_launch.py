@@ -50,7 +50,7 @@ def test_single_node_uses_torchrun_with_the_same_argv():
     cmd = launch_command(["train", "--gpus", "8", "--seq-len", "2M"], 8)
     # torchrun through lstune.parallel.agent, which turns its failures into an exit code and a line.
     assert cmd[:2] == [sys.executable, "-c"] and "run_module('lstune.parallel.agent', run_name='__main__'" in cmd[2]
-    assert cmd[cmd.index("--nproc-per-node") + 1] == "8" and cmd[cmd.index("--shutdown-timeout") + 1] == "600"
+    assert cmd[cmd.index("--nproc-per-node") + 1] == "8"
     assert cmd[-5:] == ["train", "--gpus", "8", "--seq-len", "2M"]
     entry = cmd[cmd.index("--no-python") + 1 : -5]
     assert entry[:2] == [sys.executable, "-c"] and "run_module('lstune', run_name='__main__'" in entry[2]
@@ -87,7 +87,31 @@ def test_more_gpus_than_cuda_devices_is_refused_before_launch(monkeypatch):
     monkeypatch.setattr(launch, "_cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("launched"))
     with pytest.raises(ConfigError, match=r"--gpus 2 but this machine shows 1 CUDA device \(CUDA_VISIBLE_DEVICES=3\)"):
         launch.relaunch(["train"], 2)
     assert launch.gpu_count_problems(1, 1) == [] and launch.gpu_count_problems(8, 8) == []
+
+
+def test_the_launcher_gets_time_to_let_ranks_save_and_a_users_value_wins(monkeypatch):
+    """torchrun kills the ranks 30 s after a signal by default, before a large checkpoint is written."""
+    import subprocess
+
+    from lstune.parallel import launch
+
+    seen = []
+
+    class Finished:
+        def __init__(self, command, env):
+            seen.append(env)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(launch, "_cuda_available", lambda: False)
+    monkeypatch.setattr(subprocess, "Popen", Finished)
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert launch.relaunch(["train"], 2) == 0
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")
+    assert launch.relaunch(["train"], 2) == 0
+    assert [env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] for env in seen] == ["600", "45"]
