@@ -84,6 +84,10 @@ class Communicator:
         return box[0]
 
 
+# The environment variables init_process_group set for a one-process group (close_process_group removes them).
+_ENV_SET: list[str] = []
+
+
 def process_group_ready() -> bool:
     import torch.distributed as dist
 
@@ -107,11 +111,14 @@ def init_process_group(launch: Any = None) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         backend = "gloo"
     if launch is None:
-        # Ranks for libraries that read them from the environment (DeepSpeed's local rank); the group
-        # itself gets a fresh local port, so a process can start one again after destroying the last.
-        for name in ("RANK", "LOCAL_RANK"):
-            os.environ.setdefault(name, "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+        # Ranks for libraries that read them from the environment (DeepSpeed's local rank), removed again by
+        # close_process_group: left behind, they would make this process look like a launched rank to a later
+        # run in it (detect_launch_env) and to the processes it starts. The group itself gets a fresh local port,
+        # so a process can start one again after destroying the last.
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            if name not in os.environ:
+                os.environ[name] = value
+                _ENV_SET.append(name)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         return
     # env:// with the launcher's variables: under torchrun it joins the agent's store instead of opening
@@ -139,6 +146,8 @@ def close_process_group() -> None:
         deepspeed_comm.destroy_process_group()
     else:
         dist.destroy_process_group()
+    while _ENV_SET:
+        os.environ.pop(_ENV_SET.pop(), None)
 
 
 def _free_port() -> int:

@@ -47,6 +47,7 @@ def test_a_process_can_train_under_deepspeed_again_after_closing_its_group(tmp_p
 
     from lstune.config.schema import TrainConfig
     from lstune.parallel.comm import close_process_group
+    from lstune.parallel.launch import detect_launch_env
     from lstune.train.run import train
 
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
@@ -58,5 +59,8 @@ def test_a_process_can_train_under_deepspeed_again_after_closing_its_group(tmp_p
                                         "zero_stage": 3, "max_records": 4, "output_dir": str(tmp_path / f"r{run}")})
         losses.append(train(config).history[-1]["loss"])
         close_process_group()
-        assert not dist.is_initialized()
+        # No group, and not the look of a launched rank (the one-process group's RANK/WORLD_SIZE are gone):
+        # else the second run joined by env:// on port 29500 and left a store listening there, on which
+        # every later trial process of the test session failed.
+        assert not dist.is_initialized() and detect_launch_env() is None
     assert losses[0] == losses[1]
