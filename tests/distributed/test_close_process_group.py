@@ -39,10 +39,9 @@ def test_ranks_wait_for_each_other_then_have_no_group(tmp_path):
     assert reports[1]["waited"] > 1.0  # rank 1 did not end its group while rank 0 was still busy
 
 
-def test_a_process_can_train_under_deepspeed_again_after_closing_its_group(tmp_path, monkeypatch):
-    """The CLI ends the group after `train` (here a one-process ZeRO-3 group); through DeepSpeed, so that the groups
-    DeepSpeed derived and keeps go too and a second engine in the same process (the CLI run in-process again)
-    builds fresh ones — destroying torch's group alone left it a stale data-parallel group."""
+def _train_twice(root: str) -> None:
+    import os
+
     import torch.distributed as dist
 
     from lstune.config.schema import TrainConfig
@@ -50,17 +49,27 @@ def test_a_process_can_train_under_deepspeed_again_after_closing_its_group(tmp_p
     from lstune.parallel.launch import detect_launch_env
     from lstune.train.run import train
 
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the one-process group sets them; gone again after the test
-        monkeypatch.delenv(name, raising=False)
-    losses = []
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    report = {"losses": [], "closed": []}
     for run in range(2):
         config = TrainConfig.from_flat({"model": "tiny-llama", "data": "builtin:passkey", "seq_len": 256, "max_steps": 1,
-                                        "zero_stage": 3, "max_records": 4, "output_dir": str(tmp_path / f"r{run}")})
-        losses.append(train(config).history[-1]["loss"])
+                                        "zero_stage": 3, "max_records": 4, "output_dir": f"{root}/r{run}"})
+        report["losses"].append(train(config).history[-1]["loss"])
         close_process_group()
-        # No group, and not the look of a launched rank (the one-process group's RANK/WORLD_SIZE are gone):
-        # else the second run joined by env:// on port 29500 and left a store listening there, on which
-        # every later trial process of the test session failed.
-        assert not dist.is_initialized() and detect_launch_env() is None
-    assert losses[0] == losses[1]
+        report["closed"].append(not dist.is_initialized() and detect_launch_env() is None)
+    (Path(root) / "report.json").write_text(json.dumps(report))
+
+
+def test_a_process_can_train_under_deepspeed_again_after_closing_its_group(tmp_path):
+    """The CLI ends the group after `train` (here a one-process ZeRO-3 group); through DeepSpeed, so that the groups
+    DeepSpeed derived and keeps go too and a second engine in the same process (the CLI run in-process again)
+    builds fresh ones — destroying torch's group alone left it a stale data-parallel group. Nor does the process
+    look like a launched rank afterwards (the one-process group's RANK/WORLD_SIZE are gone): else the second run
+    joined by env:// on port 29500 and left a store listening there. In a process of its own: ZeRO-3 replaces
+    torch's linear function for the rest of the process."""
+    process = multiprocessing.get_context("spawn").Process(target=_train_twice, args=(str(tmp_path),))
+    process.start()
+    process.join(timeout=300)
+    assert process.exitcode == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["closed"] == [True, True] and report["losses"][0] == report["losses"][1]
