@@ -19,6 +19,7 @@ import typer
 
 from lstune import __version__
 from lstune.errors import UserError
+from lstune.train.signals import Terminated, on_sigterm
 
 app = typer.Typer(
     name="lstune",
@@ -105,16 +106,6 @@ def _click_classes(name: str) -> tuple[type, ...]:
     return tuple(found)
 
 
-class Terminated(BaseException):
-    """SIGTERM outside the training loop (whose own handler saves a checkpoint first). A BaseException
-    that is not KeyboardInterrupt, so that no library's `except Exception` swallows it and typer does not
-    turn it into a silent exit."""
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated(signal.Signals(signum).name)
-
-
 def main(argv: list[str] | None = None) -> None:
     """The CLI's entry point (see the module doc). A rank of a launched run that ends with its process group still
     alive (an error, a signal) leaves through os._exit once its output is flushed: the interpreter's teardown
@@ -154,7 +145,7 @@ def _hard_exit(code) -> None:
 def _main(argv: list[str] | None) -> None:
     args = _hoist_globals(_normalise_resume(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if _in_main_thread() else None
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if _in_main_thread() else None
     try:
         code = app(args=args, prog_name="lstune", standalone_mode=False)
     except UserError as exc:

@@ -26,7 +26,8 @@ from lstune.train.outputs import (
 )
 from lstune.train.reporter import LogReporter, Reporter
 from lstune.train.runtime import Runtime, start_runtime
-from lstune.train.signals import StopOnSignal, note_checkpoint
+from lstune.train.signals import StopOnSignal, holding_sigterm, note_checkpoint, raise_if_terminated
+from lstune.train.signals import reset as reset_signals
 from lstune.train.step import RunState, Stepper
 
 log = logging.getLogger("lstune")
@@ -67,14 +68,16 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # lstune draws its own progress; HF's per-save bars are noise here
-    note_checkpoint(None)
+    reset_signals()
     runtime = start_runtime(config.model.dtype)
     reporter = (reporter or LogReporter()) if runtime.is_main else _Silent()
-    output_dir, resume_from, folder = _setup_output(config, runtime)
+    opened: list = []  # the locked output folder, in hand from the moment it is locked (closed below, whatever comes)
     try:
+        output_dir, resume_from, folder = _setup_output(config, runtime, opened)
+        raise_if_terminated()  # a SIGTERM held back while the folder was being locked
         return _run(config, runtime, reporter, output_dir, resume_from, folder)
     finally:
-        if folder is not None:
+        for folder in opened:
             folder.close()
 
 
@@ -101,6 +104,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
         dataset = _setup_data(config, tokenizer, spec.config)
         dataset, eval_dataset = _setup_eval_data(config, tokenizer, spec.config, dataset)
+    raise_if_terminated()  # a SIGTERM whose exception was lost while loading (lstune.train.signals.on_sigterm)
     reporter.note(prediction_note(prediction))  # the predicted peak, just before the weights load
     # The `auto` memory settings as the estimate resolved them (lstune.estimate.choose_memory).
     loaded, prepared = _setup_model(prediction.memory_choice.applied_to(config), runtime, spec, tokenizer, notes)
@@ -142,15 +146,19 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     return result
 
 
-def _setup_output(config: TrainConfig, runtime: Runtime) -> tuple[Path, Path | None, OutputFolder | None]:
+def _setup_output(config: TrainConfig, runtime: Runtime, opened: list) -> tuple[Path, Path | None, OutputFolder | None]:
     """Every rank checks (read-only); then the main process creates and locks the folder (an error there,
-    such as another run holding it, reaches every rank) before anything heavy is loaded."""
+    such as another run holding it, reaches every rank) before anything heavy is loaded. The locked folder goes
+    into `opened` at once, a SIGTERM held back meanwhile (lstune.train.signals.holding_sigterm), so that the
+    caller releases the lock whatever happens next."""
     output_dir, resume_from = resolve_output_dir(config.run, config.model.name)
     runtime.barrier()  # every rank has checked the folder before the main process writes into it
     folder, error = None, None
     if runtime.is_main:
         try:
-            folder = OutputFolder(output_dir).open(overwrite=config.run.overwrite and not config.run.resume)
+            with holding_sigterm():
+                folder = OutputFolder(output_dir).open(overwrite=config.run.overwrite and not config.run.resume)
+                opened.append(folder)
         except UserError as exc:
             error = exc
     if runtime.any(error is not None):
@@ -445,6 +453,7 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
     from lstune.train.guard import NonFiniteGuard
     from lstune.train.metrics import METRICS_FILE, MetricsWriter
 
+    raise_if_terminated()  # the last chance before the first step (lstune.train.signals.on_sigterm)
     # Every rank reads its own share of one global stream; an SP group then works through its ranks'
     # samples one at a time, each sharded along the sequence (ALST 4.2).
     loader = make_dataloader(

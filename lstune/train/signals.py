@@ -9,11 +9,57 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 # The newest checkpoint this process's run saved: the one record a signal outside the steps reads (the CLI's
 # handler runs wherever the process happens to be, with no run object at hand).
 _saved: dict[str, Path | None] = {"checkpoint": None}
+# The SIGTERM that arrived outside the steps, kept as well as raised (see `on_sigterm`); `holding` > 0: kept only.
+_terminated: dict[str, Any] = {"signal": None, "holding": 0}
+
+
+class Terminated(BaseException):
+    """SIGTERM outside the training steps (whose own handler saves a checkpoint first). A BaseException that is not
+    KeyboardInterrupt, so that no library's `except Exception` swallows it and typer does not turn it into a silent
+    exit."""
+
+
+def on_sigterm(signum, frame) -> None:
+    """The CLI's SIGTERM handler outside the steps: raise Terminated where the process is. The signal is also kept,
+    because the exception can be lost: raised while Python compiles a module's source (no .pyc: a fresh install,
+    PYTHONDONTWRITEBYTECODE, a read-only site-packages), compile() clears it and the import goes on (seen on
+    CPython 3.11), so the run would train as if no signal had come. `raise_if_terminated` raises it again."""
+    name = signal.Signals(signum).name
+    _terminated["signal"] = name
+    if not _terminated["holding"]:
+        raise Terminated(name)
+
+
+@contextmanager
+def holding_sigterm() -> Iterator[None]:
+    """A SIGTERM within the block is kept, not raised, until the caller's `raise_if_terminated` after it: for a step
+    that must not stop half-way, such as locking the output folder and handing it to the code that unlocks it.
+    (Blocking the signal with pthread_sigmask would not do: another thread takes it, and Python runs the handler
+    on the main thread all the same.)"""
+    _terminated["holding"] += 1
+    try:
+        yield
+    finally:
+        _terminated["holding"] -= 1
+
+
+def raise_if_terminated() -> None:
+    """Raise Terminated if a SIGTERM came (and its exception was lost) since `reset`."""
+    if _terminated["signal"] is not None:
+        raise Terminated(_terminated["signal"])
+
+
+def reset() -> None:
+    """A run starts: no checkpoint saved, no SIGTERM pending."""
+    _saved["checkpoint"] = None
+    _terminated["signal"] = None
 
 
 def note_checkpoint(path: Path | None) -> None:

@@ -235,7 +235,7 @@ def test_sigterm_after_the_steps_names_the_saved_checkpoint(cli, tmp_path, text_
     """A SIGTERM once the steps are over (here: during the summary) stops with 130 and says what is saved, not that
     nothing had been trained."""
     import lstune.cli.render
-    from lstune.cli.app import Terminated
+    from lstune.train.signals import Terminated
 
     def terminated(result):
         raise Terminated("SIGTERM")  # what the CLI's SIGTERM handler raises wherever the process is
@@ -247,3 +247,29 @@ def test_sigterm_after_the_steps_names_the_saved_checkpoint(cli, tmp_path, text_
     assert f"SIGTERM received after the training steps; stopped. The newest checkpoint, {out / 'checkpoint-2'}" in result.err
     assert "before training started" not in result.err
     assert (out / "checkpoint-2").is_dir() and (out / "final").is_dir()
+
+
+def test_a_sigterm_whose_exception_was_lost_while_loading_still_stops_before_training(cli, tmp_path, text_data,
+                                                                                      monkeypatch):
+    """CPython's compile() can clear the exception a signal handler raised while it compiled a module (no .pyc), and
+    the import goes on; the run must stop all the same, before its first step, with the usual message."""
+    import signal as signals
+
+    import lstune.train.run
+    from lstune.train.signals import Terminated, on_sigterm
+
+    real = lstune.train.run._setup_tokenizer
+
+    def loses_the_exception(*args, **kwargs):
+        try:
+            on_sigterm(signals.SIGTERM, None)
+        except Terminated:
+            pass  # what compile() did with it
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(lstune.train.run, "_setup_tokenizer", loses_the_exception)
+    out = tmp_path / "run"
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--output-dir", out)
+    assert result.code == 130, result.err
+    assert "SIGTERM received before training started" in result.err
+    assert not list(out.glob("checkpoint-*")) and not (out / "metrics.jsonl").exists()

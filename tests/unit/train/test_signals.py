@@ -37,3 +37,24 @@ def test_a_second_ctrl_c_within_a_second_is_the_same_one_later_it_insists(monkey
         time.sleep(0.4)
         with pytest.raises(KeyboardInterrupt):
             _send(signal.SIGINT)
+
+
+def test_a_sigterm_is_kept_while_held_and_raised_after_and_kept_when_its_exception_is_lost():
+    """Outside the steps the CLI's handler raises Terminated; while the output folder is being locked it only keeps
+    the signal (raised by raise_if_terminated once the lock is in hand), and a kept signal survives an exception
+    that something swallowed (compile() does, while Python compiles a module)."""
+    from lstune.train.signals import Terminated, holding_sigterm, on_sigterm, raise_if_terminated, reset
+
+    reset()
+    raise_if_terminated()  # nothing pending
+    with holding_sigterm():
+        on_sigterm(signal.SIGTERM, None)  # kept, not raised
+    with pytest.raises(Terminated, match="SIGTERM"):
+        raise_if_terminated()
+    reset()
+    with pytest.raises(Terminated):
+        on_sigterm(signal.SIGTERM, None)
+    with pytest.raises(Terminated):
+        raise_if_terminated()  # still pending if that exception was lost
+    reset()
+    raise_if_terminated()
