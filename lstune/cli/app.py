@@ -3,7 +3,8 @@
 User mistakes (lstune.errors.UserError) and usage errors (an unknown flag or command, a flag without
 its value) print one message and exit with code 2; `--debug` adds the traceback. SIGTERM outside the
 training steps (loading data or the model before them; the plot and summary after them) stops with code 130
-and a message saying what was saved, like Ctrl-C. Heavy libraries are imported by the commands' work, never here, so `--help` is instant.
+and a message saying what was saved, like Ctrl-C. Heavy libraries are imported by the commands' work, never
+here, so `--help` is instant.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def _terminated_when() -> str:
     saved = newest_checkpoint()
     if saved is None:
         return "before training started; stopped without writing a checkpoint (nothing had been trained)."
-    return f"after the training steps; stopped. The newest checkpoint, {saved}, is complete (--resume continues from it)."
+    return (f"after the training steps; stopped. The newest checkpoint, {saved}, is complete (--resume continues "
+            "from it).")
 
 
 def _in_main_thread() -> bool:

@@ -42,11 +42,6 @@ from lstune.estimate.shapes import ModelShape, ParamCounts, ceil_div
 from lstune.models.quant import frozen_weight_bytes
 
 GIB = 2**30
-
-
-def size_text(nbytes: float) -> str:
-    """Bytes as a person reads them: GiB from one GiB up, MiB below (a tiny model's peak is not "0.0 GiB")."""
-    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
 CUDA_CONTEXT_BYTES = 512 * 2**20  # the CUDA context and kernels, outside torch's allocator
 ALLOCATOR_RESERVE = 0.025  # of device memory the caching allocator cannot hand out (expandable segments)
 HOST_PROCESS_BYTES = 2 * GIB  # one training process's own memory (python, torch, CUDA libraries): measured 1.5-1.9 GB
@@ -150,6 +145,11 @@ class Breakdown:
     def device_besides_checkpoints(self) -> int:
         """The device peak of everything but the checkpoints, at whichever phase it is highest."""
         return self.device_peak - self.checkpoint_share
+
+
+def size_text(nbytes: float) -> str:
+    """Bytes as a person reads them: GiB from one GiB up, MiB below (a tiny model's peak is not "0.0 GiB")."""
+    return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"
 
 
 def attn_chunk_count(setting: str | int, shape: ModelShape, local_seq: int) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,8 +135,6 @@ def close_process_group() -> None:
     destroys its process group; nothing without one. Every rank of the group must call it."""
     if not process_group_ready():
         return
-    import sys
-
     import torch.distributed as dist
 
     dist.barrier()

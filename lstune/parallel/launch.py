@@ -3,8 +3,9 @@
 Three ways a run is distributed:
 
 * `lstune train --gpus N` (no launcher in the environment): `relaunch` re-runs the same command under
-  torchrun (`python -c <lstune.parallel.agent> --standalone --nproc-per-node N --no-python python -c ...`: torchrun's
-  own `run`, its failures turned into an exit code and one line, lstune.parallel.agent), one process per GPU. Each process runs lstune's `__main__` from the lstune this process imported, not
+  torchrun (`python -c <lstune.parallel.agent> --standalone --nproc-per-node N --no-python python -c ...`:
+  torchrun's own `run`, its failures turned into an exit code and one line, lstune.parallel.agent), one
+  process per GPU. Each process runs lstune's `__main__` from the lstune this process imported, not
   through `python -m lstune`: that puts the working directory first on sys.path, and a folder named
   `lstune` there would be imported instead. Without CUDA it starts N CPU processes with the gloo backend and DS_ACCELERATOR=cpu
   (for tests and demos).

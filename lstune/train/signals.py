@@ -13,11 +13,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-# The newest checkpoint this process's run saved: the one record a signal outside the steps reads (the CLI's
-# handler runs wherever the process happens to be, with no run object at hand).
-_saved: dict[str, Path | None] = {"checkpoint": None}
-# The SIGTERM that arrived outside the steps, kept as well as raised (see `on_sigterm`); `holding` > 0: kept only.
-_terminated: dict[str, Any] = {"signal": None, "holding": 0}
+# What a signal outside the steps needs, with no run object at hand (the CLI's handler runs wherever the process
+# happens to be): the newest checkpoint this process's run saved, the SIGTERM that came (kept as well as raised,
+# see `on_sigterm`), and whether it is being held (`holding` > 0: kept only).
+_state: dict[str, Any] = {"checkpoint": None, "signal": None, "holding": 0}
 
 
 class Terminated(BaseException):
@@ -32,8 +31,8 @@ def on_sigterm(signum, frame) -> None:
     PYTHONDONTWRITEBYTECODE, a read-only site-packages), compile() clears it and the import goes on (seen on
     CPython 3.11), so the run would train as if no signal had come. `raise_if_terminated` raises it again."""
     name = signal.Signals(signum).name
-    _terminated["signal"] = name
-    if not _terminated["holding"]:
+    _state["signal"] = name
+    if not _state["holding"]:
         raise Terminated(name)
 
 
@@ -43,32 +42,31 @@ def holding_sigterm() -> Iterator[None]:
     that must not stop half-way, such as locking the output folder and handing it to the code that unlocks it.
     (Blocking the signal with pthread_sigmask would not do: another thread takes it, and Python runs the handler
     on the main thread all the same.)"""
-    _terminated["holding"] += 1
+    _state["holding"] += 1
     try:
         yield
     finally:
-        _terminated["holding"] -= 1
+        _state["holding"] -= 1
 
 
 def raise_if_terminated() -> None:
     """Raise Terminated if a SIGTERM came (and its exception was lost) since `reset`."""
-    if _terminated["signal"] is not None:
-        raise Terminated(_terminated["signal"])
+    if _state["signal"] is not None:
+        raise Terminated(_state["signal"])
 
 
 def reset() -> None:
     """A run starts: no checkpoint saved, no SIGTERM pending."""
-    _saved["checkpoint"] = None
-    _terminated["signal"] = None
+    _state.update(checkpoint=None, signal=None)
 
 
-def note_checkpoint(path: Path | None) -> None:
-    """Record `path` as the run's newest checkpoint (None when a run starts)."""
-    _saved["checkpoint"] = path
+def note_checkpoint(path: Path) -> None:
+    """Record `path` as the run's newest checkpoint."""
+    _state["checkpoint"] = path
 
 
 def newest_checkpoint() -> Path | None:
-    return _saved["checkpoint"]
+    return _state["checkpoint"]
 
 
 class StopOnSignal:
