@@ -3,22 +3,26 @@ returns (output, log-sum-exp) for the online-softmax merge, and its backward, Fl
 chunk's *merged* output and lse (P = exp(S - lse), delta = rowsum(dO ∘ o)) — exactly the gradient of the merge.
 
 Two kernels, and `block_kind` is the one place that picks between them:
-- PyTorch's flash-attention ops (`FLASH_OPS`: `_scaled_dot_product_flash_attention[_for_cpu]` and their backwards,
-  which return the lse and take (out, lse), recomputing delta from `out`), for a block inside one document and one
-  sliding window, with no softcap: off-diagonal blocks (every key before every query) run non-causal ("full"),
-  diagonal blocks (the same tokens on both sides) causal ("causal"). Queries [B, H, t, D], keys/values
-  [B, H_kv, s, D] (native GQA on CPU; expanded per block, O(chunk), on CUDA), lse [B, H, t] fp32; in autocast's
-  dtype under autocast, as SDPA.
+- A device's fused attention ops (`FLASH_OPS`, in order of preference: on CUDA cuDNN's
+  `_scaled_dot_product_cudnn_attention`, then PyTorch's flash `_scaled_dot_product_flash_attention`; on CPU
+  `_scaled_dot_product_flash_attention_for_cpu`; each with its backward), which return the lse and take (out, lse),
+  recomputing delta from `out`, for a block inside one document and one sliding window, with no softcap: off-diagonal
+  blocks (every key before every query) run non-causal ("full"), diagonal blocks (the same tokens on both sides)
+  causal ("causal"). Queries [B, H, t, D], keys/values [B, H_kv, s, D] (native GQA on CPU; expanded per block,
+  O(chunk), on CUDA), lse [B, H, t] fp32; in autocast's dtype under autocast, as SDPA. cuDNN comes first on CUDA
+  because it is what SDPA runs there: on an H200 (2026-11-26) PyTorch's flash op made 4-chunk attention 1.54 × the
+  unchunked step at 128K, at about half of cuDNN's measured rate.
 - The pure-PyTorch kernel ("masked") for everything else — blocks cut by a document start, a window or causality
   not on the diagonal, softcapping, dtypes/head dims the op lacks, and fake tensors (memory traces, which have no
   values to decide from): fp32 scores masked by `allowed_pairs`, query rows sub-tiled to bound the score tile.
 Both give the same (out, lse) and (dq, dk, dv) up to rounding (tests/unit/memory/test_attention_blocks.py).
 
-Safety: a device's flash ops are used for a (device, dtype, head dim) only after a one-time probe (`flash_usable`)
-ran a small random two-block merge forward and backward through both kernels and found them equal within the dtype's
-rounding; an op that raises or differs is logged once and the PyTorch kernel used instead — a model is exact or
-refused, never silently wrong. This is what guards the CUDA ops, whose signatures were wired from their schemas
-without a GPU at hand.
+Safety: a device's ops are used for a (device, dtype, head dim) only after a one-time probe (`flash_ops`) ran a small
+random two-block merge forward and backward through both kernels and found them equal within the dtype's rounding;
+ops that raise or differ are logged once and the next in the list used, in the end the PyTorch kernel — a model is
+exact or refused, never silently wrong. Ops that pass the probe but raise on a real block (a shape they refuse) are
+dropped for the rest of the run and the block re-run by the next. This is what guards the CUDA ops, whose signatures
+were wired from their schemas without a GPU at hand.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def block_kind(q5: Tensor, k4: Tensor, v4: Tensor, ids_q: tuple[Tensor, Tensor],
     same = (index_q == index_k).all() if index_q.shape == index_k.shape else torch.zeros_like(before)
     one_span, before, same = torch.stack([one_span, before, same]).tolist()
     kind = FULL if one_span and before else CAUSAL if one_span and same else MASKED
-    if kind != MASKED and not flash_usable(q5.device, dtype, q5.shape[-1]):
+    if kind != MASKED and flash_ops(q5.device, dtype, q5.shape[-1]) is None:
         return MASKED
     return kind
 
@@ -79,9 +83,9 @@ def _compute_dtype(q5: Tensor, k4: Tensor, v4: Tensor) -> torch.dtype | None:
 
 
 def _flash_shapes(q5: Tensor, k4: Tensor, v4: Tensor, dtype: torch.dtype) -> bool:
-    """Dtypes and shapes the device's flash ops take: one head dim for q, k and v."""
-    ops = FLASH_OPS.get(q5.device.type)
-    return ops is not None and dtype in ops.dtypes and q5.shape[-1] == k4.shape[-1] == v4.shape[-1]
+    """Dtypes and shapes one of the device's fused ops takes: one head dim for q, k and v."""
+    ops = FLASH_OPS.get(q5.device.type, ())
+    return any(dtype in o.dtypes for o in ops) and q5.shape[-1] == k4.shape[-1] == v4.shape[-1]
 
 
 def block_forward(kind: str, q5: Tensor, k4: Tensor, v4: Tensor, allowed: Tensor | None, scale: float,
@@ -90,7 +94,7 @@ def block_forward(kind: str, q5: Tensor, k4: Tensor, v4: Tensor, allowed: Tensor
     [B, Hkv, g, t]; -inf on rows with no allowed key). `allowed` (`allowed_pairs`) only for MASKED blocks."""
     if kind == MASKED:
         return _torch_forward(q5, k4, v4, allowed, scale, softcap)
-    return _flash_forward(FLASH_OPS[q5.device.type], q5, k4, v4, kind == CAUSAL, scale)
+    return _with_fallback(_flash_forward, q5, k4, v4, kind == CAUSAL, scale)
 
 
 def block_backward(kind: str, q5: Tensor, k4: Tensor, v4: Tensor, dout5: Tensor, merged: tuple[Tensor, Tensor],
@@ -101,7 +105,7 @@ def block_backward(kind: str, q5: Tensor, k4: Tensor, v4: Tensor, dout5: Tensor,
         delta, lse = merged
         return _torch_backward(q5, k4, v4, dout5, lse, delta, allowed, scale, softcap)
     out5, lse = merged
-    return _flash_backward(FLASH_OPS[q5.device.type], q5, k4, v4, dout5, out5, lse, kind == CAUSAL, scale)
+    return _with_fallback(_flash_backward, q5, k4, v4, dout5, out5, lse, kind == CAUSAL, scale)
 
 
 def allowed_pairs(index_q: Tensor, doc_q: Tensor, index_k: Tensor, doc_k: Tensor, window: int | None) -> Tensor:
@@ -125,16 +129,17 @@ def merge(acc_out, acc_lse, out, lse):
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# The flash kernel: PyTorch's flash-attention ops
+# The fused kernels: cuDNN's and PyTorch's flash-attention ops
 # --------------------------------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class FlashOps:
-    """One device type's flash-attention ops on [B, H, n, D] tensors, no dropout.
+    """One device type's fused attention ops on [B, H, n, D] tensors, no dropout.
     forward(q, k, v, causal, scale) -> (out, lse [B, H, t] fp32);
     backward(dout, q, k, v, out, lse, causal, scale) -> (dq, dk, dv), delta recomputed from `out`."""
 
+    name: str
     forward: Callable
     backward: Callable
     dtypes: tuple[torch.dtype, ...]
@@ -163,9 +168,32 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, scale):
         dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
 
 
-FLASH_OPS: dict[str, FlashOps] = {
-    "cpu": FlashOps(_cpu_forward, _cpu_backward, (torch.float32, torch.float64, torch.bfloat16, torch.float16), True),
-    "cuda": FlashOps(_cuda_forward, _cuda_backward, (torch.bfloat16, torch.float16), False),
+# The lse layout cuDNN's forward returned ([B, H, t] in older torch, [B, H, t, 1] in newer): its backward takes the
+# same. Set by the first forward; the probe always runs one before any backward.
+_CUDNN_LSE_DIMS: dict[str, int] = {}
+
+
+def _cudnn_forward(q, k, v, causal, scale):
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                                       scale=scale)
+    _CUDNN_LSE_DIMS["lse"] = lse.dim()
+    return out, lse.reshape(q.shape[:3])
+
+
+def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    # No bias, no nested tensors, no dropout (seed and offset unread; int64 on the device, as the forward makes them).
+    lse = lse.reshape(*lse.shape, *[1] * (_CUDNN_LSE_DIMS.get("lse", 3) - 3))
+    seed = torch.zeros(1, dtype=torch.int64, device=q.device)
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse, seed, seed, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+# Per device type, in order of preference (module doc: why cuDNN first on CUDA).
+FLASH_OPS: dict[str, tuple[FlashOps, ...]] = {
+    "cpu": (FlashOps("flash", _cpu_forward, _cpu_backward, (torch.float32, torch.float64, *_HALF), True),),
+    "cuda": (FlashOps("cuDNN", _cudnn_forward, _cudnn_backward, _HALF, False),
+             FlashOps("flash", _cuda_forward, _cuda_backward, _HALF, False)),
 }
 
 
@@ -210,31 +238,65 @@ _PROBED: dict[tuple, bool] = {}
 _PROBE_TOLERANCE = {torch.float64: 1e-4, torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
+def flash_ops(device: torch.device, dtype: torch.dtype, head_dim: int) -> FlashOps | None:
+    """The device's first fused ops that agree with the PyTorch kernel for this dtype and head dim (each probed
+    once), or None: the PyTorch kernel."""
+    for ops in FLASH_OPS.get(device.type, ()):
+        if dtype in ops.dtypes and _usable(ops, device, dtype, head_dim):
+            return ops
+    return None
+
+
 def flash_usable(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the device's flash ops agree with the PyTorch kernel for this dtype and head dim (probed once)."""
-    ops = FLASH_OPS.get(device.type)
-    if ops is None or dtype not in ops.dtypes:
-        return False
+    return flash_ops(device, dtype, head_dim) is not None
+
+
+def _usable(ops: FlashOps, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     key = (str(device), dtype, head_dim, ops)
     if key not in _PROBED:
         _PROBED[key] = _probe(ops, device, dtype, head_dim)
     return _PROBED[key]
 
 
+def _with_fallback(run: Callable, q5: Tensor, *args):
+    """`run` (_flash_forward or _flash_backward) with the first usable ops; ops that raise on this block (a shape
+    they refuse, not running out of memory) are dropped for the run, with a warning, and the next ops take it — the
+    probe found every ops in the list equal to the PyTorch kernel, so blocks may mix them."""
+    device, dtype, head_dim = q5.device, _compute_dtype(q5, *args[:2]), q5.shape[-1]
+    failed: RuntimeError | None = None
+    while (ops := flash_ops(device, dtype, head_dim)) is not None:
+        try:
+            return run(ops, q5, *args)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as failure:
+            failed = failure
+            logger.warning("chunked attention: %s's %s attention op failed on a %s block of %s (%s); using the next "
+                           "op if there is one, for the rest of the run.", device, ops.name, dtype, tuple(q5.shape), failure)
+            _PROBED[(str(device), dtype, head_dim, ops)] = False
+    raise failed or RuntimeError(f"chunked attention: no attention op left for {dtype} blocks on {device}")
+
+
 def _probe(ops: FlashOps, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     try:
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
             error = _probe_error(ops, device, dtype, head_dim)
-    except Exception as failure:  # noqa: BLE001 — any refusal of the op means: use the PyTorch kernel
-        logger.warning("chunked attention: %s's flash-attention ops failed on a %s block with head dim %d (%s); "
-                       "using the PyTorch block kernel there (exact, slower).", device, dtype, head_dim, failure)
+    except Exception as failure:  # noqa: BLE001 — any refusal of the op means: use the next kernel
+        logger.warning("chunked attention: %s's %s attention ops failed on a %s block with head dim %d (%s); "
+                       "using %s there.", device, ops.name, dtype, head_dim, failure, _next_kernel(ops, device))
         return False
     if error > _PROBE_TOLERANCE[dtype]:
-        logger.warning("chunked attention: %s's flash-attention ops differ from the PyTorch block kernel on a %s block "
-                       "with head dim %d (relative error %.1e); using the PyTorch kernel there (exact, slower).",
-                       device, dtype, head_dim, error)
+        logger.warning("chunked attention: %s's %s attention ops differ from the PyTorch block kernel on a %s block "
+                       "with head dim %d (relative error %.1e); using %s there.",
+                       device, ops.name, dtype, head_dim, error, _next_kernel(ops, device))
         return False
     return True
+
+
+def _next_kernel(ops: FlashOps, device: torch.device) -> str:
+    rest = FLASH_OPS.get(device.type, ())
+    rest = rest[rest.index(ops) + 1:] if ops in rest else ()
+    return f"the {rest[0].name} ops if they pass" if rest else "the PyTorch block kernel (exact, slower)"
 
 
 def _probe_error(ops: FlashOps, device: torch.device, dtype: torch.dtype, head_dim: int) -> float:

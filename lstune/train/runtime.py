@@ -134,6 +134,10 @@ def start_runtime(dtype: str) -> Runtime:
     # DeepSpeed's ZeRO calls torch.distributed collectives that torch deprecates, warning every step.
     warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated",
                             category=FutureWarning)
+    # DeepSpeed's barriers on NCCL without a bound device_id: torch picks the current device, which set_device below
+    # made the rank's own (seen on the H200, 2026-11-26, in every ZeRO-3 run).
+    warnings.filterwarnings("ignore", message=r"barrier\(\): using the device under current context",
+                            category=UserWarning)
     if torch.cuda.is_available():
         index = launch.local_rank if launch else torch.cuda.current_device()
         torch.cuda.set_device(index)

@@ -87,16 +87,17 @@ def test_attention_block_device_peak_on_cuda():
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_flash_ops_pass_the_probe_and_match_the_pytorch_block_kernel(head_dim, dtype):
-    """The CUDA flash ops were wired from their schemas without a GPU: their probe must pass (else every block runs
-    the PyTorch kernel, with a warning), and a GQA block's forward and merged backward must match the PyTorch kernel."""
+def test_cuda_fused_ops_pass_the_probe_and_match_the_pytorch_block_kernel(head_dim, dtype):
+    """The CUDA ops (cuDNN's, then PyTorch's flash) were wired from their schemas without a GPU: each one's probe must
+    pass (else blocks run the next ops, in the end the PyTorch kernel, with a warning) — its GQA blocks' forward and
+    merged backward match the PyTorch kernel — and cuDNN, the faster, is the one chosen."""
     from lstune.memory import attention_blocks as blocks
 
     device = torch.device("cuda")
-    assert blocks.flash_usable(device, dtype, head_dim)
-    ops = blocks.FLASH_OPS["cuda"]
-    assert blocks._probe_error(ops, device, dtype, head_dim) < blocks._PROBE_TOLERANCE[dtype]
-    assert not blocks.flash_usable(device, torch.float32, head_dim)  # no fp32 flash on CUDA: PyTorch kernel
+    for ops in blocks.FLASH_OPS["cuda"]:
+        assert blocks._probe_error(ops, device, dtype, head_dim) < blocks._PROBE_TOLERANCE[dtype], ops.name
+    assert blocks.flash_ops(device, dtype, head_dim).name == "cuDNN"
+    assert not blocks.flash_usable(device, torch.float32, head_dim)  # no fp32 fused ops on CUDA: PyTorch kernel
 
 
 def test_long_documents_run_the_cuda_flash_kernel_and_stay_close(monkeypatch):

@@ -72,8 +72,8 @@ def test_cuda_qlora_training_run(tmp_path, saved_model):
     from lstune.train.run import train
 
     out = tmp_path / "run"
-    flags = {"model": str(saved_model), "load_in_4bit": True, "lora_r": "8", "seq_len": "4k", "max_steps": "3",
-             "lr": "1e-3", "output_dir": str(out)}
+    flags = {"model": str(saved_model), "data": "builtin:passkey", "load_in_4bit": True, "lora_r": "8", "seq_len": "4k",
+             "max_steps": "3", "lr": "1e-3", "output_dir": str(out)}
     result = train(build_config({}, flags))
     assert result.steps_done == 3
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

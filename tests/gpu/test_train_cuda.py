@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _run(tmp_path, name, **flags):
-    base = {"model": "tiny-llama", "seq_len": "1k", "max_steps": "4", "lr": "1e-3", "output_dir": str(tmp_path / name)}
+    base = {"model": "tiny-llama", "data": "builtin:passkey", "seq_len": "1k", "max_steps": "4", "lr": "1e-3", "output_dir": str(tmp_path / name)}
     result = train(build_config({}, {**base, **flags}))
     lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
     return result, [json.loads(line) for line in lines]

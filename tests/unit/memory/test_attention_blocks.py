@@ -127,15 +127,15 @@ def test_fake_tensors_take_the_pytorch_kernel():
 
 
 def _with_ops(monkeypatch, **changes) -> blocks.FlashOps:
-    ops = dataclasses.replace(blocks.FLASH_OPS["cpu"], **changes)
-    monkeypatch.setitem(blocks.FLASH_OPS, "cpu", ops)
+    ops = dataclasses.replace(blocks.FLASH_OPS["cpu"][0], **changes)
+    monkeypatch.setitem(blocks.FLASH_OPS, "cpu", (ops,))
     return ops
 
 
 def test_a_wrong_flash_op_is_caught_by_the_probe_and_never_used(monkeypatch, caplog):
     """A flash op that ignores `causal` (so the diagonal block sees the future) fails the probe once, with a warning;
     blocks then take the PyTorch kernel."""
-    right = blocks.FLASH_OPS["cpu"]
+    right = blocks.FLASH_OPS["cpu"][0]
     _with_ops(monkeypatch, forward=lambda q, k, v, causal, scale: right.forward(q, k, v, False, scale))
     q5, k4 = _rand(1, 2, 2, 8, 16), _rand(1, 2, 8, 16)
     with caplog.at_level(logging.WARNING, logger="lstune"):
@@ -147,7 +147,7 @@ def test_a_wrong_flash_op_is_caught_by_the_probe_and_never_used(monkeypatch, cap
 
 @pytest.mark.parametrize("wrong", ["raises", "lse layout", "backward delta"])
 def test_the_probe_refuses_ops_that_raise_or_differ(monkeypatch, wrong):
-    right = blocks.FLASH_OPS["cpu"]
+    right = blocks.FLASH_OPS["cpu"][0]
 
     def raising(q, k, v, causal, scale):
         raise RuntimeError("no kernel image is available")
@@ -164,6 +164,84 @@ def test_the_probe_refuses_ops_that_raise_or_differ(monkeypatch, wrong):
     ops = _with_ops(monkeypatch, **change)
     assert not blocks.flash_usable(CPU, torch.float32, 16)
     assert blocks._PROBED == {("cpu", torch.float32, 16, ops): False}
+
+
+def _two_ops(monkeypatch, **first_changes) -> tuple[blocks.FlashOps, blocks.FlashOps]:
+    """The CPU ops twice, as CUDA lists cuDNN before flash: a first (changed) and a second (the real ones)."""
+    right = blocks.FLASH_OPS["cpu"][0]
+    first = dataclasses.replace(right, name="first", **first_changes)
+    second = dataclasses.replace(right, name="second")
+    monkeypatch.setitem(blocks.FLASH_OPS, "cpu", (first, second))
+    return first, second
+
+
+def test_the_first_ops_that_pass_the_probe_are_used(monkeypatch, caplog):
+    """Ops listed first win when they pass; a first that differs is refused once, with a warning naming the next."""
+    right = blocks.FLASH_OPS["cpu"][0]
+    first, second = _two_ops(monkeypatch)
+    assert blocks.flash_ops(CPU, torch.float32, 16) is first
+    monkeypatch.setattr(blocks, "_PROBED", {})
+    first, second = _two_ops(monkeypatch, forward=lambda q, k, v, causal, scale: right.forward(q, k, v, False, scale))
+    with caplog.at_level(logging.WARNING, logger="lstune"):
+        assert blocks.flash_ops(CPU, torch.float32, 16) is second
+        assert blocks.flash_ops(CPU, torch.float32, 16) is second
+    assert [r.getMessage() for r in caplog.records] == [caplog.records[0].getMessage()]
+    assert "first attention ops differ" in caplog.text and "using the second ops if they pass" in caplog.text
+
+
+def test_ops_that_raise_on_a_real_block_hand_it_to_the_next_ops(monkeypatch, caplog):
+    """Ops that pass the probe (48 query rows) but refuse a larger block are dropped for the run with one warning;
+    the next ops compute that block and every later one, with the same result as the PyTorch kernel."""
+    right = blocks.FLASH_OPS["cpu"][0]
+    calls = {"first": 0}
+
+    def refuses_large(q, k, v, causal, scale):
+        calls["first"] += 1
+        if q.shape[2] > 48:
+            raise RuntimeError("cuDNN Frontend error: No valid execution plans built.")
+        return right.forward(q, k, v, causal, scale)
+
+    first, second = _two_ops(monkeypatch, forward=refuses_large)
+    q5, k4, v4 = _rand(1, 2, 2, 64, 16), _rand(1, 2, 64, 16, seed=2), _rand(1, 2, 64, 16, seed=3)
+    assert block_kind(q5, k4, v4, _ids(64, 64, 1), _ids(0, 64, 1), None, None) == FULL
+    probe_calls = calls["first"]
+    with caplog.at_level(logging.WARNING, logger="lstune"):
+        out, lse = blocks.block_forward(FULL, q5, k4, v4, None, 0.25, None)
+        again = blocks.block_forward(FULL, q5, k4, v4, None, 0.25, None)
+    assert calls["first"] == probe_calls + 1  # tried once, then never again
+    assert "first attention op failed" in caplog.text and len(caplog.records) == 1
+    assert blocks.flash_ops(CPU, torch.float32, 16) is second
+    allowed = allowed_pairs(*_ids(64, 64, 1), *_ids(0, 64, 1), None)
+    exact = blocks.block_forward(MASKED, q5, k4, v4, allowed, 0.25, None)
+    _close(out, exact[0]), _close(lse, exact[1]), _close(again[0], exact[0])
+
+
+def test_running_out_of_memory_in_the_ops_is_not_a_fallback(monkeypatch):
+    right = blocks.FLASH_OPS["cpu"][0]
+
+    def out_of_memory(q, k, v, causal, scale):
+        if q.shape[2] > 48:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+        return right.forward(q, k, v, causal, scale)
+
+    first, _ = _two_ops(monkeypatch, forward=out_of_memory)
+    q5, k4 = _rand(1, 2, 2, 64, 16), _rand(1, 2, 64, 16, seed=2)
+    with pytest.raises(torch.OutOfMemoryError):
+        blocks.block_forward(FULL, q5, k4, k4, None, 0.25, None)
+    assert blocks.flash_ops(CPU, torch.float32, 16) is first
+
+
+def test_when_the_last_ops_raise_too_the_error_is_raised(monkeypatch):
+    def refuses(q, k, v, causal, scale):
+        if q.shape[2] > 48:
+            raise RuntimeError("no kernel")
+        return right.forward(q, k, v, causal, scale)
+
+    right = blocks.FLASH_OPS["cpu"][0]
+    monkeypatch.setitem(blocks.FLASH_OPS, "cpu", (dataclasses.replace(right, forward=refuses),))
+    q5, k4 = _rand(1, 2, 2, 64, 16), _rand(1, 2, 64, 16, seed=2)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        blocks.block_forward(FULL, q5, k4, k4, None, 0.25, None)
 
 
 def test_the_probe_passes_the_real_ops_for_each_dtype_and_expanded_gqa(monkeypatch):

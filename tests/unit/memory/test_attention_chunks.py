@@ -125,9 +125,9 @@ def test_a_flash_op_that_fails_its_probe_leaves_the_model_exact(monkeypatch):
 
     from lstune.memory import attention_blocks
 
-    right = attention_blocks.FLASH_OPS["cpu"]
+    right = attention_blocks.FLASH_OPS["cpu"][0]
     wrong = dataclasses.replace(right, forward=lambda q, k, v, causal, scale: right.forward(q, k, v, False, scale))
-    monkeypatch.setitem(attention_blocks.FLASH_OPS, "cpu", wrong)
+    monkeypatch.setitem(attention_blocks.FLASH_OPS, "cpu", (wrong,))
     monkeypatch.setattr(attention_blocks, "_PROBED", {})
     model = _model("llama")
     batch, reference = _reference(model, "long")

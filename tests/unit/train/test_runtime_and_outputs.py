@@ -32,6 +32,20 @@ def test_a_single_process_runtime_is_its_own_world():
     assert order == ["main"]
 
 
+def test_the_runtime_silences_the_library_warnings_users_cannot_act_on():
+    """DeepSpeed's deprecated collectives (every ZeRO step) and its NCCL barriers without a bound device warn from
+    inside the library; after start_runtime they are silent, and other warnings are not."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start_runtime("fp32")
+        warnings.warn("torch.distributed.reduce_scatter_tensor is deprecated", FutureWarning)
+        warnings.warn("barrier(): using the device under current context. You can specify `device_id`", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert [str(w.message) for w in caught] == ["something else"]
+
+
 def test_bf16_is_autocast_on_cpu_only_when_asked():
     assert start_runtime("bf16").autocast_dtype == torch.bfloat16
     if not torch.cuda.is_available():
