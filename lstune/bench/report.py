@@ -44,29 +44,47 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+STEP_COLUMNS = ("configuration", "tokens", "step median / min (s)", "tokens/s", "model TFLOP/s", "MFU",
+                "hardware TFLOP/s", "peak allocated", "peak reserved", "peak host RSS", "estimated peak (error)",
+                "estimated step (error)")
+IDEAL_COLUMNS = ("ideal step (s)", "× ideal")  # with the kernel rates (--rates) only
+
+
 def measurement_table(result) -> list[str]:
     name = labels(result)
-    rows = ["## Step time, throughput, memory", "",
-            "| configuration | tokens | step median / min (s) | tokens/s | model TFLOP/s | MFU | hardware TFLOP/s "
-            "| peak allocated | peak reserved | peak host RSS | estimated peak (error) | estimated step (error) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    columns = STEP_COLUMNS + (IDEAL_COLUMNS if result.rates else ())
+    rows = ["## Step time, throughput, memory", "", "| " + " | ".join(columns) + " |",
+            "|---|" + "---:|" * (len(columns) - 1)]
     for m in result.measurements():
         head = f"| {name.get(m['rung'], m['rung'])} | {format_length(m['seq_len'])} "
         if m.get("outcome") != "ok":
-            rows.append(head + f"| {m.get('outcome')}: {_cell(m.get('error', ''))} |" + " |" * 10)
+            rows.append(head + f"| {m.get('outcome')}: {_cell(m.get('error', ''))} |" + " |" * (len(columns) - 3))
             continue
-        est = m["estimate"]
+        est, ideal = m["estimate"], ideal_cells(m) if result.rates else []
         rows.append(
             head + f"| {m['median_s']:.3f} / {m['min_s']:.3f} | {m['tokens_per_s']:,.0f} | {m['model_tflops']:.3g} "
             f"| {100 * m['mfu']:.1f} % | {m['hardware_tflops']:.3g} | {size(m.get('peak_allocated'))} "
             f"| {size(m.get('peak_reserved'))} | {size(m.get('peak_rss'))} "
             f"| {size(est['device_peak_bytes'])} ({_pct(m.get('estimate_peak_error_pct'))}) "
-            f"| {est['step_seconds']:.3g} s ({_pct(m.get('estimate_time_error_pct'))}) |")
+            f"| {est['step_seconds']:.3g} s ({_pct(m.get('estimate_time_error_pct'))}) |"
+            + "".join(f" {cell} |" for cell in ideal))
     cuda = bool(result.fingerprint["gpus"])
     rows += ["", "Peak allocated: " + ("`torch.cuda.max_memory_allocated` (reserved: `max_memory_reserved`)" if cuda
              else "the trial process's peak RSS less its RSS before the model was built (no device on CPU)")
-             + "; MFU against the device's bf16 dense peak (docs/bench.md has the FLOP count).", ""]
-    return rows
+             + "; MFU against the device's bf16 dense peak (docs/bench.md has the FLOP count)."]
+    if result.rates:
+        rows += ["", "Ideal step: the step's hardware matmul FLOPs at the measured GEMM rate and its attention FLOPs "
+                 "at the attention rates measured at the nearest length, recompute included, nothing else counted "
+                 "(docs/bench.md); × ideal: the median step over it."]
+    return rows + [""]
+
+
+def ideal_cells(m: dict[str, Any]) -> list[str]:
+    """The ideal step and the measured median in its multiples (IDEAL_COLUMNS), "—" where there is none (a failed
+    trial, rates without both kinds of kernel)."""
+    if m.get("ideal_s") is None:
+        return ["—", "—"]
+    return [f"{m['ideal_s']:.3g}", f"{m['vs_ideal']:.2f}"]
 
 
 def search_table(result) -> list[str]:

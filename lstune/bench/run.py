@@ -192,7 +192,7 @@ class _Session:
         job = Job(next(self.ids), kind, rung, values, lengths=list(lengths), **job_fields)
         self.observer.started(job)
         record = self.runner.run(job)
-        record.update(derive(record))
+        record.update(derive(record, self.result.rates))
         self.result.trials.append(record)
         self.observer.finished(job, record)
         return record

@@ -119,7 +119,7 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     record: dict[str, Any] = {"world_size": runtime.world_size, "sp": runtime.sp, "device": str(runtime.device)}
     # A ladder rung runs its `auto` settings unresolved (ALST's tile counts): its estimate must be of that.
     prediction = plan_run(config, runtime, spec.config, resolve_auto=job.rung in TRAIN_AS_IS)
-    record["estimate"] = estimate_summary(prediction, config)
+    record["estimate"] = estimate_summary(prediction, config, spec.config)
     record["hardware"] = prediction.hardware.to_dict()
     try:
         loader = _loader(config, runtime, spec)  # before the baseline: --data's tokenizer and samples aren't the step's
@@ -263,17 +263,26 @@ def failure(exc: BaseException) -> dict[str, Any]:
     return record
 
 
-def estimate_summary(prediction, config) -> dict[str, Any]:
+def estimate_summary(prediction, config, model_config) -> dict[str, Any]:
     """The estimate's numbers for one optimizer step (each rank processes grad_accum × SP micro-batches, each
-    one sample's FLOPs shared by the SP group)."""
+    one sample's FLOPs shared by the SP group). The hardware FLOPs come split by the kernel that runs them — dense
+    matmuls, attention forwards (recompute included), attention backward — so that the ideal step can time each
+    part at its own measured rate (lstune.bench.metrics)."""
+    from lstune.estimate.flops import attention_split
+
     per_step = config.optim.grad_accum * prediction.sp
     flops = prediction.flops
     samples = config.optim.grad_accum * prediction.hardware.world_size  # FLOPs' one micro-batch per rank
+    attention_forward, attention_backward = attention_split(flops, model_config, config.data.seq_len)
     return {
         "device_peak_bytes": prediction.device_peak_bytes, "host_peak_bytes": prediction.host_peak_bytes,
         "step_seconds": prediction.step_seconds * per_step, "fits": prediction.fits,
         "engine": prediction.engine.describe(), "longest_seq_len": prediction.longest_seq_len,
         "model_flops": flops.model * samples, "hardware_flops": flops.hardware * samples,
+        "hardware_matmul_flops": flops.hardware_matmul * samples,
+        "hardware_attention_flops": flops.hardware_attention * samples,
+        "hardware_attention_forward_flops": attention_forward * samples,
+        "hardware_attention_backward_flops": attention_backward * samples,
         "peak_tflops": prediction.hardware.device.peak_tflops, "device_capacity": prediction.device_capacity,
     }
 

@@ -128,13 +128,14 @@ def outcome_text(record: dict[str, Any]) -> str:
 def render_summary(result) -> None:
     from rich.table import Table
 
-    from lstune.bench.report import size
+    from lstune.bench.report import ideal_cells, size
     from lstune.cli.render import console
     from lstune.config.parse import format_length
 
     con, names = console(), {r["name"]: r["label"] for r in result.rungs}
     table = Table(title="measured", title_justify="left")
-    for column in ("configuration", "tokens", "step (median)", "tokens/s", "MFU", "peak", "estimate (error)"):
+    extra = ("ideal step", "× ideal") if result.rates else ()
+    for column in ("configuration", "tokens", "step (median)", "tokens/s", "MFU", "peak", "estimate (error)", *extra):
         table.add_column(column, justify="left" if column == "configuration" else "right")
     for m in result.measurements():
         row = [names.get(m["rung"], m["rung"]), format_length(m["seq_len"])]
@@ -143,8 +144,9 @@ def render_summary(result) -> None:
             row += [f"{m['median_s']:.3f} s", f"{m['tokens_per_s']:,.0f}", f"{100 * m['mfu']:.1f} %",
                     size(m.get("peak_allocated")),
                     f"{size(m['estimate']['device_peak_bytes'])} ({'-' if err is None else f'{err:+.0f} %'})"]
+            row += ideal_cells(m) if extra else []
         else:
-            row += [m.get("outcome", "?"), "", "", "", ""]
+            row += [m.get("outcome", "?"), "", "", "", ""] + ["", ""] * bool(extra)
         table.add_row(*row)
     con.print(table)
     if result.searches:

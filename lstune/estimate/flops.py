@@ -52,7 +52,7 @@ def step_flops(
     s = seq_len
     layer_fwd = 2 * shape.layer_matmul_params() * s * shape.layers
     head_fwd = 2 * shape.hidden * shape.vocab * s
-    attention_fwd = 4 * shape.head_dim * shape.heads * shape.attention_pairs(s)
+    attention_fwd = _attention_forward(shape, s)
     adapter_fwd = 2 * lora_r * _adapter_widths(shape) * s * shape.layers if lora else 0
     base_backward = 1 if lora else 2
     matmul_model = (layer_fwd + head_fwd) * (1 + base_backward) + 3 * adapter_fwd
@@ -76,6 +76,23 @@ def step_flops(
     matmul_hw = matmul_model + recompute
     return StepFlops(float(model), float(matmul_hw + attention_hw), float(matmul_hw), float(attention_hw), s,
                      float(extra))
+
+
+def attention_split(flops: StepFlops, model_config: Any, seq_len: int) -> tuple[float, float]:
+    """(forward-kind, backward) parts of `flops.hardware_attention`, so that each can be timed at its own kernel's
+    rate (lstune.bench's ideal step). step_flops counts attention in forwards A of one sequence: the forward, the
+    kernel's backward (ATTENTION_BACKWARD_KERNEL·A), checkpointing's second forward, the placement's share of one
+    more; all but the backward run the forward kernel. `flops` holds `flops.tokens / seq_len` sequences (the
+    estimate scales it by the micro-batch)."""
+    sequences = flops.tokens / seq_len
+    backward = ATTENTION_BACKWARD_KERNEL * _attention_forward(ModelShape.from_config(model_config), seq_len) * sequences
+    return flops.hardware_attention - backward, backward
+
+
+def _attention_forward(shape: ModelShape, seq_len: int) -> int:
+    """One forward of causal attention over one sequence, all layers: QKᵀ and PV, 2·head_dim FLOPs each per
+    (query, key) pair and head."""
+    return 4 * shape.head_dim * shape.heads * shape.attention_pairs(seq_len)
 
 
 def _adapter_widths(shape: ModelShape) -> int:

@@ -9,6 +9,7 @@ from lstune.bench.trial import estimate_summary
 from lstune.config.schema import TrainConfig
 from lstune.estimate import estimate
 from lstune.estimate.hardware import resolve_hardware
+from lstune.models.presets import preset_config
 
 GiB = 2**30
 
@@ -16,6 +17,12 @@ GiB = 2**30
 def _hand_count(s: int, r: int) -> tuple[float, float]:
     """(model FLOPs, hardware FLOPs) of one LoRA step of tiny-llama (hidden 128, 4 q / 2 kv heads of 32,
     intermediate 352, vocab 320, 4 layers) over s tokens: checkpointing, tiled MLP and tiled loss on."""
+    model, hardware, _ = _hand_count_with_attention(s, r)
+    return model, hardware
+
+
+def _hand_count_with_attention(s: int, r: int) -> tuple[float, float, float]:
+    """`_hand_count` and the FLOPs of one forward of attention over the s tokens, all layers."""
     h, layers = 128, 4
     layer_fwd = 2 * (h * 128 + 2 * h * 64 + 128 * h + 3 * h * 352) * s * layers  # q, k, v, o, gate/up/down
     head_fwd = 2 * h * 320 * s
@@ -25,16 +32,20 @@ def _hand_count(s: int, r: int) -> tuple[float, float]:
     model = 2 * (layer_fwd + head_fwd) + 3 * adapters + 3 * attention_fwd
     recompute = layer_fwd + adapters + 2 * 3 * h * 352 * s * layers + head_fwd  # checkpoint, MLP tiles, loss tiles
     hardware = 2 * (layer_fwd + head_fwd) + 3 * adapters + recompute + (1 + 2.5 + 1) * attention_fwd
-    return model, hardware
+    return model, hardware, attention_fwd
 
 
 def test_mfu_and_tflops_follow_the_hand_count():
     # Tiles given as counts: `auto` lets the estimate leave so small a model untiled (nothing to recompute).
     config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "lora_r": 8, "tiled_mlp": 2, "tiled_loss": 2})
     hardware = resolve_hardware(gpu="h100-80gb", host_mem=64 * GiB)
-    est = estimate_summary(estimate(config, hardware, suggest=False), config)
-    model, hw = _hand_count(64, 8)
+    est = estimate_summary(estimate(config, hardware, suggest=False), config, preset_config("tiny-llama"))
+    model, hw, attention = _hand_count_with_attention(64, 8)
     assert est["model_flops"] == model and est["hardware_flops"] == hw
+    # By kernel: attention's forward and checkpointing's second one, its backward (2.5 forwards), matmuls the rest.
+    assert est["hardware_attention_forward_flops"] == 2 * attention
+    assert est["hardware_attention_backward_flops"] == 2.5 * attention
+    assert est["hardware_attention_flops"] == 4.5 * attention and est["hardware_matmul_flops"] == hw - 4.5 * attention
     record = {"outcome": "ok", "median_s": 0.002, "world_size": 1, "tokens_per_step": 64, "estimate": est,
               "peak_allocated": est["device_peak_bytes"] // 2}
     figures = derive(record)
@@ -49,11 +60,23 @@ def test_a_step_on_several_devices_counts_each_devices_share():
     config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "grad_accum": 2})
     hardware = resolve_hardware(gpu="h100-80gb", host_mem=64 * GiB, gpus=2)
     prediction = estimate(config, hardware, suggest=False)
-    est = estimate_summary(prediction, config)
+    est = estimate_summary(prediction, config, preset_config("tiny-llama"))
     # Each of the 2 ranks runs 2 micro-batches of one sample: 4 samples' FLOPs per step (SP 1 here: 2 heads of kv).
     assert est["model_flops"] == 4 * prediction.flops.model
     record = {"outcome": "ok", "median_s": 1.0, "world_size": 2, "tokens_per_step": 4 * 64, "estimate": est}
     assert derive(record)["model_tflops"] == pytest.approx(2 * prediction.flops.model / 1e12)
+
+
+def test_the_attention_split_counts_every_sequence_of_a_micro_batch():
+    """The estimate scales a micro-batch's FLOPs by its sequences: the backward part scales with them (4 sequences
+    per step here: micro-batch 2 × grad-accum 2), checkpointing off (one forward, no recompute)."""
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "micro_batch_size": 2, "grad_accum": 2,
+                                    "checkpointing": False})
+    hardware = resolve_hardware(gpu="h100-80gb", host_mem=64 * GiB)
+    est = estimate_summary(estimate(config, hardware, suggest=False), config, preset_config("tiny-llama"))
+    attention = 4 * 4 * 32 * 4 * (64 * 65 // 2)  # layers × 4·head_dim·heads × causal pairs
+    assert est["hardware_attention_forward_flops"] == 4 * attention
+    assert est["hardware_attention_backward_flops"] == 4 * 2.5 * attention
 
 
 def test_failed_trials_have_no_figures_and_errors_need_a_measurement():
