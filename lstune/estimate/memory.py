@@ -8,7 +8,12 @@ Static terms are bytes per parameter, by where the run keeps them (lstune.train.
 - DeepSpeed ZeRO (bf16 mode on CUDA): every weight bf16 (2 B), fp32 gradient (4 B) and fp32 master + m + v
   (12 B) per trainable parameter; stage 1 shards the 12 B over the ranks, stage 2 also the gradient, stage 3
   also the weights (and gathers one layer at a time, with one more prefetched); `offload_optimizer` moves the
-  gradient and the 12 B to the host, `offload_params` the weight shards too.
+  gradient and the 12 B to the host, `offload_params` the weight shards too. ZeRO-3's host buffers as DeepSpeed
+  0.19 makes them (stage3.py): the fp32 gradient twice — the flat buffer partitions accumulate into and one per
+  optimizer sub-group that CPU Adam reads (`zero3_host_gradient_bytes`) — and the weights in one flat buffer per
+  parameter group; on CUDA all three are pinned, each rounded up to a power of two by torch's caching host
+  allocator. Measured on an H200 (docs/benchmarks/2026-11-26-h200): Llama-3.2-3B full fine-tune, host RSS
+  74.6 GiB at the step; this model says 74.9 GiB (the 18 B per parameter of before said 55.9 GiB).
 
 Activation terms are bytes per token of the rank's local sequence (seq_len / SP), in the run's dtypes: `act`
 = 2 in a bf16 run (4 in fp32), `res` = the residual stream's bytes (the dtype of the weights). Under
@@ -48,6 +53,7 @@ HOST_PROCESS_BYTES = 2 * GIB  # one training process's own memory (python, torch
 LOSS_TILE_BYTES = 2**30  # lstune.memory.loss.LOSS_TILE_BYTES: ALST's ~1 GiB of fp32 logits per tile
 ADAM_BYTES = 8  # two fp32 moments
 DS_GRAD_BYTES, DS_OPTIM_BYTES = 4, 12  # DeepSpeed bf16 mode: fp32 gradient; fp32 master + m + v
+DS_SUB_GROUP_ELEMENTS = 10**9  # DeepSpeed's default zero_optimization.sub_group_size, which lstune keeps
 
 
 @dataclass(frozen=True)
@@ -210,20 +216,47 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
     wb = d["trainable"]
     weights = p.total * wb
     shard = 3 if e.zero_stage == 3 else 0
+    pinned = s.on_cuda  # lstune.parallel.engine_ds pins DeepSpeed's host buffers on CUDA only
     if shard:
         gathered = 2 * p.largest_layer * wb  # the layer running and the one prefetched
         on_host = e.offload_params
-        b.add("parameters (ZeRO-3 shard)", (0 if on_host else weights // world) + gathered,
-              weights // world if on_host else 0, f"{p.total:,} × {_dt(wb)} / {world} ranks + 2 gathered layers")
+        # The trainable shards in one flat buffer (pinned: rounded up); the frozen ones stay per tensor (not rounded
+        # here: their sizes are not known to the estimate).
+        host = pinned_bytes(p.trainable * wb // world, pinned) + p.frozen * wb // world if on_host else 0
+        b.add("parameters (ZeRO-3 shard)", (0 if on_host else weights // world) + gathered, host,
+              f"{p.total:,} × {_dt(wb)} / {world} ranks + 2 gathered layers"
+              + ("; on the host in a pinned flat buffer (a power of two)" if on_host and pinned else ""))
     else:
         b.add("parameters", weights, detail=f"{p.total:,} × {_dt(wb)} (frozen {p.frozen:,}, trainable {p.trainable:,})")
     grads = p.trainable * DS_GRAD_BYTES // (world if e.zero_stage >= 2 else 1)
     optim = p.trainable * DS_OPTIM_BYTES // world
     where = "host" if e.offload_optimizer else "device"
-    b.add("gradients", 0 if e.offload_optimizer else grads, grads if e.offload_optimizer else 0,
-          f"fp32, {'sharded' if e.zero_stage >= 2 else 'replicated'}, on the {where}")
+    if e.offload_optimizer and shard:
+        b.add("gradients", 0, zero3_host_gradient_bytes(p.trainable // world, pinned),
+              "fp32, sharded, on the host twice: the flat buffer and one per optimizer sub-group"
+              + (" (pinned: each a power of two)" if pinned else ""))
+    else:
+        b.add("gradients", 0 if e.offload_optimizer else grads, grads if e.offload_optimizer else 0,
+              f"fp32, {'sharded' if e.zero_stage >= 2 else 'replicated'}, on the {where}")
     b.add("optimizer state", 0 if e.offload_optimizer else optim, optim if e.offload_optimizer else 0,
           f"fp32 master + m + v / {world} ranks, on the {where}")
+
+
+def pinned_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes one allocation of `nbytes` takes: pinned ones rounded up to a power of two by torch's caching host
+    allocator (`CachingHostAllocator`: `PowerOf2Ceil`), others exact."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+
+
+def zero3_host_gradient_bytes(numel: int, pinned: bool) -> int:
+    """ZeRO-3's fp32 gradients of `numel` parameters (one rank's shard) under optimizer offload (DeepSpeed 0.19,
+    stage3.py): the flat buffer the partitions accumulate into, and one buffer per optimizer sub-group (its
+    parameters up to sub_group_size elements) that CPU Adam reads — 8 B per parameter, each buffer rounded up to a
+    power of two when pinned. Sub-groups end at the parameter that reaches the size, so they run a few parameters
+    over it; counted as exactly the size (under 0.5 % off for Llama-3.1-8B's 291 tensors)."""
+    full, rest = divmod(numel, DS_SUB_GROUP_ELEMENTS)
+    groups = [DS_SUB_GROUP_ELEMENTS] * full + ([rest] if rest else [])
+    return pinned_bytes(DS_GRAD_BYTES * numel, pinned) + sum(pinned_bytes(DS_GRAD_BYTES * n, pinned) for n in groups)
 
 
 def _frozen(b: Breakdown, p: ParamCounts, s: Settings, nbytes: int) -> None:

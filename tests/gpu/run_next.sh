@@ -69,7 +69,8 @@ phase qwen3-recipe-128k 320 bash -c "python3 -m lstune train --config recipes/qw
   > $RES/qwen3-128k.log 2>&1; cp /tmp/qwen3-128k/metrics.jsonl $RES/qwen3-128k-metrics.jsonl"
 
 # 7. Issue 10: DeepSpeed ZeRO-3 with parameter and optimizer offload, one step of a full fine-tune at 16K. The
-#    estimate predicts Llama-3.1-8B needs 136.6 GiB of host (fp32 master + Adam 89.7 GiB): more than 125 GiB, so
+#    estimate predicts Llama-3.1-8B needs 171.9 GiB of host (fp32 master + Adam 89.7 GiB, gradients twice): more
+#    than 125 GiB, so
 #    lstune should refuse it quickly; then Llama-3.2-3B (same engine, fits) gives the engine's step time.
 #    DeepSpeed JIT-compiles its CPU Adam on the first use (~60 s); the final save of the 3B model is ~6 GB.
 phase deepspeed-offload 120 bash -c "for m in llama-3.1-8b llama-3.2-3b; do python3 -m lstune train --model \$m \

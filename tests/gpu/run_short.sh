@@ -29,7 +29,8 @@ phase gpu-tests-rest 150 bash -c "python3 -m pytest -q -rs tests/gpu --ignore=te
   --ignore=tests/gpu/test_memory_cuda.py > $RES/gpu-tests-rest.log 2>&1"
 
 # 5. Issue 10: DeepSpeed ZeRO-3 with parameter and optimizer offload, one full fine-tune step at 16K: 8B is refused
-#    for host memory (predicted 136.6 GiB > 125 GiB) in seconds, then Llama-3.2-3B gives the step time (6.33 s on
+#    for host memory (predicted 171.9 GiB > 125 GiB; 136.6 GiB before the 2026-11-26 model of ZeRO-3's host
+#    buffers) in seconds, then Llama-3.2-3B gives the step time (6.33 s on
 #    2026-11-26, when 150 s cut the final save: the time stamps in the log say how long it takes).
 phase deepspeed-offload 240 bash -c "for m in llama-3.1-8b llama-3.2-3b; do python3 -m lstune train --model \$m \
   --lora-r 0 --zero-stage 3 --offload-optimizer --offload-params --data builtin:passkey --seq-len 16k \

@@ -96,6 +96,30 @@ def test_full_fine_tune_of_8b_on_one_gpu_needs_zero3_with_offload():
     assert e.fits
 
 
+def test_zero3_host_gradients_are_two_fp32_buffers_each_a_power_of_two_when_pinned():
+    """DeepSpeed 0.19's ZeRO-3 under optimizer offload keeps the fp32 gradient twice on the host: the flat buffer and
+    one per optimizer sub-group of 1e9 elements; pinned (on CUDA) each is rounded up to a power of two."""
+    from lstune.estimate.memory import pinned_bytes, zero3_host_gradient_bytes
+
+    n = 3_212_749_824  # Llama-3.2-3B: sub-groups of 1e9, 1e9, 1e9 and 212,749,824 elements
+    assert zero3_host_gradient_bytes(n, pinned=False) == 8 * n
+    assert zero3_host_gradient_bytes(n, pinned=True) == (16 + 3 * 4 + 1) * GiB
+    assert zero3_host_gradient_bytes(10**8, pinned=True) == 2 * 512 * 2**20  # one sub-group: the same size twice
+    assert pinned_bytes(2**30, True) == 2**30 and pinned_bytes(2**30 + 1, True) == 2**31
+    assert pinned_bytes(2**30 + 1, False) == 2**30 + 1 and pinned_bytes(0, True) == 0
+
+
+def test_zero3_offload_host_peak_matches_the_h200_measurement():
+    """docs/benchmarks/2026-11-26-h200: Llama-3.2-3B full fine-tune, ZeRO-3 with optimizer and parameter offload,
+    16K tokens, one H200: host RSS 80,104,931,328 B at the step, device peak 29,513,342,464 B. The byte model of
+    before (18 B per parameter) said 55.9 GiB of host: 25 % short."""
+    hw = resolve_hardware(gpu="h200", host_mem=int(125.9 * GiB))
+    e = estimate(_config(model="llama-3.2-3b", seq_len=16384, lora_r=0, zero_stage="3", offload_optimizer=True,
+                         offload_params=True), hw)
+    assert e.host_peak_bytes == pytest.approx(80_104_931_328, rel=0.02)
+    assert e.device_peak_bytes == pytest.approx(29_513_342_464, rel=0.05)
+
+
 def test_70b_lora_on_8_gpus_shards_the_bf16_base():
     """The old rule counted trainable weights only (ZeRO-1, '1.5 GB per device'); the base is 141 GB."""
     hw = resolve_hardware(gpu="h100-80gb", gpus=8, host_mem=1024 * GiB)
