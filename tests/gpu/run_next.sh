@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The third GPU run (issues 14 and 10's leftovers), most valuable first, every phase under its own limit; the
-# limits add up to 1500 s = 25 min, and each phase appends its records to $RES/bench.jsonl as they come, so a run
-# cut short keeps every finished one (limits: 150 + 120 + 400 + 240 + 150 + 320 + 120 = 1500 s). Start it
+# limits add up to 1620 s = 27 min, and each phase appends its records to $RES/bench.jsonl as they come, so a run
+# cut short keeps every finished one (limits: 150 + 120 + 400 + 240 + 150 + 320 + 240 = 1620 s). Start it
 # detached and poll (docs/benchmarks/README.md, "Running run_next.sh with the run tool"):
 #   RESULTS_DIR=$OUT; source .whl/prelude.sh && mkdir -p /tmp/res && cp $OUT/fingerprint.txt /tmp/res/ && \
 #     (RES=/tmp/res setsid nohup bash tests/gpu/run_next.sh > /tmp/run_next.log 2>&1 < /dev/null &); sleep 20
@@ -12,21 +12,12 @@
 # length squared; model build + imports ~30-40 s per process.
 set -u
 . "$(dirname "$0")/phase.sh"
-L8="--preset llama-3.1-8b --lora-r 16"
+. "$(dirname "$0")/phases.sh"
 
-# 1. Issue 14 (c): the chunked-attention and memory CUDA tests (13 tests on tiny/mid-size models; the 15 of
-#    2026-11-23 took 101 s in all).
-phase gpu-tests-chunks 150 bash -c "python3 -m pytest -q -rs tests/gpu/test_attention_chunks_cuda.py \
-  tests/gpu/test_memory_cuda.py > $RES/gpu-tests-chunks.log 2>&1"
+gpu_tests_chunks
+chunks_128k
 
-# 2. Issue 14 (a): chunked vs unchunked step time at 128K in steady state, on 2 layers (per-layer cost is what
-#    chunking changes; the head is the same). Each setting: a warm-up step at 128K (pins the host buffers), then
-#    2 timed steps: 3 × ~4 s = 12 s, chunked a few % more; 3 settings + build ≈ 80 s. Target: ≤ 1.10 × `off`
-#    (the estimate predicts +3.6 % for 4 chunks with offloaded checkpoints); the record's `vs_off` is the ratio.
-phase chunks-128k-2layers 120 $B chunks --out "$OUT" $L8 --layers 2 --rung mini_seq --seq 128k \
-  --chunks off,4,8 --steps 2
-
-# 3. Issue 14 (b): the longest 32-layer sequence with chunked attention + offload + MEMO placement on a 125 GiB
+# Issue 14 (b): the longest 32-layer sequence with chunked attention + offload + MEMO placement on a 125 GiB
 #    host (this machine's RAM), through 2 layers carrying the other 30 layers' weights/adapter state AND the
 #    deep placement's checkpoint bytes on the device and (pinned) on the host — tests/gpu/bench_ladder.py
 #    cmd_maxlen's doc says what that emulation does and does not model. lstune.estimate's plan for it
@@ -49,32 +40,14 @@ phase chunks-128k-2layers 120 $B chunks --out "$OUT" $L8 --layers 2 --rung mini_
 phase maxlen-chunks-emulated 400 $B maxlen --out "$OUT" $L8 --rung mini_seq --layers 2 --as-layers 32 \
   --attn-chunks auto --emulate-host 125G --start 832k --len-step 64k --max-tries 2 --max-len 1024k
 
-# 4. Issue 10: a steady-state full-depth step at 128K with lstune's defaults, i.e. what `lstune train` resolves
-#    at 128K on an H100 (`lstune estimate`: tiled MLP 4, tiled loss auto, no offload, no chunks; predicted peak
-#    67.6 GiB): `lstune bench --rungs lstune`: one untimed warm-up step at 128K (bench's default --warmup 1,
-#    ~60-75 s) then one timed steady-state step (~56 s), build + imports ~40 s ≈ 170 s; the record also carries
-#    the estimate's predicted peak (issue 10's 5 % check). Target ≤ 1.2 × ideal (45.0 s, recompute counted:
-#    ≤ 54 s).
-phase full-depth-128k 240 python3 -m lstune bench --model llama-3.1-8b --lora-r 16 --rungs lstune --seq-len 128k \
-  --lengths 128k --steps 1 --trial-timeout 230 --output-dir "$RES/full-depth-128k"
+full_depth_128k
+gpu_tests_rest
 
-# 5. Issue 10: the rest of tests/gpu (the 15 + new tests of 2026-11-23 took ~110 s).
-phase gpu-tests-rest 150 bash -c "python3 -m pytest -q -rs tests/gpu --ignore=tests/gpu/test_attention_chunks_cuda.py \
-  --ignore=tests/gpu/test_memory_cuda.py > $RES/gpu-tests-rest.log 2>&1"
-
-# 6. Issue 10: the Qwen3-8B recipe at its 128K, 3 steps through the CLI (36 layers: ~85 s a step in steady
+# Issue 10: the Qwen3-8B recipe at its 128K, 3 steps through the CLI (36 layers: ~85 s a step in steady
 #    state, ~100 s for the first (it pins the offload buffers), + random init, self-check, imports ≈ 5.3 min).
 phase qwen3-recipe-128k 320 bash -c "python3 -m lstune train --config recipes/qwen3-8b/128k-1xh100.yaml \
   --model qwen3-8b --data builtin:passkey --max-steps 3 --save-every 3 --output-dir /tmp/qwen3-128k \
   > $RES/qwen3-128k.log 2>&1; cp /tmp/qwen3-128k/metrics.jsonl $RES/qwen3-128k-metrics.jsonl"
 
-# 7. Issue 10: DeepSpeed ZeRO-3 with parameter and optimizer offload, one step of a full fine-tune at 16K. The
-#    estimate predicts Llama-3.1-8B needs 171.9 GiB of host (fp32 master + Adam 89.7 GiB, gradients twice): more
-#    than 125 GiB, so
-#    lstune should refuse it quickly; then Llama-3.2-3B (same engine, fits) gives the engine's step time.
-#    DeepSpeed JIT-compiles its CPU Adam on the first use (~60 s); the final save of the 3B model is ~6 GB.
-phase deepspeed-offload 120 bash -c "for m in llama-3.1-8b llama-3.2-3b; do python3 -m lstune train --model \$m \
-  --lora-r 0 --zero-stage 3 --offload-optimizer --offload-params --data builtin:passkey --seq-len 16k \
-  --max-steps 1 --output-dir /tmp/ds-\$m > $RES/deepspeed-\$m.log 2>&1 \
-  && cp /tmp/ds-\$m/metrics.jsonl $RES/deepspeed-\$m-metrics.jsonl && break; done"
+deepspeed_offload
 echo "=== $(date +%T) all done" | tee "$RES/DONE"
