@@ -181,9 +181,10 @@ def _cudnn_forward(q, k, v, causal, scale):
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, causal, scale):
-    # No bias, no nested tensors, no dropout (seed and offset unread; int64 on the device, as the forward makes them).
+    # No bias, no nested tensors, no dropout (seed and offset unread; 0-dim int64 on the device, as the forward
+    # makes them).
     lse = lse.reshape(*lse.shape, *[1] * (_CUDNN_LSE_DIMS.get("lse", 3) - 3))
-    seed = torch.zeros(1, dtype=torch.int64, device=q.device)
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         dout, q, k, v, out, lse, seed, seed, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
 

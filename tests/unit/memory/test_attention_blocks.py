@@ -244,6 +244,23 @@ def test_when_the_last_ops_raise_too_the_error_is_raised(monkeypatch):
         blocks.block_forward(FULL, q5, k4, k4, None, 0.25, None)
 
 
+def test_the_cuda_ops_calls_match_their_schemas_on_meta_tensors(monkeypatch):
+    """Without a GPU, the CUDA ops' calls (cuDNN's and flash's, forward and backward, as the block kernel makes them)
+    run on meta tensors: arguments the schemas refuse, or an lse layout the backward does not take, fail here. The
+    cuDNN forward's lse is [B, H, t, 1] in this torch: the wrapper hands [B, H, t] on and restores it for backward."""
+    monkeypatch.setattr(blocks, "_CUDNN_LSE_DIMS", {})
+    q = torch.empty(1, 4, 48, 64, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 4, 32, 64, device="meta", dtype=torch.bfloat16)
+    for ops in blocks.FLASH_OPS["cuda"]:
+        for causal, keys in ((False, k), (True, q)):
+            out, lse = ops.forward(q, keys, keys, causal, 0.125)
+            assert out.shape == q.shape and lse.shape == (1, 4, 48) and lse.dtype == torch.float32, ops.name
+            grads = ops.backward(out, q, keys, keys, out, lse, causal, 0.125)
+            assert [g.shape for g in grads] == [q.shape, keys.shape, keys.shape], ops.name
+    assert blocks._CUDNN_LSE_DIMS == {"lse": 4}
+    assert [ops.name for ops in blocks.FLASH_OPS["cuda"]] == ["cuDNN", "flash"]  # cuDNN first: SDPA's kernel
+
+
 def test_the_probe_passes_the_real_ops_for_each_dtype_and_expanded_gqa(monkeypatch):
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         assert blocks.flash_usable(CPU, dtype, 64)
