@@ -222,7 +222,7 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
         on_host = e.offload_params
         # The trainable shards in one flat buffer (pinned: rounded up); the frozen ones stay per tensor (not rounded
         # here: their sizes are not known to the estimate).
-        host = pinned_bytes(p.trainable * wb // world, pinned) + p.frozen * wb // world if on_host else 0
+        host = _pinned(p.trainable * wb // world, pinned) + p.frozen * wb // world if on_host else 0
         b.add("parameters (ZeRO-3 shard)", (0 if on_host else weights // world) + gathered, host,
               f"{p.total:,} × {_dt(wb)} / {world} ranks + 2 gathered layers"
               + ("; on the host in a pinned flat buffer (a power of two)" if on_host and pinned else ""))
@@ -242,12 +242,6 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
           f"fp32 master + m + v / {world} ranks, on the {where}")
 
 
-def pinned_bytes(nbytes: int, pinned: bool) -> int:
-    """Host bytes one allocation of `nbytes` takes: pinned ones rounded up to a power of two by torch's caching host
-    allocator (`CachingHostAllocator`: `PowerOf2Ceil`), others exact."""
-    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
-
-
 def zero3_host_gradient_bytes(numel: int, pinned: bool) -> int:
     """ZeRO-3's fp32 gradients of `numel` parameters (one rank's shard) under optimizer offload (DeepSpeed 0.19,
     stage3.py): the flat buffer the partitions accumulate into, and one buffer per optimizer sub-group (its
@@ -256,7 +250,14 @@ def zero3_host_gradient_bytes(numel: int, pinned: bool) -> int:
     over it; counted as exactly the size (under 0.5 % off for Llama-3.1-8B's 291 tensors)."""
     full, rest = divmod(numel, DS_SUB_GROUP_ELEMENTS)
     groups = [DS_SUB_GROUP_ELEMENTS] * full + ([rest] if rest else [])
-    return pinned_bytes(DS_GRAD_BYTES * numel, pinned) + sum(pinned_bytes(DS_GRAD_BYTES * n, pinned) for n in groups)
+    return _pinned(DS_GRAD_BYTES * numel, pinned) + sum(_pinned(DS_GRAD_BYTES * n, pinned) for n in groups)
+
+
+def _pinned(nbytes: int, pinned: bool) -> int:
+    """lstune.memory.checkpoint's rounding of a pinned allocation (imported here: that module imports torch)."""
+    from lstune.memory.checkpoint import pinned_bytes
+
+    return pinned_bytes(nbytes, pinned)
 
 
 def _frozen(b: Breakdown, p: ParamCounts, s: Settings, nbytes: int) -> None:

@@ -129,16 +129,18 @@ def host_block_sizes(numel: int, element_size: int) -> list[int]:
     return [min(per_block, numel - start) for start in range(0, numel, per_block)]
 
 
+def pinned_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes one allocation of `nbytes` takes: pinned ones rounded up to a power of two by torch's caching host
+    allocator (`CachingHostAllocator`: `PowerOf2Ceil`), others exact."""
+    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
+
+
 def host_copy_bytes(numel: int, element_size: int, *, pinned: bool) -> int:
     """Host bytes a checkpoint's blocks really take: each pinned block rounded to a power of two, else exact.
     Counted, not listed: the estimate asks this of checkpoints of any size (a terabyte is 16K blocks)."""
     per_block = max(1, HOST_BLOCK_BYTES // element_size)
     full, rest = divmod(numel, per_block)
-
-    def held(nbytes: int) -> int:
-        return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
-
-    return full * held(per_block * element_size) + held(rest * element_size)
+    return full * pinned_bytes(per_block * element_size, pinned) + pinned_bytes(rest * element_size, pinned)
 
 
 class _HostCopy:
