@@ -222,6 +222,46 @@ def _capacity(device: str) -> int:
     return free + torch.cuda.memory_reserved()
 
 
+def allocator_fraction(emulated_total: int, total: int, context: int) -> float | None:
+    """Fraction of this device's `total` bytes the caching allocator may hold so that, with this process's CUDA
+    context of `context` bytes outside it, the device stands for one of `emulated_total` bytes (an H100 80 GB on
+    an H200: its context takes the same share there). None when this device is no bigger."""
+    if emulated_total >= total:
+        return None
+    return (emulated_total - context) / total
+
+
+def cap_device(gpu: str, device: str) -> dict[str, Any] | None:
+    """Cap the allocator at what `gpu` (a lstune.estimate.hardware name) would leave it, and check the cap holds
+    (one allocation just above it must fail, expandable segments included): a run on a bigger card then finds
+    the smaller card's limits. None on CPU or when this card is no bigger."""
+    if not device.startswith("cuda"):
+        return None
+    from lstune.estimate.hardware import GPUS
+
+    torch.cuda.init()
+    free, total = torch.cuda.mem_get_info()
+    context = total - free - torch.cuda.memory_reserved()
+    fraction = allocator_fraction(GPUS[gpu].device_bytes, total, context)
+    if fraction is None:
+        return None
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    allowed = int(fraction * total)
+    try:
+        probe = torch.empty(allowed + GiB, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        enforced = True
+    else:
+        del probe
+        enforced = False
+    torch.cuda.empty_cache()
+    record = {"kind": "device_cap", "gpu": gpu, "total": total, "context": context, "fraction": fraction,
+              "allocator_cap": allowed, "enforced": enforced}
+    if not enforced:
+        raise SystemExit(f"cap_device: an allocation above the {allowed} B cap succeeded; the emulation is void")
+    return record
+
+
 def _reset_peaks(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -287,11 +327,15 @@ def cmd_maxlen(args) -> None:
     from 32 layers' interleaved allocations, page-cache or other host users the estimate does not see, and any
     host memory the deep model would need that the planner leaves out. Its boundary is therefore the deep
     model's if and only if the planner's byte model of placed checkpoints is right — which a full-depth step
-    at the found length (17-40 min) would confirm."""
-    model = build(args.preset, args.layers, args.lora_r, args.device)
-    memory = {"attn_chunks": _chunks_arg(args.attn_chunks)} if args.attn_chunks else None
+    at the found length (17-40 min) would confirm. On a card bigger than `--emulate-gpu` (an H200 standing for
+    an H100 80 GB) the allocator is capped to what that card would leave it (`cap_device`), checked first."""
     if args.emulate_host and not args.as_layers:
         raise SystemExit("maxlen: --emulate-host needs --as-layers (the deep model it stands for)")
+    cap = cap_device(args.emulate_gpu, args.device) if args.emulate_host else None
+    if cap:
+        emit(args.out, cap)
+    model = build(args.preset, args.layers, args.lora_r, args.device)
+    memory = {"attn_chunks": _chunks_arg(args.attn_chunks)} if args.attn_chunks else None
 
     def trial(length: int) -> dict:
         if args.emulate_host:
@@ -575,7 +619,8 @@ def main(argv: list[str] | None = None) -> None:
     maxlen.add_argument("--max-tries", type=int, default=4)
     maxlen.add_argument("--attn-chunks", help="off|auto|N over the rung's setting (lstune's chunked attention)")
     maxlen.add_argument("--emulate-host", help="host RAM of the deep run to emulate, e.g. 128G (cmd_maxlen's doc)")
-    maxlen.add_argument("--emulate-gpu", default="h100-80gb", help="the deep run's GPU for its estimate")
+    maxlen.add_argument("--emulate-gpu", default="h100-80gb",
+                        help="the deep run's GPU: its estimate, and (with --emulate-host) the allocator capped to it")
     chunks = sub.choices["chunks"]
     chunks.add_argument("--rung", choices=list(RUNGS), default="mini_seq")
     chunks.add_argument("--seq", default="128k")

@@ -3,6 +3,8 @@ the ballast it allocates is the deep plan's checkpoint bytes less the shallow ru
 
 from __future__ import annotations
 
+import pytest
+
 from lstune.memory.placement import CheckpointPlacement
 from tests.gpu.bench_ladder import deep_plan, emulation_ballast
 
@@ -31,3 +33,13 @@ def test_llama_8b_at_768k_on_a_125_gib_host_matches_the_run_script():
     assert plan["attn_chunks"] == 8 and plan["fits"]
     assert len(plan["placement"].recomputed) == 17
     assert (round(device / GIB, 1), round(host / GIB, 1)) == (12.0, 78.0)
+
+
+def test_an_h200_stands_for_an_h100_with_the_same_cuda_context():
+    from tests.gpu.bench_ladder import allocator_fraction
+
+    h100, h200, context = 85_017_493_504, 150_109_880_320, 536_870_912
+    fraction = allocator_fraction(h100, h200, context)
+    assert fraction * h200 + context == pytest.approx(h100)  # what the H100's allocator could have, no more
+    assert allocator_fraction(h100, h100, context) is None  # the same card: nothing to cap
+    assert allocator_fraction(h100, 40 * GIB, context) is None  # a smaller one cannot stand for it
