@@ -19,7 +19,8 @@ from typing import Any, Protocol
 from lstune.bench.options import BenchOptions
 from lstune.bench.rungs import Rung, rung_config, same_as, select_rungs
 from lstune.config.schema import TrainConfig
-from lstune.errors import ConfigError
+from lstune.errors import ConfigError, UserError
+from lstune.train.signals import Terminated
 
 CPU_DEFAULT_CAP = 0.8  # of this machine's RAM: a CPU search stops there rather than at the kernel's OOM killer
 CURVE_POINTS = 24
@@ -107,7 +108,6 @@ def output_dir(options: BenchOptions, config: TrainConfig) -> Path:
 def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, observer: Observer | None = None,
               fingerprint: dict[str, Any] | None = None) -> BenchResult:
     from lstune.bench.fingerprint import fingerprint as read_fingerprint
-    from lstune.bench.report import write_outputs
     from lstune.bench.runner import Limits, TrialRunner
 
     rungs = plan(config, options)
@@ -122,17 +122,38 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
     result = BenchResult(command, folder, fp, _options_view(options, limits),
                          [{"name": r.name, "label": r.label, "config": configs[r.name].to_dict()} for r in rungs])
     session = _Session(runner, observer, result)
-    if options.rates:
-        result.rates = session.run("rates", "rates", config).get("rates")
-    for rung in rungs:
-        _measure_rung(session, rung, configs[rung.name], options, config)
-    for rung in rungs:
-        curve = session.run("estimates", rung.name, configs[rung.name], lengths=_curve_lengths(result, rung.name))
-        result.estimates[rung.name] = curve.get("points", [])
+    try:
+        if options.rates:
+            result.rates = session.run("rates", "rates", config).get("rates")
+        for rung in rungs:
+            _measure_rung(session, rung, configs[rung.name], options, config)
+        for rung in rungs:
+            curve = session.run("estimates", rung.name, configs[rung.name], lengths=_curve_lengths(result, rung.name))
+            result.estimates[rung.name] = curve.get("points", [])
+    except (Terminated, KeyboardInterrupt) as exc:  # a bench stopped part-way keeps what it measured
+        what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
+        result.notes.append(f"Interrupted ({what}) during trial {len(result.trials) + 1}: only the trials before it "
+                            "are here.")
+        _finish(result, config, rungs, folder, started)
+        raise BenchInterrupted(f"{what} received: bench stopped; its {len(result.trials)} finished trial(s) are in "
+                               f"{folder / 'bench.json'} and bench.md.") from None
+    _finish(result, config, rungs, folder, started)
+    return result
+
+
+class BenchInterrupted(UserError):
+    """SIGTERM or Ctrl-C during a bench, after its finished trials were written: exit 130, like an interrupted
+    training run."""
+
+    exit_code = 130
+
+
+def _finish(result: BenchResult, config: TrainConfig, rungs: list[Rung], folder: Path, started: float) -> None:
+    from lstune.bench.report import write_outputs
+
     result.notes += _notes(config, rungs)
     result.seconds = time.monotonic() - started
     result.files = write_outputs(result, folder)
-    return result
 
 
 def _check_gpu_count(config: TrainConfig, fp: dict[str, Any]) -> None:

@@ -55,7 +55,11 @@ class TrialRunner:
         result_path.unlink(missing_ok=True)
         start = time.monotonic()
         process = self._start(job, result_path, log_path)
-        stopped, peak_rss = self._watch(process, job, start)
+        try:
+            stopped, peak_rss = self._watch(process, job, start)
+        except BaseException:  # SIGTERM or Ctrl-C to the bench: its trial goes with it, not left holding the GPU
+            process.kill()
+            raise
         record = _read(result_path)
         if stopped is not None:
             record = {**record, **stopped}

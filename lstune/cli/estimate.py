@@ -142,7 +142,8 @@ def _render(e) -> None:
     con, hw, b = console(), e.hardware, e.breakdown
     dp = hw.world_size // e.sp
     con.print(f"[bold]{e.model}[/bold] at {format_length(e.seq_len)} tokens: SP {e.sp} × DP {dp} on "
-              f"{hw.nodes} × {hw.gpus} {hw.device.name} ({hw.source}); host {human_bytes(hw.host_bytes)} per node")
+              f"{hw.nodes} × {hw.gpus} {hw.device.name} ({hw.source}); host {human_bytes(hw.host_bytes)} per node, "
+              f"{human_bytes(e.host_capacity)} of it usable (the rest kept for the OS)")
     d = b.dtypes
     con.print(f"engine: {e.engine.describe()}; dtypes: frozen {_dt(d['frozen'])}, trainable {_dt(d['trainable'])}, "
               f"residual stream {_dt(d['residual'])}, activations {_dt(d['act'])}")

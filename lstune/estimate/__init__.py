@@ -21,7 +21,7 @@ from lstune.estimate.copies import StepCopies, step_copies
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import (LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
-                                    loss_backend, reserve_bytes, size_text)
+                                    host_reserve_bytes, loss_backend, reserve_bytes, size_text)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
 
@@ -288,7 +288,7 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     peaks = [breakdown(shape, params, s) for s, _ in placed]
     fitting = [i for i, b in enumerate(peaks) if _fits(b, hardware)]
     # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
-    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= hardware.host_bytes] or [0]
+    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_capacity(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
     (offload, chunks), (base, budgets) = options[pick], placed[pick]
     mlp, loss, settled = _choose_tiles(_chunked(config, chunks), hardware, shape, params, base)
@@ -328,10 +328,10 @@ def placement_budgets(shape: ModelShape, params: ParamCounts, s: Settings,
     why = []
     if host is None:
         elsewhere = breakdown(shape, params, replace(s, host_mem_budget=0, checkpoint_device_budget=None)).host_peak
-        host = max(hardware.host_bytes // hardware.gpus - elsewhere, 0)
+        host = max(host_capacity(hardware) // hardware.gpus - elsewhere, 0)
         ranks = f" / {hardware.gpus} ranks" if hardware.gpus > 1 else ""
-        why.append(f"host {size_text(host)} (the host's {size_text(hardware.host_bytes)}{ranks} less {size_text(elsewhere)} else "
-                   "on it)")
+        why.append(f"host {size_text(host)} (the host's usable {size_text(host_capacity(hardware))}{ranks} less "
+                   f"{size_text(elsewhere)} else on it)")
     if device is None:
         b = breakdown(shape, params, replace(s, host_mem_budget=host, checkpoint_device_budget=None))
         every = breakdown(shape, params, replace(s, host_mem_budget=None, checkpoint_device_budget=None)).placement
@@ -433,11 +433,16 @@ def _tile_setting(value):
 
 
 def _fits(b: Breakdown, hardware: Cluster) -> bool:
-    return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= hardware.host_bytes
+    return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= host_capacity(hardware)
 
 
 def device_capacity(hardware: Cluster) -> int:
     return hardware.device.device_bytes - reserve_bytes(hardware.device.device_bytes, hardware.on_cuda)
+
+
+def host_capacity(hardware: Cluster) -> int:
+    """A node's RAM less what the OS keeps (memory.host_reserve_bytes): what its ranks can have together."""
+    return hardware.host_bytes - host_reserve_bytes(hardware.host_bytes)
 
 
 def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Estimate:
@@ -455,7 +460,7 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
         model=config.model.name, seq_len=config.data.seq_len, hardware=hardware, engine=engine, sp=sp, breakdown=b,
         params=params, flops=flops, copies=copies,
         step_seconds=step_seconds(flops, hardware, sp, engine, params) + copies.exposed_seconds,
-        device_capacity=device_capacity(hardware), host_capacity=hardware.host_bytes, longest_seq_len=0,
+        device_capacity=device_capacity(hardware), host_capacity=host_capacity(hardware), longest_seq_len=0,
         notes=_notes(config, shape, sp),
     )
 

@@ -49,6 +49,12 @@ from lstune.models.quant import frozen_weight_bytes
 GIB = 2**30
 CUDA_CONTEXT_BYTES = 512 * 2**20  # the CUDA context and kernels, outside torch's allocator
 ALLOCATOR_RESERVE = 0.025  # of device memory the caching allocator cannot hand out (expandable segments)
+# Host RAM a run cannot have: the kernel and other processes, the page tables of pinned memory (8 B per 4 KiB
+# page, 0.2 %) and the free-page watermarks. Measured on the GPU machine of 2026-11-26 (125.9 GiB): the OOM killer
+# ended a process holding 123.0 GiB (121.4 GiB of it pinned), 2.9 GiB short of the total. 4 GiB + 1 % leaves
+# 120.6 GiB there; a 2 TiB host keeps 24.5 GiB back.
+HOST_RESERVE_BYTES = 4 * GIB
+HOST_RESERVE_FRACTION = 0.01
 HOST_PROCESS_BYTES = 2 * GIB  # one training process's own memory (python, torch, CUDA libraries): measured 1.5-1.9 GB
 LOSS_TILE_BYTES = 2**30  # lstune.memory.loss.LOSS_TILE_BYTES: ALST's ~1 GiB of fp32 logits per tile
 ADAM_BYTES = 8  # two fp32 moments
@@ -202,6 +208,11 @@ def _overheads(s: Settings) -> tuple[int, int]:
 def reserve_bytes(device_bytes: int, on_cuda: bool) -> int:
     """What the allocator cannot hand out of a device's memory."""
     return int(device_bytes * ALLOCATOR_RESERVE) if on_cuda else 0
+
+
+def host_reserve_bytes(host_bytes: int) -> int:
+    """What a run cannot have of a host's RAM (HOST_RESERVE_BYTES + HOST_RESERVE_FRACTION, at most half of it)."""
+    return min(HOST_RESERVE_BYTES + int(host_bytes * HOST_RESERVE_FRACTION), host_bytes // 2)
 
 
 def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:

@@ -157,9 +157,9 @@ def _sync(device: str) -> None:
 
 
 def measure(model, rung: str, seq: int, *, steps: int, device: str, warmup_seq: int | None = None,
-            memory: dict[str, Any] | None = None) -> dict:
+            memory: dict[str, Any] | None = None, profile: bool = False) -> dict:
     """One rung at one length: per-step times, peaks, outcome ("ok" / "oom" / "error: ..."). `memory`: settings
-    over the rung's (`rung_applied`)."""
+    over the rung's (`rung_applied`). `profile`: one more step under torch.profiler, summarised (`profiled_step`)."""
     record: dict[str, Any] = {"kind": "step", "rung": rung, "seq": seq, "layers": _layers(model)}
     if memory:
         record["memory"] = memory
@@ -180,6 +180,8 @@ def measure(model, rung: str, seq: int, *, steps: int, device: str, warmup_seq: 
             record.update(outcome="ok", step_s=times, median_s=statistics.median(times), min_s=min(times),
                           loss=losses[-1], tokens_per_s=seq / min(times))
             record.update(_peaks(device))
+            if profile:
+                record["profile"] = profiled_step(model, loss_fn, batch, optimizer, device)
             if plan is not None:
                 record["plan"] = plan.summary()
                 if plan.offloader is not None:
@@ -198,6 +200,58 @@ def measure(model, rung: str, seq: int, *, steps: int, device: str, warmup_seq: 
             torch.cuda.empty_cache()
     record["host_peak_rss"] = host_peak_rss()
     return record
+
+
+def profiled_step(model, loss_fn, batch, optimizer, device: str) -> dict[str, Any]:
+    """One training step under torch.profiler, reduced to where its time went (`device_time_summary`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as prof:
+        _sync(device)
+        start = time.perf_counter()
+        train_step(model, loss_fn, batch, optimizer)
+        _sync(device)
+        wall = time.perf_counter() - start
+    intervals = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA]
+    return device_time_summary(intervals, wall)
+
+
+def device_time_summary(intervals: list[tuple[float, float, str]], wall_s: float, top: int = 12) -> dict[str, Any]:
+    """Where a step's device time went, from its device events' (start µs, end µs, name): compute kernels (their
+    union on the timeline: the device busy computing on any stream), host<->device copies by direction, the
+    attention kernels (flash / cuDNN / fmha / sdpa / efficient), the time no compute kernel ran (`idle_s`: waits on
+    copies, launch gaps, host work) and the kernels that took longest in total. Chunked attention's extra cost is
+    either slower kernels (compute up), copies not hidden or host work (idle up): this tells which."""
+    def kind(name: str) -> str:
+        low = name.lower()
+        if low.startswith("memcpy"):
+            return "htod" if "htod" in low else "dtoh" if "dtoh" in low else "dtod"
+        return "memset" if low.startswith("memset") else "compute"
+
+    totals: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    compute = []
+    for start, end, name in intervals:
+        k = kind(name)
+        totals[k] = totals.get(k, 0.0) + (end - start)
+        if k == "compute":
+            compute.append((start, end))
+            by_name[name] = by_name.get(name, 0.0) + (end - start)
+    busy, reach = 0.0, float("-inf")
+    for start, end in sorted(compute):
+        if end > reach:
+            busy += end - max(start, reach)
+            reach = end
+    attention = sum(t for n, t in by_name.items()
+                    if any(w in n.lower() for w in ("flash", "cudnn", "fmha", "sdpa", "attention", "efficient")))
+    us = 1e-6
+    return {"wall_s": wall_s, "compute_busy_s": busy * us, "idle_s": max(wall_s - busy * us, 0.0),
+            "compute_kernel_s": totals.get("compute", 0.0) * us, "attention_kernel_s": attention * us,
+            "copy_htod_s": totals.get("htod", 0.0) * us, "copy_dtoh_s": totals.get("dtoh", 0.0) * us,
+            "copy_dtod_s": totals.get("dtod", 0.0) * us,
+            "top_kernels": [[n[:120], round(t * us, 4)] for n, t in sorted(by_name.items(), key=lambda x: -x[1])[:top]]}
 
 
 def _layers(model) -> int:
@@ -507,7 +561,7 @@ def cmd_chunks(args) -> None:
     for setting in args.chunks.split(","):
         chunks = setting if setting in ("off", "auto") else int(setting)
         record = measure(model, args.rung, seq, steps=args.steps, device=args.device, warmup_seq=seq,
-                         memory={"attn_chunks": chunks})
+                         memory={"attn_chunks": chunks}, profile=args.profile)
         if record["outcome"] == "ok":
             base = record["median_s"] if chunks == "off" else base
             if base and chunks != "off":
@@ -626,6 +680,8 @@ def main(argv: list[str] | None = None) -> None:
     chunks.add_argument("--seq", default="128k")
     chunks.add_argument("--chunks", default="off,4", help="attn_chunks settings, off first (the baseline)")
     chunks.add_argument("--steps", type=int, default=2)
+    chunks.add_argument("--profile", action="store_true",
+                        help="one more step per setting under torch.profiler: where its device time went")
     args = parser.parse_args(argv)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     {"rates": cmd_rates, "policy": cmd_policy, "ladder": cmd_ladder, "maxlen": cmd_maxlen,

@@ -95,3 +95,42 @@ def test_gpus_2_runs_the_trial_under_the_launcher(cli, tmp_path):
     assert m["outcome"] == "ok", m.get("error")
     assert m["processes"] == 2 and m["world_size"] == 2 and m["tokens_per_step"] == 2 * 256
     assert "ZeRO" in m["estimate"]["engine"]
+
+
+def test_a_bench_stopped_by_sigterm_keeps_its_finished_trials_and_leaves_no_trial_running(tmp_path):
+    """SIGTERM once the first trial has finished: exit 130 with one message, bench.json and bench.md holding that
+    trial and a note of the interruption, and the trial that was running killed (it would hold the GPU)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from lstune.bench.runner import descendants
+    from tests.integration.conftest import REPO
+
+    out = tmp_path / "bench"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "lstune", "bench", "--model", "tiny-llama", "--rungs", "hf",
+                             "--lengths", "256,32k", "--warmup", "0", "--steps", "1", "--output-dir", str(out)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not (out / "trials" / "trial-1.json").exists() or not (out / "trials" / "trial-2.log").exists():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    running = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    # Not waiting for the 32K trial: a trial left running would keep the output pipe open for a minute or more.
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "SIGTERM received: bench stopped; its 1 finished trial(s) are in" in err and "Traceback" not in err
+    bench = json.loads((out / "bench.json").read_text())
+    assert [t["id"] for t in bench["trials"]] == [1] and bench["trials"][0]["outcome"] == "ok"
+    assert any("Interrupted (SIGTERM) during trial 2" in note for note in bench["notes"])
+    assert "Interrupted (SIGTERM)" in (out / "bench.md").read_text()
+    for pid in running:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        assert state == "Z", f"trial process {pid} still running"
