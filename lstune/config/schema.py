@@ -243,11 +243,13 @@ class MemorySection:
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
-    mini_sequence: bool = _opt(
-        False,
+    mini_sequence: Any = _opt(
+        "auto",
         "Mini-sequence policy (MST): MLP tiles of hidden-size tokens with the layer norm fused in, loss in "
-        "vocab/hidden tiles.",
-        p.parse_bool,
+        "vocab/hidden tiles. Default auto: on only when the estimate says the run does not fit the device without "
+        "it (exact either way; it costs smaller tiles); --mini-sequence forces it, --no-mini-sequence turns it off.",
+        p.parse_auto_bool,
+        switch=True,
     )
     checkpointing: bool = _opt(
         True, "Activation checkpointing of every decoder layer: on or off.", p.parse_bool, style="value",
@@ -297,7 +299,7 @@ class MemorySection:
         budget = self.host_mem_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             problems.append(f"--host-mem-budget must be a number of bytes >= 0, not {budget!r}.")
-        if self.mini_sequence and self.tiled_mlp == "off":
+        if self.mini_sequence is True and self.tiled_mlp == "off":
             problems.append("--mini-sequence tiles the MLP: drop --tiled-mlp off, or drop --mini-sequence.")
         if self.offload_checkpoints is True and not self.checkpointing:
             problems.append(

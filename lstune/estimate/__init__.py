@@ -178,7 +178,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
     return Settings(
         seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp, world=hardware.world_size,
         engine=engine, lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout, on_cuda=hardware.on_cuda,
-        dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence,
+        dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence is True,
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
         checkpoint_device_budget=m.checkpoint_device_budget, attn_chunks=m.attn_chunks,
@@ -234,8 +234,8 @@ def longest_reach(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
 class MemoryChoice:
     """What the `auto` memory settings resolve to for one run — `tiled_mlp` / `tiled_loss`: "off", a tile count, or
     "auto" where a policy decides per batch (Liger's chunks on CUDA, MST's tiles with --mini-sequence);
-    `offload_checkpoints`: on or off; `attn_chunks`: "off" or a chunk count (FPDT); the checkpoint placement's
-    budgets (`placement_budgets`) — and why."""
+    `offload_checkpoints`, `mini_sequence`: on or off; `attn_chunks`: "off" or a chunk count (FPDT); the checkpoint
+    placement's budgets (`placement_budgets`) — and why."""
 
     tiled_mlp: str | int
     tiled_loss: str | int
@@ -244,21 +244,24 @@ class MemoryChoice:
     host_mem_budget: int | None = None  # bytes of host the offloaded checkpoints may use (None: no cap)
     checkpoint_device_budget: int | None = None  # device bytes checkpoints may use (None: no cap)
     attn_chunks: str | int = "off"
+    mini_sequence: bool = False
 
     def applied_to(self, config: TrainConfig) -> TrainConfig:
         """`config` with these settings in its memory section (what lstune train prepares the model with)."""
         memory = replace(config.memory, tiled_mlp=self.tiled_mlp, tiled_loss=self.tiled_loss,
                          offload_checkpoints=self.offload_checkpoints, host_mem_budget=self.host_mem_budget,
-                         checkpoint_device_budget=self.checkpoint_device_budget, attn_chunks=self.attn_chunks)
+                         checkpoint_device_budget=self.checkpoint_device_budget, attn_chunks=self.attn_chunks,
+                         mini_sequence=self.mini_sequence)
         return replace(config, memory=memory)
 
     def describe(self) -> str:
         offload = "offloaded checkpoints" if self.offload_checkpoints else "no checkpoint offload"
         chunks = "" if self.attn_chunks == "off" else f", attention in {self.attn_chunks} chunks"
-        return f"tiled MLP {self.tiled_mlp}, tiled loss {self.tiled_loss}, {offload}{chunks} ({self.reason})"
+        mini = ", mini-sequence" if self.mini_sequence else ""
+        return f"tiled MLP {self.tiled_mlp}, tiled loss {self.tiled_loss}{mini}, {offload}{chunks} ({self.reason})"
 
     def to_dict(self) -> dict:
-        return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss,
+        return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss, "mini_sequence": self.mini_sequence,
                 "offload_checkpoints": self.offload_checkpoints, "attn_chunks": self.attn_chunks,
                 "host_mem_budget": self.host_mem_budget,
                 "checkpoint_device_budget": self.checkpoint_device_budget, "reason": self.reason}
@@ -268,9 +271,10 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
                   engine: Engine) -> MemoryChoice:
     """The `auto` memory settings from the memory model, cheapest first.
 
-    Checkpoint offload and chunked attention (`auto`) are tried together, cheapest first (`_memory_options`):
-    nothing, offload (its copies hide under compute), then attention in 2, 4, ... chunks (each without, then with,
-    offload; chunking re-runs the attention block's projections, the dearer technique). The first that fits the
+    Checkpoint offload, mini-sequence and chunked attention (`auto`) are tried together, cheapest first
+    (`_memory_options`): nothing, offload (its copies hide under compute), mini-sequence (smaller MLP tiles, norms
+    fused into them), both, then attention in 2, 4, ... chunks (each with the same four; chunking re-runs the
+    attention block's projections, the dearest technique). The first that fits the
     device and the host wins; when none does, the one with the lowest device peak the host holds. Offload is an
     option only when the sequence is long enough for the copies to hide (MEMO Eq. 1,
     lstune.memory.checkpoint.offload_min_tokens) and never on a CPU, where host and device are one memory;
@@ -283,23 +287,25 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     not cut into 32 tiles. Under --mini-sequence, MST's tiles; on CUDA the loss is Liger's (chunked, and faster
     than plain logits) wherever it applies."""
     options = _memory_options(config, hardware, shape, sp, engine)
-    placed = [placed_settings(_chunked(config, chunks), hardware, shape, params, sp, engine, offload)
-              for offload, chunks in options]
+    placed = [placed_settings(_resolved(config, chunks, mini), hardware, shape, params, sp, engine, offload)
+              for offload, chunks, mini in options]
     peaks = [breakdown(shape, params, s) for s, _ in placed]
     fitting = [i for i, b in enumerate(peaks) if _fits(b, hardware)]
     # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
     host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_capacity(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
-    (offload, chunks), (base, budgets) = options[pick], placed[pick]
-    mlp, loss, settled = _choose_tiles(_chunked(config, chunks), hardware, shape, params, base)
+    (offload, chunks, mini), (base, budgets) = options[pick], placed[pick]
+    mlp, loss, settled = _choose_tiles(_resolved(config, chunks, mini), hardware, shape, params, base)
     reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
               else f"ALST's tiles: the peak is above {AUTO_HEADROOM:.0%} of the device even so")
     if offload and config.memory.offload_checkpoints == "auto":
         reason += "; checkpoints offloaded: it does not fit the device without"
+    if mini and config.memory.mini_sequence == "auto":
+        reason += "; mini-sequence: it does not fit the device without"
     if chunks != "off" and config.memory.attn_chunks == "auto":
         reason += f"; attention in {chunks} chunks: " + ("the fewest that fit" if fitting else "the lowest device peak the host holds")
     reason += f"; checkpoint budgets: {budgets}" if budgets else ""
-    return MemoryChoice(mlp, loss, offload, reason, base.host_mem_budget, base.checkpoint_device_budget, chunks)
+    return MemoryChoice(mlp, loss, offload, reason, base.host_mem_budget, base.checkpoint_device_budget, chunks, mini)
 
 
 def placed_settings(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,
@@ -373,35 +379,47 @@ def _chunk_options(config: TrainConfig, hardware: Cluster, shape: ModelShape, sp
     return ["off"] + [n for n in _ladder(top) if n > 1]
 
 
-def _memory_options(config, hardware, shape, sp, engine, *, extremes: bool = False) -> list[tuple[bool, str | int]]:
-    """(checkpoint offload, attention chunks) pairs `auto` may take, cheapest first (choose_memory's doc);
-    `extremes`: only unchunked and the most chunks (enough to tell whether some choice fits: more chunks only
-    lower the device peak)."""
+def _memory_options(config, hardware, shape, sp, engine, *,
+                    extremes: bool = False) -> list[tuple[bool, str | int, bool]]:
+    """(checkpoint offload, attention chunks, mini-sequence) triples `auto` may take, cheapest first
+    (choose_memory's doc); `extremes`: only unchunked and the most chunks (enough to tell whether some choice fits:
+    more chunks only lower the device peak)."""
     chunks = _chunk_options(config, hardware, shape, sp)
     if extremes:
         chunks = list(dict.fromkeys([chunks[0], chunks[-1]]))
     offloads = _offload_options(config, hardware, shape, sp, engine)
-    return [(offload, n) for n in chunks for offload in offloads]
+    minis = _mini_sequence_options(config)
+    return [(offload, n, mini) for n in chunks for mini in minis for offload in offloads]
 
 
-def _chunked(config: TrainConfig, chunks: str | int) -> TrainConfig:
-    if config.memory.attn_chunks == chunks:
+def _mini_sequence_options(config: TrainConfig) -> list[bool]:
+    """The mini-sequence settings `auto` may take, off first: on needs the MLP tiled (`--tiled-mlp off` keeps it
+    off)."""
+    m = config.memory
+    if m.mini_sequence != "auto":
+        return [bool(m.mini_sequence)]
+    return [False] if m.tiled_mlp == "off" else [False, True]
+
+
+def _resolved(config: TrainConfig, chunks: str | int, mini: bool) -> TrainConfig:
+    """`config` with the attention chunks and mini-sequence setting of one of `_memory_options`' choices."""
+    if config.memory.attn_chunks == chunks and config.memory.mini_sequence is mini:
         return config
-    return replace(config, memory=replace(config.memory, attn_chunks=chunks))
+    return replace(config, memory=replace(config.memory, attn_chunks=chunks, mini_sequence=mini))
 
 
 def _fits_some_choice(config, hardware, shape, params, sp, engine) -> bool:
-    """Whether the run fits with one of the checkpoint offload and attention chunk settings it may take."""
-    return any(_fits(breakdown(shape, params, placed_settings(_chunked(config, chunks), hardware, shape, params, sp,
-                                                              engine, offload)[0]), hardware)
-               for offload, chunks in _memory_options(config, hardware, shape, sp, engine, extremes=True))
+    """Whether the run fits with one of the offload, attention chunk and mini-sequence settings it may take."""
+    return any(_fits(breakdown(shape, params, placed_settings(_resolved(config, chunks, mini), hardware, shape, params,
+                                                              sp, engine, offload)[0]), hardware)
+               for offload, chunks, mini in _memory_options(config, hardware, shape, sp, engine, extremes=True))
 
 
 def _choose_tiles(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts,
                   base: Settings) -> tuple[str | int, str | int, bool]:
     """(MLP tiles, loss tiles, whether the peak is within the headroom) as choose_memory says."""
     m = config.memory
-    mlp_auto = m.tiled_mlp == "auto" and not m.mini_sequence
+    mlp_auto = m.tiled_mlp == "auto" and m.mini_sequence is not True
     loss_auto = m.tiled_loss == "auto" and loss_backend(base) == "alst"
     target = AUTO_HEADROOM * device_capacity(hardware)
 

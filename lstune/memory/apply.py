@@ -134,7 +134,9 @@ def apply_memory_techniques(
     patched = [*parts.layers.modules(), *([parts.final_norm] if parts.final_norm is not None else [])]
     if any("forward" in vars(module) for module in patched):
         raise UserError("memory techniques are already applied to this model; call plan.undo() first.")
-    plan = MemoryPlan(seq_len=seq_len, parts=parts, tiled_mlp=memory.tiled_mlp, mini_sequence=memory.mini_sequence)
+    # 'auto' mini-sequence, like 'auto' offload, is the estimate's to resolve; unresolved it stays off.
+    plan = MemoryPlan(seq_len=seq_len, parts=parts, tiled_mlp=memory.tiled_mlp,
+                      mini_sequence=memory.mini_sequence is True)
     probing = _can_probe(parts.lm)
     if probing:
         check_loss_head(parts)

@@ -59,9 +59,11 @@ def test_search_settings_without_the_search_are_refused():
 def test_the_ladder_adds_the_flags_own_settings_only_when_they_differ_and_sp_with_several_gpus():
     # The defaults' `auto` settings are the estimate's, no rung's; flags equal to a rung's add nothing.
     assert [r.name for r in ladder(_config())] == [*LADDER, "lstune"]
-    assert [r.name for r in ladder(_config(offload_checkpoints=False, attn_chunks="off"))] == list(LADDER)  # tiled_mlp
-    # Chunked attention `auto` is no rung's: the estimate may turn it on for the flags' run.
-    assert [r.name for r in ladder(_config(offload_checkpoints=False))] == [*LADDER, "lstune"]
+    assert [r.name for r in ladder(_config(offload_checkpoints=False, attn_chunks="off", mini_sequence=False))] == \
+        list(LADDER)  # tiled_mlp
+    # Chunked attention and mini-sequence `auto` are no rung's: the estimate may turn them on for the flags' run.
+    assert [r.name for r in ladder(_config(offload_checkpoints=False, mini_sequence=False))] == [*LADDER, "lstune"]
+    assert [r.name for r in ladder(_config(offload_checkpoints=False, attn_chunks="off"))] == [*LADDER, "lstune"]
     assert [r.name for r in ladder(_config(tiled_loss=4))] == [*LADDER, "lstune"]
     assert [r.name for r in ladder(_config(gpus=2))] == [*LADDER, "lstune", "sp"]
     rungs, problems = select_rungs(_config(), None, False)

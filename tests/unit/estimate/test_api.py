@@ -59,7 +59,7 @@ def test_lora_on_one_h100_keeps_the_frozen_base_in_bf16_and_checkpoints_at_2_byt
     assert items["frozen parameters"].device == 2 * e.params.frozen
     assert e.params.frozen == 16_060_522_496 // 2  # the H100 measurement of the bf16 base
     assert e.breakdown.checkpoint_bytes_per_token_layer == 2 * 4096
-    assert e.fits and 32768 < e.longest_seq_len < 10**6
+    assert e.fits and 32768 < e.longest_seq_len < 2 * 10**6  # 1.04M: mini-sequence and chunks `auto`
 
 
 def test_lora_dropout_adds_only_its_backward_replay():

@@ -1,7 +1,8 @@
 """`--attn-chunks auto` (the default) is the estimate's choice (issue 14, FPDT): off while the run fits without,
 else the fewest chunks that fit — one MemoryChoice that `lstune estimate` shows and `lstune train` applies.
 Llama-3.1-8B LoRA on one H100 80 GB with a 128 GiB host; chunks are no shorter than 16K tokens there, the shortest
-whose host copies hide under their attention at the H100's rates."""
+whose host copies hide under their attention at the H100's rates. Mini-sequence off (its `auto` comes before
+chunks and would fit 512K alone: tests/unit/estimate/test_mini_sequence_choice.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ K = 1024
 
 def _estimate(seq_len: int, **flat):
     config = TrainConfig.from_flat({"model": "llama-3.1-8b", "seq_len": seq_len, "lora_r": 16,
-                                    "offload_checkpoints": True, **flat})
+                                    "offload_checkpoints": True, "mini_sequence": False, **flat})
     return estimate(config, resolve_hardware(gpu="h100-80gb", host_mem=128 * GiB), suggest=False)
 
 
