@@ -180,8 +180,11 @@ def measure(model, rung: str, seq: int, *, steps: int, device: str, warmup_seq: 
             record.update(outcome="ok", step_s=times, median_s=statistics.median(times), min_s=min(times),
                           loss=losses[-1], tokens_per_s=seq / min(times))
             record.update(_peaks(device))
-            if profile:
-                record["profile"] = profiled_step(model, loss_fn, batch, optimizer, device)
+            if profile:  # the timings above stand whatever the profiler does
+                try:
+                    record["profile"] = profiled_step(model, loss_fn, batch, optimizer, device)
+                except Exception as exc:  # noqa: BLE001  (a profiler failure is recorded, not the step's outcome)
+                    record["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             if plan is not None:
                 record["plan"] = plan.summary()
                 if plan.offloader is not None:
@@ -215,7 +218,9 @@ def profiled_step(model, loss_fn, batch, optimizer, device: str) -> dict[str, An
         wall = time.perf_counter() - start
     intervals = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA]
-    return device_time_summary(intervals, wall)
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]  # where idle device time may go
+    return {**device_time_summary(intervals, wall),
+            "top_host_ops": [[e.key[:120], round(e.self_cpu_time_total * 1e-6, 4), e.count] for e in host]}
 
 
 def device_time_summary(intervals: list[tuple[float, float, str]], wall_s: float, top: int = 12) -> dict[str, Any]:
