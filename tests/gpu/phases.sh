@@ -72,3 +72,20 @@ deepspeed_offload() {
     --max-steps 1 --output-dir /tmp/ds-\$m 2>&1 | while IFS= read -r line; do echo \"\$(date +%T) \$line\"; done \
     > $RES/deepspeed-\$m.log; cp /tmp/ds-\$m/metrics.jsonl $RES/deepspeed-\$m-metrics.jsonl 2>/dev/null && break; done"
 }
+
+# Issue 10: the Qwen3-8B recipe at its 128K, 3 steps through the CLI (36 layers: ~85 s a step in steady state,
+# ~100 s for the first (it pins the offload buffers), + random init, self-check, imports ≈ 5.3 min): run_next.sh only.
+qwen3_recipe_128k() {
+  phase qwen3-recipe-128k 320 bash -c "python3 -m lstune train --config recipes/qwen3-8b/128k-1xh100.yaml \
+    --model qwen3-8b --data builtin:passkey --max-steps 3 --save-every 3 --output-dir /tmp/qwen3-128k \
+    > $RES/qwen3-128k.log 2>&1; cp /tmp/qwen3-128k/metrics.jsonl $RES/qwen3-128k-metrics.jsonl"
+}
+
+# The phases both run scripts take, most valuable first (run_short.sh adds DeepSpeed; run_next.sh Qwen3, then it).
+shared_phases() {
+  gpu_tests_chunks
+  chunks_128k
+  maxlen_chunks_emulated
+  gpu_tests_rest
+  full_depth_128k
+}

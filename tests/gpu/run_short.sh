@@ -9,10 +9,6 @@ set -u
 . "$(dirname "$0")/phase.sh"
 . "$(dirname "$0")/phases.sh"
 
-gpu_tests_chunks
-chunks_128k
-maxlen_chunks_emulated
-gpu_tests_rest
-full_depth_128k
+shared_phases
 deepspeed_offload
 echo "=== $(date +%T) all done" | tee "$RES/DONE"
