@@ -531,7 +531,9 @@ def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
       the last block's sums (still bound in `_kv_chunk_backward` until the next block returns);
     - with offload: the last block's fp32 dq sum (bound likewise; its host copy is made) and the dq of the row tiles
       done; on CUDA the fetched copies — k and v of the key chunk, q, dO, lse, rowsum and dq of the query chunk,
-      and the same of the next query chunk, prefetched (`Settings.chunks_fetched`: the CPU trace reads them in place);
+      and under the key chunk's last block those of the next key chunk's first block, prefetched across the
+      projections' backward between them (the store's schedule, `attention_chunks._ChunkStore`; under the other
+      blocks the next query chunk's alone) (`Settings.chunks_fetched`: the CPU trace reads them in place);
     - the larger of the score tiles (`_score_tiles`) and the chunk's projections re-run with their gradients."""
     h, t, q, kv, heads = shape.hidden, s.local_tokens, shape.q_width, shape.kv_width, shape.heads
     c, offload = _chunk_tokens(s), s.offload_checkpoints
@@ -551,7 +553,7 @@ def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
     if offload and s.chunks_fetched:
         rotated = _rotated(act, res)
         query_chunk = rotated * 2 * q + 8 * heads + 4 * q  # q, dO, lse, rowsum, dq
-        fetched = c * (rotated + act) * kv + 2 * c * query_chunk
+        fetched = 2 * c * (rotated + act) * kv + 2 * c * query_chunk
     projections = c * act * (3 * h + 3 * q + 2 * kv)
     one_chunk = c * 24 * kv + dq_on_device + fetched + max(_score_tiles(shape, s), projections)
     return saved, (f"attention's, chunked ({c:,}-token chunks: score tiles, dq/dk/dv)",

@@ -2,7 +2,7 @@
 returns (output, log-sum-exp) for the online-softmax merge, and its backward, FlashAttention's with the query
 chunk's *merged* output and lse (P = exp(S - lse), delta = rowsum(dO ∘ o)) — exactly the gradient of the merge.
 
-Two kernels, and `block_kind` is the one place that picks between them:
+Two kernels, and `block_kinds` is the one place that picks between them:
 - A device's fused attention ops (`FLASH_OPS`, in order of preference: on CUDA cuDNN's
   `_scaled_dot_product_cudnn_attention`, then PyTorch's flash `_scaled_dot_product_flash_attention`; on CPU
   `_scaled_dot_product_flash_attention_for_cpu`; each with its backward), which return the lse and take (out, lse),
@@ -52,25 +52,49 @@ FULL, CAUSAL, MASKED = "full", "causal", "masked"
 
 def block_kind(q5: Tensor, k4: Tensor, v4: Tensor, ids_q: tuple[Tensor, Tensor], ids_k: tuple[Tensor, Tensor],
                window: int | None, softcap: float | None) -> str:
-    """FULL, CAUSAL (flash kernel, non-causal / causal) or MASKED (PyTorch kernel) for query rows q5 against one key
-    block, from the blocks' (global token index, document key) ids [B, n]; syncs the device once."""
+    """`block_kinds` of one key block that has an allowed pair (MASKED where it has none)."""
+    return block_kinds(q5, k4, v4, ids_q, [ids_k], window, softcap)[0] or MASKED
+
+
+def block_kinds(q5: Tensor, k4: Tensor, v4: Tensor, ids_q: tuple[Tensor, Tensor],
+                ids_ks: list[tuple[Tensor, Tensor]], window: int | None, softcap: float | None) -> list[str | None]:
+    """For query rows q5 against each key block (the rows' own tokens, or tokens all before them), from the blocks'
+    (global token index, document key) ids [B, n]: FULL or CAUSAL (the flash kernel, non-causal / causal), MASKED
+    (the PyTorch kernel), or None where no pair is allowed (`allowed_pairs`; the block is skipped). `k4`/`v4` of any
+    of the blocks (dtypes and head dims). One device sync for all the blocks; none for fake tensors (memory traces:
+    no values, so every block runs the PyTorch kernel)."""
     from torch._subclasses.fake_tensor import is_fake
 
+    if is_fake(q5):
+        return [MASKED] * len(ids_ks)
     dtype = _compute_dtype(q5, k4, v4)
-    if softcap is not None or is_fake(q5) or dtype is None or not _flash_shapes(q5, k4, v4, dtype):
-        return MASKED
-    (index_q, doc_q), (index_k, doc_k) = ids_q, ids_k
+    fused = softcap is None and dtype is not None and _flash_shapes(q5, k4, v4, dtype)
+    flags = torch.stack([_block_flags(*ids_q, *ids_k, window) for ids_k in ids_ks]).tolist()
+    kinds: list[str | None] = []
+    for attended, one_span, before, same in flags:
+        kind = FULL if one_span and before else CAUSAL if one_span and same else MASKED
+        kinds.append(None if not (attended or same) else kind if fused else MASKED)
+    if any(kind in (FULL, CAUSAL) for kind in kinds) and flash_ops(q5.device, dtype, q5.shape[-1]) is None:
+        return [kind and MASKED for kind in kinds]
+    return kinds
+
+
+def _block_flags(index_q: Tensor, doc_q: Tensor, index_k: Tensor, doc_k: Tensor, window: int | None) -> Tensor:
+    """Bool [4] of one block: (a pair allowed with keys before the queries, one document and window span both,
+    every key before every query, the same tokens). The first from the blocks' edges: token indices ascend within a
+    block and every document is one run of tokens (its key, index − position, the same throughout; chunked
+    attention's `_PositionOrder` refuses position_ids where that fails), so with every key before every query the
+    only document both hold is the one spanning the gap — the last key's and the first query's — and its closest
+    pair is those two tokens."""
     doc = doc_q[:, :1]
     one_span = (doc_q == doc).all() & (doc_k == doc).all()
+    edge = doc_k[:, -1] == doc_q[:, 0]
     if window is not None:
         one_span &= (index_q.amax(1) - index_k.amin(1) < window).all()
+        edge &= index_q[:, 0] - index_k[:, -1] < window
     before = (index_k.amax(1) < index_q.amin(1)).all()
     same = (index_q == index_k).all() if index_q.shape == index_k.shape else torch.zeros_like(before)
-    one_span, before, same = torch.stack([one_span, before, same]).tolist()
-    kind = FULL if one_span and before else CAUSAL if one_span and same else MASKED
-    if kind != MASKED and flash_ops(q5.device, dtype, q5.shape[-1]) is None:
-        return MASKED
-    return kind
+    return torch.stack([edge.any() & before, one_span, before, same])
 
 
 def _compute_dtype(q5: Tensor, k4: Tensor, v4: Tensor) -> torch.dtype | None:

@@ -17,11 +17,12 @@ Steps (one custom autograd Function per attention module call; model code untouc
    packed documents and sliding windows hold, and softcapping is a score map. position_ids must continue by +1 or
    restart at 0 in global order (checked once per call; under SP this also refuses contiguous shards, below).
    Saved per chunk: k, v, the output o and its log-sum-exp — in pinned host memory when offloading (copied on a
-   side stream; reads for later chunks are prefetched one chunk ahead), on the device otherwise; and the
-   module's input. No per-chunk autograd graph is kept.
+   side stream; read back on a schedule that starts each copy at least one compute unit ahead, `_ChunkStore`),
+   on the device otherwise; and the module's input. No per-chunk autograd graph is kept.
 2. Backward (a), per chunk: re-run the module with grad, the attention output a leaf; its gradient dO_m through
    the output projection alone (`torch.autograd.grad` w.r.t. the leaf); q_m is recorded on the way.
-3. Backward (b), FPDT's order: outer loop over key/value chunks i, inner over query chunks j >= i. Block (j, i)'s
+3. Backward (b), FPDT's order: outer loop over key/value chunks i, inner over query chunks j >= i (from the last
+   to the diagonal, so dq_i, final after the diagonal, stays on the device for (c)). Block (j, i)'s
    gradient is FlashAttention's backward with the merged o_j and lse_j (P = exp(S - lse_j), dV += Pᵀ dO,
    dS = P ∘ (dO Vᵀ - rowsum(dO ∘ o_j)), dQ += dS K, dK += dSᵀ Q) — exactly the gradient of the merge. dk_i/dv_i
    are complete after outer iteration i, and so is dq_i (its contributions come from kv chunks <= i).
@@ -67,7 +68,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from lstune.errors import DataError, ModelError, UserError
-from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kind, merge
+from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
 from lstune.memory.checkpoint import MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS
 from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.tiling import (
@@ -126,9 +127,11 @@ def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, he
     - forward, per run: out k, v, o and lse of every chunk; in the keys/values of earlier chunks, (P - M) · c;
     - backward (a): in o, out q and dO; for the PyTorch kernel the rowsums: in o and dO, out delta; (b) per key chunk
       in k, v, per block in q, dO, lse, delta (flash: the output o instead, its kernel recomputes the rowsums) and
-      (after the first key chunk) the fp32 dq accumulator, out dq; (c) in o once more (the module's re-run) and the
-      finished dq (dk and dv stay on the device: chunk i's projections run right after outer iteration i).
-    `tests/unit/memory/test_attention_chunks.py` counts the store's copies against this."""
+      (after the first key chunk) the fp32 dq accumulator, out dq but for the diagonal block's (the last of its key
+      chunk: dq_i is final and stays on the device for (c)); (c) the PyTorch kernel's in o once more (the module's
+      re-run; the flash kernels' diagonal block kept it on the device). dk and dv stay on the device: chunk i's
+      projections run right after outer iteration i.
+    `tests/unit/memory/test_attention_chunks.py` checks the store's copies against this."""
     if chunks <= 1:
         return 0, 0
     b, S, M = element_size, tokens, chunks
@@ -138,10 +141,9 @@ def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, he
     per_block_rows = q_width * b if flash else 4 * heads  # o, or delta
     forward_out = S * (2 * kv_width + q_width) * b + lse
     forward_in = (blocks - M) * c * 2 * kv_width * b
-    backward_out = 2 * S * q_width * b + rowsums_out + blocks * c * 4 * q_width
-    backward_in = (2 * S * q_width * b + rowsums_in + M * c * 2 * kv_width * b
-                   + blocks * c * (2 * q_width * b + 4 * heads + per_block_rows)
-                   + (blocks - M) * c * 4 * q_width + S * 4 * q_width)
+    backward_out = 2 * S * q_width * b + rowsums_out + (blocks - M) * c * 4 * q_width
+    backward_in = ((1 if flash else 2) * S * q_width * b + rowsums_in + M * c * 2 * kv_width * b
+                   + blocks * c * (2 * q_width * b + 4 * heads + per_block_rows) + (blocks - M) * c * 4 * q_width)
     return (int(forward_runs * forward_out + backward_out), int(forward_runs * forward_in + backward_in))
 
 
@@ -178,10 +180,16 @@ def chunk_bounds(chunks: AttentionChunks, seq_len: int) -> list[tuple[int, int]]
 
 @dataclass
 class ChunkStats:
-    """Host bytes held by offloaded chunks right now and at most (live storages, freed when their last user goes)."""
+    """Host bytes held by offloaded chunks right now and at most (live storages, freed when their last user goes);
+    the bytes copied each way; the reads of host chunks whose copy started at least one compute unit before (its
+    time hidden on CUDA when the unit lasts as long as the copy) and those whose copy started when they were needed."""
 
     host_bytes: int = 0
     peak_host_bytes: int = 0
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    reads_ahead: int = 0
+    reads_late: int = 0
 
     def add(self, tensor: Tensor) -> None:
         nbytes = tensor.untyped_storage().nbytes()
@@ -479,45 +487,41 @@ def _out_layout(out5: Tensor) -> Tensor:
     return out5.reshape(batch, kv_heads * group, n, dim).transpose(1, 2).contiguous()
 
 
-
-
 def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
     """Chunk m's queries against the keys/values of the chunks they see (of chunks 0..m, k_m/v_m just stored),
-    merged; records which chunks contributed and the kernel each block took (`sink.sources`)."""
+    merged; records which chunks contributed and the kernel each block took (`sink.sources`). The reads are planned
+    first, so each block's keys/values are fetched under the block before it, and the next chunk's first ones (a
+    guess: the same key chunk as this chunk's first) under this chunk's last block."""
     store, m, config = sink.store, sink.m, sink.config
     device = query.device
     q5 = _to5(query, config["kv_heads"])
     ids_q = store.get(("idx", m), device), store.get(("doc", m), device)
-    stored = range(m + 1)
+    ids = [(store.get(("idx", i), device), store.get(("doc", i), device)) for i in range(m + 1)]
+    kinds = block_kinds(q5, key, value, ids_q, ids, config["window"], config["softcap"])
+    blocks = {i: kind for i, kind in enumerate(kinds) if kind is not None}
+    sink.sources[m] = blocks
+    units = [_Unit(() if i == m else (("k", i), ("v", i))) for i in blocks]
+    if m + 1 < len(sink.spec.bounds):
+        first = next(iter(blocks))
+        units.append(_Unit((("k", first), ("v", first))))
+    store.plan(units)
     acc_out = acc_lse = None
-    sink.sources[m] = {}
-    for n, i in enumerate(stored):
-        if n + 1 < len(stored):
-            store.prefetch(("k", stored[n + 1]), device), store.prefetch(("v", stored[n + 1]), device)
-        ids_k = store.get(("idx", i), device), store.get(("doc", i), device)
-        kind = block_kind(q5, key, value, ids_q, ids_k, config["window"], config["softcap"])
+    for i, kind in blocks.items():
+        store.next_unit(device)
         allowed = None
         if kind == MASKED:
-            allowed = allowed_pairs(*ids_q, *ids_k, config["window"])
-            if not _any(allowed):
-                continue
-        sink.sources[m][i] = kind
+            allowed = allowed_pairs(*ids_q, *ids[i], config["window"])
         k4, v4 = (key, value) if i == m else (store.get(("k", i), device), store.get(("v", i), device))
         out, lse = block_forward(kind, q5, k4, v4, allowed, config["scale"], config["softcap"])
         acc_out, acc_lse = merge(acc_out, acc_lse, out, lse)
     return acc_out.to(query.dtype), acc_lse
 
 
-def _any(allowed: Tensor) -> bool:
-    """Whether a block has any allowed pair; fake tensors (memory traces) have no values: every block counts."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(allowed) or bool(allowed.any())
-
-
 # --------------------------------------------------------------------------------------------------------------------
-# Saved chunks: on the device or in (pinned) host memory
+# Saved chunks: on the device or in (pinned) host memory, read on a schedule
 # --------------------------------------------------------------------------------------------------------------------
+
+Key = tuple[str, int]  # (what, chunk): ("k", 3) is chunk 3's keys
 
 
 @functools.cache
@@ -525,23 +529,63 @@ def _side_stream(kind: str, device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device)
 
 
+@dataclass
+class _Unit:
+    """One compute unit of a pass (a block kernel, a module re-run) and the host items it reads. `short`: a module
+    re-run or an elementwise step, too little compute to hide a block's reads under it."""
+
+    reads: tuple[Key, ...]
+    short: bool = False
+
+
 class _ChunkStore:
-    """Per-chunk tensors by key. With `offload`, `put` copies to host memory — pinned, on a side stream, on CUDA
-    (a separate buffer on CPU, so the path runs in tests) — and `prefetch`/`get` bring them back on another side
-    stream, the compute stream waiting only for the copy it needs."""
+    """Per-chunk tensors by key. With `offload`, `put` copies to host memory — pinned, on a side stream, on CUDA (a
+    separate buffer on CPU, so the path runs in tests and traces) — and `get` brings them back on another side stream,
+    the compute stream waiting only for the copy it needs, each copy waiting only for the host write of its own key.
+
+    Reads follow a schedule (`plan`: the pass's compute units in order, with what each reads): `next_unit` starts
+    the next unit's copies not yet started — late, their time exposed on CUDA — then those of the unit after it, and
+    of the one after that when that one is short, so each read has at least one unit's compute to hide under (the
+    copies of the next block's query chunk under the current block; the next key chunk's under the last block of
+    the key chunk before and the projections' backward between them). `stats` counts the reads of each kind.
+    Written by hand: torch's offload hooks (`torch.autograd.graph.save_on_cpu`) copy back on use, unprefetched."""
 
     def __init__(self, offload: bool, stats: ChunkStats):
         self.offload, self.stats = offload, stats
-        self.items: dict[tuple[str, int], Tensor] = {}
-        self._arriving: dict[tuple[str, int], tuple[Tensor, Any]] = {}
+        self.items: dict[Key, Tensor] = {}
+        self.on_host: set[Key] = set()  # keys whose item is a host copy
+        self._resident: dict[Key, Tensor] = {}  # device copies of host items kept for later reads (`get(keep=True)`)
+        self._arriving: dict[Key, tuple[Tensor, Any]] = {}  # CUDA: device copy in flight, its event
+        self._landed: dict[Key, Any] = {}  # CUDA: event after the key's device-to-host copy
+        self._asked: dict[Key, int] = {}  # keys whose device copy is started: the unit it was started in
+        self._units: list[_Unit] = []
+        self._unit, self._tick = -1, 0  # index of the running unit in `_units`; units started so far
 
-    def put(self, key: tuple[str, int], tensor: Tensor, *, offload: bool = True) -> None:
-        self._arriving.pop(key, None)
+    def put(self, key: Key, tensor: Tensor, *, offload: bool = True) -> None:
+        self._forget(key)
+        if self.offload and offload:
+            self.items[key] = self._to_host(key, tensor)
+            self.on_host.add(key)
+        else:
+            self.items[key] = tensor
+            self.on_host.discard(key)
+
+    def adopt(self, items: dict[Key, Tensor], on_host: frozenset[Key], device: torch.device) -> None:
+        """Backward: the items its forward saved (`on_host`: those that are host copies); their copies to the host
+        were started on the side stream before now."""
+        self.items, self.on_host = items, set(on_host)
+        if device.type == "cuda" and self.on_host:
+            landed = torch.cuda.Event()
+            landed.record(_side_stream("d2h", device))
+            self._landed = dict.fromkeys(self.on_host, landed)
+
+    def has(self, key: Key) -> bool:
+        return key in self.items
+
+    def _to_host(self, key: Key, tensor: Tensor) -> Tensor:
+        self.stats.bytes_to_host += tensor.numel() * tensor.element_size()
         # Fake tensors (memory traces, on CPU) take the CPU path: a separate copy, counted in `stats`, which the
         # trace moves from its device peak to the host.
-        self.items[key] = self._to_host(tensor) if self.offload and offload else tensor
-
-    def _to_host(self, tensor: Tensor) -> Tensor:
         if not tensor.is_cuda:
             host = tensor.clone(memory_format=torch.contiguous_format)
         else:
@@ -550,40 +594,91 @@ class _ChunkStore:
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(stream):
                 host.copy_(tensor, non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(stream)
+            self._landed[key] = landed
             tensor.record_stream(stream)
         self.stats.add(host)
         return host
 
-    def prefetch(self, key: tuple[str, int], device: torch.device) -> None:
-        tensor = self.items.get(key)
-        if tensor is None or key in self._arriving or tensor.device == device or device.type != "cuda":
+    def plan(self, units: list[_Unit]) -> None:
+        """The units to run next, in order; copies in flight that none of them reads (a guess that missed) go."""
+        reads = {key for unit in units for key in unit.reads}
+        for key in [k for k in self._asked if k not in reads]:
+            self._arriving.pop(key, None)
+            del self._asked[key]
+        self._units, self._unit = units, -1
+
+    def next_unit(self, device: torch.device) -> None:
+        """The next unit of the plan starts: copies of its reads not started yet, then those of the units ahead."""
+        self._unit += 1
+        self._tick += 1
+        own = self._units[self._unit].reads
+        ahead = []
+        for unit in self._units[self._unit + 1:self._unit + 3]:
+            ahead += [key for key in unit.reads if key not in own]
+            if not unit.short:
+                break
+        for key in (*own, *ahead):
+            self.prefetch(key, device)
+
+    def prefetch(self, key: Key, device: torch.device) -> None:
+        """Start the device copy of host item `key` (nothing for items on the device, kept, in flight or not yet
+        written). On CPU the item is read in place; the copy is only counted."""
+        if key not in self.on_host or key in self._asked or key in self._resident:
+            return
+        self._asked[key] = self._tick
+        tensor = self.items[key]
+        self.stats.bytes_from_host += tensor.numel() * tensor.element_size()
+        if device.type != "cuda":
             return
         stream = _side_stream("h2d", device)
-        stream.wait_stream(_side_stream("d2h", device))  # the host copy must have landed
+        if key in self._landed:
+            stream.wait_event(self._landed[key])
         with torch.cuda.stream(stream):
             arrived = tensor.to(device, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(stream)
         self._arriving[key] = (arrived, ready)
 
-    def get(self, key: tuple[str, int], device: torch.device) -> Tensor:
-        self.prefetch(key, device)
-        if key not in self._arriving:
+    def get(self, key: Key, device: torch.device, *, keep: bool = False) -> Tensor:
+        """Item `key` on `device`: a host item through its device copy (started now if no earlier unit started it:
+        a late read); `keep` holds that copy for the chunk's later reads (until `pop` or `drop_chunk`)."""
+        if key in self._resident:
+            return self._resident[key]
+        if key not in self.on_host:
             return self.items[key]
-        arrived, ready = self._arriving.pop(key)
-        compute = torch.cuda.current_stream(device)
-        compute.wait_event(ready)
-        arrived.record_stream(compute)
-        return arrived
+        self.prefetch(key, device)
+        late = self._asked.pop(key) >= self._tick
+        self.stats.reads_late += late
+        self.stats.reads_ahead += not late
+        tensor = self.items[key]
+        if key in self._arriving:
+            tensor, ready = self._arriving.pop(key)
+            compute = torch.cuda.current_stream(device)
+            compute.wait_event(ready)
+            tensor.record_stream(compute)
+        if keep:
+            self._resident[key] = tensor
+        return tensor
 
-    def pop(self, key: tuple[str, int], device: torch.device) -> Tensor:
+    def pop(self, key: Key, device: torch.device) -> Tensor:
         tensor = self.get(key, device)
+        self._forget(key)
         del self.items[key]
+        self.on_host.discard(key)
         return tensor
 
     def drop_chunk(self, m: int) -> None:
         for key in [k for k in self.items if k[1] == m]:
+            self._forget(key)
             del self.items[key]
+            self.on_host.discard(key)
+
+    def _forget(self, key: Key) -> None:
+        """Drop what the store holds for `key` besides its item: a kept or arriving device copy, its events."""
+        for held in (self._resident, self._arriving, self._landed, self._asked):
+            held.pop(key, None)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -612,7 +707,7 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         spec.sink.order.check(spec.sink.gathered)
         ctx.sources = dict(spec.sink.sources)
         # Saved through save_for_backward (not held by ctx), so an enclosing checkpoint drops and recomputes them.
-        ctx.keys = list(store.items)
+        ctx.keys, ctx.on_host = list(store.items), frozenset(store.on_host)
         ctx.save_for_backward(hidden_BSD, *store.items.values())
         spec.sink.store = None
         return out_BSD
@@ -625,8 +720,9 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         if hidden_BSD.is_cuda and spec.owner.offload:
             torch.cuda.current_stream(hidden_BSD.device).wait_stream(_side_stream("d2h", hidden_BSD.device))
         store = spec.sink.store = _ChunkStore(spec.owner.offload, spec.owner.stats)
-        store.items = dict(zip(ctx.keys, saved))
+        store.adopt(dict(zip(ctx.keys, saved)), ctx.on_host, hidden_BSD.device)
         del saved
+        store.plan(_backward_units(ctx.sources, len(spec.bounds)))
         want_x = ctx.needs_input_grad[1]
         try:
             with _replay_autocast(ctx.autocast):
@@ -639,10 +735,44 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         return (None, grad_x, *[g if g is None else g.to(p.dtype) for g, p in zip(param_grads, ctx.params)])
 
 
+# The backward's order (`_backward_units` lists it; the loops below run it): (a) and the rowsums from the last query
+# chunk to the first; (b) key chunk i's blocks from the last query chunk to i itself, then (c) chunk i's projections.
+# Last-to-first puts the diagonal block last, next to (c): its dq is final there and stays on the device for (c),
+# and so does its merged output o_i (the flash kernels read it); the chunk written last in (a) is read last in (b).
+
+
+def _reader_order(readers: dict[int, str]) -> list[int]:
+    """Key chunk i's query chunks (j >= i, the diagonal among them) in the order (b) runs them: from the last."""
+    return sorted(readers, reverse=True)
+
+
+def _readers(sources: dict[int, dict[int, str]], chunks: int) -> dict[int, dict[int, str]]:
+    """Key chunk i -> {query chunk j attending it: the block's kernel kind}, from the forward's sources."""
+    return {i: {j: sources[j][i] for j in range(chunks) if i in sources[j]} for i in range(chunks)}
+
+
+def _backward_units(sources: dict[int, dict[int, str]], chunks: int) -> list[_Unit]:
+    """The host reads of the backward, unit by unit, in the order the loops below run them (the comment above)."""
+    last_first = range(chunks - 1, -1, -1)
+    units = [_Unit((("o", m),), short=True) for m in last_first]
+    units += [_Unit((("o", j), ("dout", j)), short=True) for j in last_first if MASKED in sources[j].values()]
+    written: set[int] = set()  # query chunks whose dq accumulator the store holds
+    for i, readers in _readers(sources, chunks).items():
+        for n, j in enumerate(_reader_order(readers)):
+            kv = (("k", i), ("v", i)) if n == 0 else ()
+            dq = (("dq", j),) if j in written else ()
+            units.append(_Unit((*kv, ("q", j), ("dout", j), ("lse", j), (_rows_key(readers[j]), j), *dq)))
+            written.add(j)
+        units.append(_Unit((("o", i),), short=True))
+    return units
+
+
 def _output_grads(spec: _ChunkSpec, rng: list, hidden_BSD: Tensor, grad_BSD: Tensor) -> None:
     """Phase (a): dO_m through the output projection (the attention output a leaf), and q_m, for every chunk."""
     sink, store = spec.sink, spec.sink.store
-    for m, (a, b) in enumerate(spec.bounds):
+    for m in range(len(spec.bounds) - 1, -1, -1):
+        a, b = spec.bounds[m]
+        store.next_unit(hidden_BSD.device)
         with _replay_rng(rng[m], hidden_BSD.device), torch.enable_grad():
             y_BcD = spec.run(hidden_BSD[:, a:b].detach(), m, "replay")
             leaf = sink.leaf
@@ -656,21 +786,22 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_B
     """Phases (b) and (c): FPDT's kv-outer / q-inner attention backward; after outer iteration i, chunk i's
     projections are backpropagated with (dOut_i, dq_i, dk_i, dv_i)."""
     sink, store, device = spec.sink, spec.sink.store, hidden_BSD.device
-    config, chunks = sink.config, len(spec.bounds)
-    for j in range(chunks):
+    chunks = len(spec.bounds)
+    for j in range(chunks - 1, -1, -1):
         # The PyTorch kernel takes the rowsums; the flash ops recompute them from the output.
         if MASKED in ctx.sources[j].values():
+            store.next_unit(device)
             o5, dout5 = store.get(("o", j), device), store.get(("dout", j), device)
             store.put(("delta", j), (dout5.float() * o5.float()).sum(-1))
     grad_x = torch.empty_like(hidden_BSD) if want_x else None
     param_grads: list[Tensor | None] = [None] * len(ctx.params)
-    readers = {i: {j: ctx.sources[j][i] for j in range(chunks) if i in ctx.sources[j]} for i in range(chunks)}
     with _Zero3Readiness(spec.into_grad, frozenset()) as readiness:
-        for i in range(chunks):
+        for i, readers in _readers(ctx.sources, chunks).items():
             # Queries see only chunks <= their own (under SP too, in FPDT's layout): after outer iteration i, dk_i,
             # dv_i and dq_i are complete.
-            dk4, dv4 = _kv_chunk_backward(spec, i, readers[i], device)
+            dk4, dv4 = _kv_chunk_backward(spec, i, readers, device)
             readiness.set(last_tile=i == chunks - 1)
+            store.next_unit(device)
             dqkv = (store.pop(("dq", i), device), dk4, dv4)
             del dk4, dv4
             grads = _projection_backward(spec, ctx, hidden_BSD, grad_BSD, i, dqkv, want_x)
@@ -685,30 +816,30 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_B
 
 
 def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: dict[int, str], device) -> tuple[Tensor, Tensor]:
-    """Outer iteration i: dk_i, dv_i over the query chunks j >= i that attend it (`readers`: j -> the block's kind);
-    dq_j accumulated in the store."""
+    """Outer iteration i: dk_i, dv_i over the query chunks j >= i that attend it (`readers`: j -> the block's kind),
+    the diagonal last; dq_j accumulated in the store (dq_i, final after the diagonal, on the device for phase (c))."""
     store, config = spec.sink.store, spec.sink.config
-    k4, v4 = store.get(("k", i), device), store.get(("v", i), device)
     ids_k = store.get(("idx", i), device), store.get(("doc", i), device)
-    dk4 = torch.zeros(k4.shape, dtype=torch.float32, device=device)
-    dv4 = torch.zeros(v4.shape, dtype=torch.float32, device=device)
-    order = list(readers)
-    for n, j in enumerate(order):
-        if n + 1 < len(order):
-            for name in ("q", "dout", "lse", _rows_key(readers[order[n + 1]]), "dq"):
-                store.prefetch((name, order[n + 1]), device)
+    k4 = v4 = dk4 = dv4 = None
+    for j in _reader_order(readers):
+        store.next_unit(device)
+        if k4 is None:
+            k4, v4 = store.get(("k", i), device), store.get(("v", i), device)
+            dk4 = torch.zeros(k4.shape, dtype=torch.float32, device=device)
+            dv4 = torch.zeros(v4.shape, dtype=torch.float32, device=device)
         kind, allowed = readers[j], None
         if kind == MASKED:
             allowed = allowed_pairs(store.get(("idx", j), device), store.get(("doc", j), device), *ids_k,
                                     config["window"])
-        merged = store.get((_rows_key(kind), j), device), store.get(("lse", j), device)
+        rows = _rows_key(kind)
+        merged = store.get((rows, j), device, keep=j == i and rows == "o"), store.get(("lse", j), device)
         dq5, dk, dv = block_backward(kind, store.get(("q", j), device), k4, v4, store.get(("dout", j), device),
                                      merged, allowed, config["scale"], config["softcap"])
         dk4 += dk
         dv4 += dv
-        if ("dq", j) in store.items:
+        if store.has(("dq", j)):
             dq5 = dq5 + store.get(("dq", j), device)
-        store.put(("dq", j), dq5)
+        store.put(("dq", j), dq5, offload=j != i)
     return dk4, dv4
 
 

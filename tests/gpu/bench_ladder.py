@@ -190,6 +190,8 @@ def measure(model, rung: str, seq: int, *, steps: int, device: str, warmup_seq: 
                 if plan.offloader is not None:
                     stats = plan.offloader.stats
                     record["offload"] = vars(stats).copy()
+                if plan.attn_chunk_stats is not None:  # totals over the warm-up, timed and profiled steps
+                    record["attn_chunk_reads"] = vars(plan.attn_chunk_stats).copy()
     except torch.OutOfMemoryError as exc:
         record.update(outcome="oom", error=str(exc).splitlines()[0][:300])
         record.update(_peaks(device))

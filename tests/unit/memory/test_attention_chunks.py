@@ -245,61 +245,110 @@ def test_attention_block_peak_no_longer_grows_with_its_full_sequence_tensors():
     assert chunked < 2.25 * hidden_bytes, (chunked / hidden_bytes, plain / hidden_bytes)
 
 
+def _one_attention_step(chunks: int, *, kv_heads: int = 8, seq: int = 96, batch: int = 2,
+                        checkpointed: bool = False) -> ChunkStats:
+    """Forward + backward of one attention module in `chunks` offloaded chunks, one document a row: its stats."""
+    from torch.utils.checkpoint import checkpoint
+
+    config = dict(WIDE, num_key_value_heads=kv_heads)
+    model = tiny_model("llama", **config)
+    attention = use_lstune_attention(model, backend="sdpa")
+    layers = model.model.layers[:1]
+    stats = ChunkStats()
+    undos = install_chunked_attention(layers, chunks, offload=True, stats=stats)
+    try:
+        hidden = torch.randn(batch, seq, config["hidden_size"], requires_grad=True)
+        positions = torch.arange(seq)[None].expand(batch, seq)
+        cos_sin = model.model.rotary_emb(hidden, positions)
+
+        def attend(x):
+            return layers[0].self_attn(hidden_states=x, position_embeddings=cos_sin, attention_mask=None,
+                                       position_ids=positions)[0]
+
+        out = checkpoint(attend, hidden, use_reentrant=False) if checkpointed else attend(hidden)
+        out.backward(torch.randn_like(out))
+    finally:
+        run_undos(undos)
+        attention.undo()
+    return stats
+
+
 @pytest.mark.parametrize("flash", [True, False], ids=["flash", "pytorch-kernel"])
 @pytest.mark.parametrize("chunks", [2, 4])
 @pytest.mark.parametrize("kv_heads", [8, 2])
 def test_offloaded_chunk_copies_are_what_the_estimate_counts(monkeypatch, chunks, kv_heads, flash):
-    """Every copy the chunk store makes to and from the host in one forward + backward of one attention module, counted
-    at the store, equals `offload_copy_bytes` (the estimate's traffic and exposed-copy time come from it). With
-    offload every stored tensor but the token ids ("idx", "doc") lives on the host. One document: every block takes
-    the flash kernel, unless the device has none."""
+    """Every copy the chunk store makes to and from the host in one forward + backward of one attention module
+    equals `offload_copy_bytes` (the estimate's traffic and exposed-copy time come from it). With offload every
+    stored tensor but the token ids ("idx", "doc") lives on the host. One document: every block takes the flash
+    kernel, unless the device has none."""
     from lstune.memory import attention_blocks
     from lstune.memory import attention_chunks as chunked
 
     if not flash:
         monkeypatch.delitem(attention_blocks.FLASH_OPS, "cpu")
+    stats = _one_attention_step(chunks, kv_heads=kv_heads)
+    head_dim = WIDE["hidden_size"] // WIDE["num_attention_heads"]
+    expected = chunked.offload_copy_bytes(2 * 96, chunks, WIDE["hidden_size"], kv_heads * head_dim,
+                                          WIDE["num_attention_heads"], element_size=4, flash=flash)
+    assert (stats.bytes_to_host, stats.bytes_from_host) == expected
 
-    counted = {"out": 0, "in": 0}
-    put, get = chunked._ChunkStore.put, chunked._ChunkStore.get
 
-    def on_host(store, key, offload=True) -> bool:
-        return store.offload and offload and key[0] not in ("idx", "doc")
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "pytorch-kernel"])
+@pytest.mark.parametrize("chunks", [3, 4, 6])
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_every_host_read_but_the_first_of_a_backward_is_fetched_a_unit_ahead(monkeypatch, chunks, flash,
+                                                                               checkpointed):
+    """The store's schedule starts each host chunk's copy at least one compute unit before the unit that reads it
+    (on CUDA, the copy hides under that unit), in the forward (each key chunk under the block before it; the next
+    query chunk's first under this one's last block), and in backward but for its very first read: the last
+    chunk's output, which nothing runs before. A forward re-run by a checkpoint is fetched ahead the same way."""
+    from lstune.memory import attention_blocks
 
-    def counting_put(self, key, tensor, *, offload=True):
-        counted["out"] += tensor.numel() * tensor.element_size() if on_host(self, key, offload) else 0
-        return put(self, key, tensor, offload=offload)
-
-    def counting_get(self, key, device):
-        tensor = get(self, key, device)
-        counted["in"] += tensor.numel() * tensor.element_size() if on_host(self, key) else 0
-        return tensor
-
-    monkeypatch.setattr(chunked._ChunkStore, "put", counting_put)
-    monkeypatch.setattr(chunked._ChunkStore, "get", counting_get)
-    config = dict(WIDE, num_key_value_heads=kv_heads)
-    model = tiny_model("llama", **config)
-    attention = use_lstune_attention(model, backend="sdpa")
-    layers = model.model.layers[:1]
-    seq, batch = 96, 2
-    undos = install_chunked_attention(layers, chunks, offload=True, stats=ChunkStats())
-    try:
-        hidden = torch.randn(batch, seq, config["hidden_size"], requires_grad=True)
-        positions = torch.arange(seq)[None].expand(batch, seq)
-        out = layers[0].self_attn(hidden_states=hidden, position_embeddings=model.model.rotary_emb(hidden, positions),
-                                  attention_mask=None, position_ids=positions)[0]
-        out.backward(torch.randn_like(out))
-    finally:
-        run_undos(undos)
-        attention.undo()
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    expected = chunked.offload_copy_bytes(batch * seq, chunks, config["hidden_size"], kv_heads * head_dim,
-                                          config["num_attention_heads"], element_size=4, flash=flash)
-    assert (counted["out"], counted["in"]) == expected
+    if not flash:
+        monkeypatch.delitem(attention_blocks.FLASH_OPS, "cpu")
+    stats = _one_attention_step(chunks, checkpointed=checkpointed)
+    assert stats.reads_late == 1
+    forward_reads = chunks * (chunks - 1)  # k and v of every earlier chunk, per chunk
+    assert stats.reads_ahead > (2 if checkpointed else 1) * forward_reads
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Settings and refusals
 # --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+def test_which_earlier_key_chunks_a_query_chunk_attends_is_decided_exactly_from_their_edges(window):
+    """`block_kinds`' skipped blocks (None; the forward's plan: which blocks run and are fetched) against the full
+    mask of every block, on rows of random packed documents cut at random chunk edges."""
+    from lstune.memory.attention_blocks import allowed_pairs, block_kinds
+
+    q5 = torch.zeros(2, 1, 1, 8, 4)
+    k4 = torch.zeros(2, 1, 8, 4)
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        seq = 64
+        positions = []
+        for _row in range(2):
+            row, left = [], seq
+            while left:
+                length = min(left, int(torch.randint(1, 30, (1,), generator=generator)))
+                row += list(range(length))
+                left -= length
+            positions.append(row)
+        positions = torch.tensor(positions)
+        index = torch.arange(seq).expand(2, seq)
+        doc = index - positions
+        edges = sorted({0, seq, *torch.randint(1, seq, (3,), generator=generator).tolist()})
+        cuts = list(zip(edges, edges[1:]))
+        for m, (qa, qb) in enumerate(cuts):
+            for ka, kb in cuts[:m]:
+                ids_q, ids_k = (index[:, qa:qb], doc[:, qa:qb]), (index[:, ka:kb], doc[:, ka:kb])
+                expected = bool(allowed_pairs(*ids_q, *ids_k, window).any())
+                attended = block_kinds(q5, k4, k4, ids_q, [ids_k, ids_q], window, None)
+                assert attended[1] is not None  # the diagonal, always
+                assert (attended[0] is not None) == expected, (positions.tolist(), (qa, qb), (ka, kb))
 
 
 def test_chunk_counts():
