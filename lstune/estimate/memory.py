@@ -466,14 +466,21 @@ def _chunks_saved_per_token(shape: ModelShape, act: int, res: int) -> int:
     """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output, and the
     output's log-sum-exp in fp32 (one per head). k and the output are in the rotated q/k's dtype (`_rotated`), v in
     the activation dtype (a fused qkv projection's v is saved as its own copy, not as a view of the whole output)."""
-    rotated = _rotated(act, res)
-    return rotated * (shape.kv_width + shape.q_width) + act * shape.kv_width + 4 * shape.heads
+    return sum(_chunk_items(shape, act, res)[0])
 
 
 def _chunks_backward_per_token(shape: ModelShape, act: int, res: int) -> int:
     """What FPDT's backward adds per token of the live layer: q and the output gradient dO (the rotated dtype),
     rowsum(dO ∘ o) and the dq accumulators (fp32): all of them after the first key chunk's iteration."""
-    return _rotated(act, res) * 2 * shape.q_width + 4 * shape.heads + 4 * shape.q_width
+    return sum(_chunk_items(shape, act, res)[1])
+
+
+def _chunk_items(shape: ModelShape, act: int, res: int) -> tuple[list[int], list[int]]:
+    """Bytes per token of each tensor the chunk store keeps per chunk: (saved in forward: k, v, output, lse;
+    stored in backward: q, dO, rowsums, dq) — `_chunks_saved_per_token` and `_chunks_backward_per_token`."""
+    rotated = _rotated(act, res)
+    saved = [rotated * shape.kv_width, act * shape.kv_width, rotated * shape.q_width, 4 * shape.heads]
+    return saved, [rotated * shape.q_width, rotated * shape.q_width, 4 * shape.heads, 4 * shape.q_width]
 
 
 def _rotated(act: int, res: int) -> int:
@@ -492,13 +499,16 @@ def _sample_chunk(s: Settings) -> int:
 
 def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
     """Host bytes of the offloaded chunks at the peak (the live layer's attention backward): what its forward saved
-    and what its backward stores (`_chunks_*_per_token`), plus one chunk's fp32 dk and dv. Copies are exact here;
-    CUDA's pinned allocator rounds each chunk's copy up to a power of two (none for power-of-two chunk lengths)."""
+    and what its backward stores (`_chunk_items`, one copy of each per chunk), plus one chunk's fp32 dk and dv. On
+    CUDA each copy is pinned, rounded up to a power of two by torch's caching host allocator (`pinned_bytes`):
+    nothing for power-of-two chunk lengths, a third more for 96K-token chunks (768K in 8) — uncounted before, when
+    the first emulated try at the longest length was killed by the OOM killer (2026-11-26)."""
     if s.attn_chunk_count <= 1 or not s.offload_checkpoints:
         return 0
     act, res = dtypes(s)["act"], dtypes(s)["residual"]
-    per_token = _chunks_saved_per_token(shape, act, res) + _chunks_backward_per_token(shape, act, res)
-    return s.local_tokens * per_token + _chunk_tokens(s) * 8 * shape.kv_width
+    saved, stored = _chunk_items(shape, act, res)
+    chunks, c = s.attn_chunk_count, _chunk_tokens(s)
+    return chunks * sum(_pinned(c * item, s.on_cuda) for item in saved + stored) + c * 8 * shape.kv_width
 
 
 def _score_tiles(shape: ModelShape, s: Settings) -> int:

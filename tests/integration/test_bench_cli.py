@@ -128,9 +128,21 @@ def test_a_bench_stopped_by_sigterm_keeps_its_finished_trials_and_leaves_no_tria
     assert [t["id"] for t in bench["trials"]] == [1] and bench["trials"][0]["outcome"] == "ok"
     assert any("Interrupted (SIGTERM) during trial 2" in note for note in bench["notes"])
     assert "Interrupted (SIGTERM)" in (out / "bench.md").read_text()
+    # Every process the bench had started ends within seconds: the trial is killed and waited for; the forkserver
+    # that forked it exits with the bench, tearing its memory down for a moment (state R, no command line). A trial
+    # left running would go on for minutes (the 32K trial).
+    deadline = time.time() + 15
     for pid in running:
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        assert state == "Z", f"trial process {pid} still running"
+        while (state := _process_state(pid)) not in (None, "Z") and time.time() < deadline:
+            time.sleep(0.1)
+        assert state in (None, "Z"), f"process {pid} still running (state {state})"
+    assert not (out / "trials" / "trial-2.json").exists()  # what a trial that ran on to its end would have written
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of a process (/proc), None when it has gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None

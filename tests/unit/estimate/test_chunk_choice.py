@@ -89,3 +89,30 @@ def test_chunks_shorter_than_the_hiding_length_pay_for_their_copies():
     assert short.to_dict()["host_copies"]["chunk_in_bytes"] == 32 * into
     # The checkpoints' copies (out and back, 31 layers on the host) are counted, not timed: they hide (MEMO Eq. 1).
     assert hidden.copies.checkpoint_bytes == 2 * hidden.breakdown.placement.host_bytes() > 0
+
+
+def _chunk_host_bytes(seq_len: int, chunks: int, gpu: str) -> tuple[int, int]:
+    """(the estimate's host bytes of the live layer's offloaded chunks, the same copies' exact bytes)."""
+    config = TrainConfig.from_flat({"model": "llama-3.1-8b", "seq_len": seq_len, "lora_r": 16,
+                                    "offload_checkpoints": True, "mini_sequence": False, "attn_chunks": chunks})
+    e = estimate(config, resolve_hardware(gpu=gpu, host_mem=128 * GiB), suggest=False)
+    (held,) = [item.host for item in e.breakdown.items if item.name.startswith("attention chunks on the host")]
+    c = seq_len // chunks
+    # Per chunk: k, v (1024 wide), output (4096), lse (32 heads, fp32); q, dO (4096), rowsums (fp32), dq (fp32 4096),
+    # in bf16 on CUDA, fp32 on CPU.
+    b = 4 if gpu == "cpu" else 2
+    per_token = b * 1024 + b * 1024 + b * 4096 + 4 * 32 + b * 4096 + b * 4096 + 4 * 32 + 4 * 4096
+    return held, seq_len * per_token + c * 8 * 1024
+
+
+def test_offloaded_chunks_count_the_pinned_allocators_power_of_two_rounding():
+    """On CUDA every chunk copy is pinned, and torch's caching host allocator rounds each up to a power of two: 96K
+    chunks (768K in 8) hold a third more than their bytes, power-of-two chunks (512K in 8) nothing more; on CPU
+    the copies are exact. The estimate's host total, and the checkpoints it places beside them, follow."""
+    held, exact = _chunk_host_bytes(768 * K, 8, "h100-80gb")
+    dk_dv = 96 * K * 8 * 1024
+    assert held - dk_dv == pytest.approx((exact - dk_dv) * 4 / 3)
+    held, exact = _chunk_host_bytes(512 * K, 8, "h100-80gb")
+    assert held == exact
+    held, exact = _chunk_host_bytes(768 * K, 8, "cpu")
+    assert held == exact
