@@ -327,7 +327,10 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
     ]
     _add_peak_phase(b, s, phases, all_grad, placed.host)
     if chunk_host_bytes(shape, s):
-        b.add("attention chunks on the host (FPDT, the live layer's)", 0, chunk_host_bytes(shape, s))
+        c = _sample_chunk(s)
+        detail = f"{s.attn_chunk_count} chunks of {c:,} tokens" + (
+            "; pinned, each copy rounded up to a power of two" if s.on_cuda and c & (c - 1) else "")
+        b.add("attention chunks on the host (FPDT, the live layer's)", 0, chunk_host_bytes(shape, s), detail)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
 
 
