@@ -491,7 +491,7 @@ def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) 
     """Chunk m's queries against the keys/values of the chunks they see (of chunks 0..m, k_m/v_m just stored),
     merged; records which chunks contributed and the kernel each block took (`sink.sources`). The reads are planned
     first, so each block's keys/values are fetched under the block before it, and the next chunk's first ones (a
-    guess: the same key chunk as this chunk's first) under this chunk's last block."""
+    guess, `_next_first_block`) under this chunk's last block."""
     store, m, config = sink.store, sink.m, sink.config
     device = query.device
     q5 = _to5(query, config["kv_heads"])
@@ -502,8 +502,8 @@ def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) 
     sink.sources[m] = blocks
     units = [_Unit(() if i == m else (("k", i), ("v", i))) for i in blocks]
     if m + 1 < len(sink.spec.bounds):
-        first = next(iter(blocks))
-        units.append(_Unit((("k", first), ("v", first))))
+        guess = _next_first_block(next(iter(blocks)), m, config["window"])
+        units.append(_Unit((("k", guess), ("v", guess))))
     store.plan(units)
     acc_out = acc_lse = None
     for i, kind in blocks.items():
@@ -515,6 +515,13 @@ def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) 
         out, lse = block_forward(kind, q5, k4, v4, allowed, config["scale"], config["softcap"])
         acc_out, acc_lse = merge(acc_out, acc_lse, out, lse)
     return acc_out.to(query.dtype), acc_lse
+
+
+def _next_first_block(first: int, m: int, window: int | None) -> int:
+    """The key chunk chunk m + 1 likely reads first, from chunk m's first (`first`): the same one without a sliding
+    window (causal: chunk 0); with one, the next once the window has started sliding (it keeps its distance back).
+    A wrong guess costs one late read; its copy is dropped when the next chunk plans."""
+    return first + 1 if window is not None and 0 < first < m else first
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -317,6 +317,30 @@ def test_every_host_read_but_the_first_of_a_backward_is_fetched_a_unit_ahead(mon
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("chunks", [4, 6])
+def test_a_sliding_windows_key_chunks_are_fetched_ahead_once_it_slides(chunks):
+    """Mistral's 16-token window over 24-token chunks: chunk m reads key chunks m - 1 and m. The forward guesses
+    each next chunk's first key chunk one further once the window slides, so it misses once (chunk 2, when it
+    starts sliding: its k and v), whatever the chunk count; with the backward's first read, three late reads."""
+    model = tiny_model("mistral")
+    assert model.config.sliding_window == 16
+    attention = use_lstune_attention(model, backend="sdpa")
+    layers = model.model.layers[:1]
+    stats = ChunkStats()
+    undos = install_chunked_attention(layers, chunks, offload=True, stats=stats)
+    seq = 24 * chunks
+    try:
+        hidden = torch.randn(1, seq, model.config.hidden_size, requires_grad=True)
+        positions = torch.arange(seq)[None]
+        out = layers[0].self_attn(hidden_states=hidden, position_embeddings=model.model.rotary_emb(hidden, positions),
+                                  attention_mask=None, position_ids=positions)[0]
+        out.backward(torch.randn_like(out))
+    finally:
+        run_undos(undos)
+        attention.undo()
+    assert stats.reads_late == 3
+
+
 @pytest.mark.parametrize("window", [None, 1, 5, 40])
 def test_which_earlier_key_chunks_a_query_chunk_attends_is_decided_exactly_from_their_edges(window):
     """`block_kinds`' skipped blocks (None; the forward's plan: which blocks run and are fetched) against the full
