@@ -136,21 +136,23 @@ def test_long_documents_run_the_cuda_flash_kernel_and_stay_close(monkeypatch):
         assert err < 5e-2, f"{name}: relative gradient error {err:.2e}"
 
 
-def test_offloaded_reads_on_their_schedule_equal_the_device_store_bit_for_bit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offloaded_reads_on_their_schedule_equal_the_device_store(dtype):
     """The chunk store's reads run ahead on two side streams, each host-to-device copy waiting only for its own
-    key's device-to-host copy: a missed wait would read a chunk before it landed. bf16 Llama attention on one
-    8,192-token document in 4 chunks (flash blocks): the output and every gradient with the chunks offloaded equal
-    those with the chunks kept on the device bit for bit, and every host read but the backward's first started a
-    unit ahead."""
+    key's device-to-host copy: a missed wait would read a chunk before it landed. Llama attention on one
+    8,192-token document in 4 chunks: the output and every gradient with the chunks offloaded equal those with the
+    chunks kept on the device — bit for bit in fp32 (the PyTorch block kernel: deterministic), within run-to-run
+    noise in bf16 (the fused kernels' backward accumulates dq with atomics) — and every host read but the
+    backward's first started a unit ahead."""
     model = tiny_model("llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
-                       intermediate_size=1024).to("cuda", torch.bfloat16)
+                       intermediate_size=1024).to("cuda", dtype)
     attention = use_lstune_attention(model, backend="sdpa")
     layers = model.model.layers[:1]
     module = layers[0].self_attn
     seq = 8192
     generator = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, seq, 1024, device="cuda", dtype=torch.bfloat16, generator=generator)
-    grad_out = torch.randn(1, seq, 1024, device="cuda", dtype=torch.bfloat16, generator=generator)
+    x = torch.randn(1, seq, 1024, device="cuda", dtype=dtype, generator=generator)
+    grad_out = torch.randn(1, seq, 1024, device="cuda", dtype=dtype, generator=generator)
     positions = torch.arange(seq, device="cuda")[None]
     cos_sin = model.model.rotary_emb(x, positions)
     results = {}
@@ -172,4 +174,8 @@ def test_offloaded_reads_on_their_schedule_equal_the_device_store_bit_for_bit():
             assert stats.host_bytes == 0
     attention.undo()
     for kept, offloaded in zip(results[False], results[True]):
-        assert torch.equal(kept, offloaded)
+        if dtype == torch.float32:
+            assert torch.equal(kept, offloaded)
+        else:
+            err = (kept.float() - offloaded.float()).norm() / kept.float().norm().clamp_min(1e-12)
+            assert err < 1e-2, f"relative difference {err:.2e}"
