@@ -321,10 +321,14 @@ def _device_budget_problems(budget, checkpointing: bool) -> list[str]:
     return []
 
 
-def zero_problems(stage: str | int, *, processes: int, offload_optimizer: bool, offload_params: bool) -> list[str]:
+def zero_problems(stage: str | int, *, processes: int, offload_optimizer: bool, offload_params: bool,
+                  offload_ratio: float = 1.0) -> list[str]:
     """The ZeRO stage rules, for a config ("auto" or "0"-"3") and for the stage an engine is built with."""
     stage = str(stage)
     problems = []
+    if offload_ratio < 1 and (stage != "3" or not offload_optimizer):
+        problems.append(f"--offload-ratio {offload_ratio:g} splits the optimizer state DeepSpeed offloads: it needs "
+                        "--zero-stage 3 --offload-optimizer (or drop it: 1 keeps all of it on the host).")
     if stage == "0" and (processes > 1 or offload_optimizer or offload_params):
         problems.append(
             "--zero-stage 0 is plain single-device AdamW: with several processes or host offload use 1, 2 or 3."
@@ -364,6 +368,13 @@ class ParallelSection:
     offload_params: bool | None = _opt(
         None, "Keep weights in host memory (ZeRO-3); default: decided with --zero-stage auto.", p.parse_bool
     )
+    offload_ratio: float = _opt(
+        1.0,
+        "With --zero-stage 3 --offload-optimizer: the fraction of the optimizer state (fp32 master weights, Adam "
+        "moments, their gradients) kept on the host; the rest stays on the GPU and is stepped there (DeepSpeed's "
+        "partial offload), for a host that cannot hold it all (`lstune estimate` says how much fits).",
+        partial(p.parse_float, above=0.0, maximum=1.0),
+    )
     hostfile: str | None = _opt(
         None, "DeepSpeed hostfile for multi-node runs (one line per node: `node-1 slots=8`).",
         p.parse_optional_str,
@@ -378,7 +389,7 @@ class ParallelSection:
             processes = self.gpus
         problems += zero_problems(
             self.zero_stage, processes=processes, offload_optimizer=bool(self.offload_optimizer),
-            offload_params=bool(self.offload_params),
+            offload_params=bool(self.offload_params), offload_ratio=self.offload_ratio,
         )
         if self.hostfile is not None and not Path(self.hostfile).is_file():
             problems.append(f"--hostfile {self.hostfile!r} does not exist; write one line per node: `node-1 slots=8`.")

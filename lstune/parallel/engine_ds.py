@@ -48,6 +48,12 @@ DS_TAG = "deepspeed"
 EXPORT_SHARD_BYTES = 2 * 1024**3
 
 
+# Under partial optimizer offload (--offload-ratio below 1) each rank's parameters are cut into this many optimizer
+# sub-groups; DeepSpeed keeps the first int((1 - ratio) * n) on the GPU, so the ratio is honoured to 1/n.
+PARTIAL_SUB_GROUPS = 32
+GPU_OPTIMIZER_FILE = "gpu_optimizer_rank{rank}.pt"
+
+
 @dataclass(frozen=True)
 class ZeroPlan:
     stage: int
@@ -55,6 +61,12 @@ class ZeroPlan:
     offload_params: bool
     bytes_per_device: int  # weights + gradients + optimizer state resident on each device
     reason: str
+    offload_ratio: float = 1.0  # of the offloaded optimizer state, the fraction on the host (the rest on the GPU)
+
+
+def partial_sub_group_size(numel_per_rank: int) -> int:
+    """DeepSpeed's sub_group_size that cuts a rank's parameters into PARTIAL_SUB_GROUPS optimizer sub-groups."""
+    return max(1, -(-numel_per_rank // PARTIAL_SUB_GROUPS))
 
 
 def deepspeed_config(
@@ -65,9 +77,13 @@ def deepspeed_config(
     bf16: bool,
     max_grad_norm: float,
     pin_memory: bool,
+    offload_ratio: float = 1.0,
+    sub_group_size: int | None = None,
 ) -> dict[str, Any]:
-    """The DeepSpeed config dict lstune runs with (the loop owns the batch and the accumulation window)."""
-    problems = zero_problems(zero_stage, processes=1, offload_optimizer=offload_optimizer, offload_params=offload_params)
+    """The DeepSpeed config dict lstune runs with (the loop owns the batch and the accumulation window).
+    `offload_ratio` below 1: that fraction of the optimizer sub-groups (`sub_group_size` elements each) on the host."""
+    problems = zero_problems(zero_stage, processes=1, offload_optimizer=offload_optimizer, offload_params=offload_params,
+                             offload_ratio=offload_ratio)
     if zero_stage not in (1, 2, 3):
         problems.append(
             f"--zero-stage {zero_stage} is not supported with DeepSpeed; use 1, 2 or 3 (ZeRO-1 communicates "
@@ -78,6 +94,9 @@ def deepspeed_config(
     zero: dict[str, Any] = {"stage": zero_stage}
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+        if offload_ratio < 1:
+            zero["offload_optimizer"]["ratio"] = offload_ratio
+            zero["sub_group_size"] = sub_group_size or 10**9
     if offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
     if zero_stage == 3:
@@ -96,6 +115,48 @@ def deepspeed_config(
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+
+
+def _gpu_optimizer_states(optimizer) -> dict[int, dict] | None:
+    """Under partial offload, the Adam state of the sub-groups kept on the GPU, by sub-group index; None otherwise.
+
+    Why by hand: DeepSpeed (0.19) steps those sub-groups with a separate torch AdamW (`backup_optimizer`) whose
+    state its checkpoint leaves out — a resume would restart their moments and step count, silently."""
+    backup = getattr(optimizer, "backup_optimizer", None)
+    if backup is None:
+        return None
+    groups = optimizer.fp32_partitioned_groups_flat
+    return {i: dict(backup.state[group]) for i, group in enumerate(groups) if group in backup.state}
+
+
+def _sync_gpu_optimizer_settings(optimizer) -> None:
+    """Under partial offload, the schedule's learning rate (and every other setting) of each parameter group into
+    DeepSpeed's `backup_optimizer` too: it copies group 0's settings once, when it is built, so without this the
+    sub-groups on the GPU would train at the first step's learning rate throughout (deepspeed 0.19)."""
+    backup = getattr(optimizer, "backup_optimizer", None)
+    if backup is None:
+        return
+    for main, gpu in zip(optimizer.optimizer.param_groups, backup.param_groups):
+        gpu.update({k: v for k, v in main.items() if k != "params"})
+
+
+def _load_gpu_optimizer_states(optimizer, path: Path) -> None:
+    """The GPU sub-groups' Adam state `_gpu_optimizer_states` saved, into this engine's (same world and ratio)."""
+    backup = getattr(optimizer, "backup_optimizer", None)
+    if backup is None:
+        return
+    if not path.is_file():
+        raise CheckpointError(f"{path.parent.parent} has no {path.name}: it was not written with this --offload-ratio "
+                              "(the GPU part of the optimizer state). Resume with the settings that wrote it.")
+    import torch
+
+    states = torch.load(path, map_location="cpu", weights_only=True)
+    groups = optimizer.fp32_partitioned_groups_flat
+    for i, state in states.items():
+        if i >= len(groups):
+            raise CheckpointError(f"{path} holds optimizer sub-group {i}; this run has {len(groups)}: resume with "
+                                  "the model, processes and --offload-ratio that wrote it.")
+        backup.state[groups[i]] = {k: v.to(groups[i].device) if k != "step" else v for k, v in state.items()}
 
 
 def gradient_divisor(zero_stage: int, dims: "ParallelDims") -> int:
@@ -165,13 +226,14 @@ class DeepSpeedEngine:
         with without_inference_shm_op():
             deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
         zero_stage = zero.stage
-        config = deepspeed_config(
-            zero_stage=zero_stage, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
-            bf16=bf16, max_grad_norm=optim.max_grad_norm, pin_memory=on_cuda,
-        )
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise RuntimeError("the model has no trainable parameters")
+        config = deepspeed_config(
+            zero_stage=zero_stage, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
+            bf16=bf16, max_grad_norm=optim.max_grad_norm, pin_memory=on_cuda, offload_ratio=zero.offload_ratio,
+            sub_group_size=partial_sub_group_size(sum(p.numel() for p in params) // dims.world_size),
+        )
         optimizer = _adamw(params, optim, on_host=zero.offload_optimizer)
         scheduler = make_scheduler(optimizer, optim)
         self.dims = dims
@@ -205,6 +267,7 @@ class DeepSpeedEngine:
     def step(self) -> dict[str, float]:
         """Reduce, clip, update, advance the schedule and zero gradients; {"grad_norm", "lr"}."""
         lr = float(self.scheduler.get_last_lr()[0])
+        _sync_gpu_optimizer_settings(self._ds.optimizer)
         self._ds.step()
         norm = self._ds.get_global_grad_norm()
         return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr}
@@ -216,6 +279,11 @@ class DeepSpeedEngine:
         filesystem.
         """
         self._ds.save_checkpoint(str(ckpt_dir), tag=DS_TAG, save_latest=False)
+        states = _gpu_optimizer_states(self._ds.optimizer)
+        if states is not None:
+            import torch
+
+            torch.save(states, Path(ckpt_dir) / DS_TAG / GPU_OPTIMIZER_FILE.format(rank=self.dims.rank))
 
     def load(self, ckpt_dir: Path) -> None:
         if not (Path(ckpt_dir) / DS_TAG).is_dir():
@@ -228,6 +296,8 @@ class DeepSpeedEngine:
         )
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
+        _load_gpu_optimizer_states(self._ds.optimizer, Path(ckpt_dir) / DS_TAG / GPU_OPTIMIZER_FILE.format(
+            rank=self.dims.rank))
         apply_optim_settings(self.optimizer, self.scheduler, self._optim)
 
     def export(self, out_dir: Path, *, merge_lora: bool = False) -> None:

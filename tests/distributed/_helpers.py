@@ -140,3 +140,15 @@ def _relative_grad_diff(grads: dict, ref_grads: dict) -> float:
     scale = max(float(g.abs().max()) for g in ref_grads.values())
     return max(float((grads[k] - g).abs().max()) / max(float(g.abs().max()), 1e-3 * scale) for k, g in ref_grads.items()
                if k in grads)
+
+
+def label_gpu_sub_groups(engine, offload_ratio: float) -> int:
+    """Under partial optimizer offload DeepSpeed steps the sub-groups it keeps on the accelerator with a torch AdamW
+    (`backup_optimizer`) — on the CPU accelerator every sub-group is "cpu", so that path never runs. Label the first
+    int((1 - ratio) · n) sub-groups as DeepSpeed does on CUDA (the tensors stay where they are): their steps then
+    take the AdamW, as on a GPU. The number labelled."""
+    optimizer = engine._ds.optimizer
+    count = int((1 - offload_ratio) * len(optimizer.fp32_partitioned_groups_flat)) if offload_ratio < 1 else 0
+    for i in range(count):
+        optimizer.subgroup_to_device[i] = "cuda"
+    return count

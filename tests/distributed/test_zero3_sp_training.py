@@ -52,7 +52,8 @@ def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, f
 
 
 def _train_worker(
-    rank: int, world: int, sp: int, stage: int, arch: str, memory: dict | None = None, offload: tuple = (False, False)
+    rank: int, world: int, sp: int, stage: int, arch: str, memory: dict | None = None, offload: tuple = (False, False),
+    offload_ratio: float = 1.0,
 ) -> dict:
     import copy
 
@@ -60,7 +61,7 @@ def _train_worker(
     from lstune.parallel.engine_ds import DeepSpeedEngine, ZeroPlan
     from lstune.parallel.sp_data import SPDataAdapter
     from lstune.parallel.ulysses import apply_ulysses
-    from tests.distributed._helpers import loss_sum, tiny_model, train_steps
+    from tests.distributed._helpers import label_gpu_sub_groups, loss_sum, tiny_model, train_steps
 
     samples = _samples(world)
     model = tiny_model(arch)
@@ -75,11 +76,15 @@ def _train_worker(
 
         plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // sp)
         compute_loss_sum, chunks, fused = plan.loss_sum, plan.attn_chunking, plan.final_norm_fused
-    engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, *offload, 0, "test"), bf16=False)
+    zero = ZeroPlan(stage, *offload, 0, "test", offload_ratio)
+    engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=zero, bf16=False)
+    label_gpu_sub_groups(engine, offload_ratio)
     batches = iter(SPDataAdapter(samples[rank::world], dims, chunks=chunks))
     losses = train_steps(engine, batches, STEPS, ACCUM, compute_loss_sum)
     handle.undo()
-    return {"losses": losses, "reference": reference, "final_norm_fused": fused}
+    backup = getattr(engine._ds.optimizer, "backup_optimizer", None)  # partial offload: the GPU sub-groups' AdamW
+    return {"losses": losses, "reference": reference, "final_norm_fused": fused,
+            "gpu_sub_groups": len(backup.state) if backup is not None else 0}
 
 
 def _global_order(samples: list[dict], world: int, sp: int) -> list[dict]:
@@ -107,6 +112,14 @@ def test_zero3_sp_with_optimizer_and_weights_on_the_host_matches_single_process(
     The first run on a machine compiles DeepSpeed's cpu_adam op (~1-2 min, cached afterwards).
     """
     _check(pools[2].run(_train_worker, 2, 3, "tiny-llama", None, (True, True), timeout=600)[0])
+
+
+def test_zero3_sp_with_part_of_the_optimizer_on_the_host_matches_single_process(pools):
+    """--offload-ratio 0.5: DeepSpeed keeps half of the optimizer sub-groups on the (here CPU) device, stepped by a
+    torch AdamW, the other half in DeepSpeedCPUAdam on the host — still the single-process losses and norms."""
+    result = pools[2].run(_train_worker, 2, 3, "tiny-llama", None, (True, True), 0.5, timeout=600)[0]
+    assert result["gpu_sub_groups"] > 0  # the device's sub-groups took their steps in the torch AdamW
+    _check(result)
 
 
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen3"])
