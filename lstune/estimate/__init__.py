@@ -191,14 +191,14 @@ def engine_candidates(config: TrainConfig, hardware: Cluster) -> list[Engine]:
     p = config.parallel
     world = hardware.world_size
     problems = zero_problems(p.zero_stage, processes=world, offload_optimizer=bool(p.offload_optimizer),
-                             offload_params=bool(p.offload_params))
+                             offload_params=bool(p.offload_params), offload_ratio=p.offload_ratio)
     if problems:
         raise ConfigError(problems)
     if p.zero_stage != "auto":
         stage = int(p.zero_stage)
         if stage == 0:
             return [Engine("torch")]
-        return [Engine("deepspeed", stage, bool(p.offload_optimizer), bool(p.offload_params))]
+        return [Engine("deepspeed", stage, bool(p.offload_optimizer), bool(p.offload_params), p.offload_ratio)]
     if p.offload_optimizer or p.offload_params:
         return [Engine("deepspeed", 3, True if p.offload_optimizer is None else bool(p.offload_optimizer),
                        bool(p.offload_params))]
@@ -497,7 +497,7 @@ def step_seconds(flops: StepFlops, hardware: Cluster, sp: int, engine: Engine, p
     DeepSpeed's CPU Adam (an order of magnitude, not measured here)."""
     d = hardware.device
     compute = (flops.hardware_matmul / (d.matmul_tflops * 1e12) + flops.hardware_attention / (d.attention_tflops * 1e12)) / sp
-    host_adam = params.trainable / hardware.world_size * 2e-9 if engine.offload_optimizer else 0.0
+    host_adam = params.trainable / hardware.world_size * 2e-9 * engine.offload_ratio if engine.offload_optimizer else 0.0
     return compute + host_adam
 
 
@@ -538,6 +538,9 @@ _CHANGES: list[tuple[str, dict]] = [
     ("--zero-stage 3 --offload-optimizer", {"zero_stage": "3", "offload_optimizer": True}),
     ("--zero-stage 3 --offload-optimizer --offload-params", {"zero_stage": "3", "offload_optimizer": True,
                                                              "offload_params": True}),
+    *((f"--zero-stage 3 --offload-optimizer --offload-params --offload-ratio {r:g}",
+       {"zero_stage": "3", "offload_optimizer": True, "offload_params": True, "offload_ratio": r})
+      for r in (0.75, 0.5, 0.25)),
 ]
 
 
@@ -551,7 +554,7 @@ def cheapest_changes(config: TrainConfig, hardware: Cluster, model_config, param
         if all(current.get(k) == v for k, v in change.items()):
             continue
         found += _try(config, hardware, model_config, params, flags, change)
-        if len(found) >= limit:
+        if sum(s.fits for s in found) >= limit:
             break
     combined = {k: v for _, change in _CHANGES[3:5] for k, v in change.items()}
     if not any(s.fits for s in found):

@@ -70,16 +70,19 @@ class Engine:
     zero_stage: int = 0
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_ratio: float = 1.0  # of the offloaded optimizer state, the fraction on the host (ZeRO-3)
 
     def describe(self) -> str:
         if self.kind == "torch":
             return "AdamW on one device (no ZeRO)"
-        offload = [name for name, on in (("optimizer", self.offload_optimizer), ("params", self.offload_params)) if on]
+        optimizer = "optimizer" if self.offload_ratio >= 1 else f"optimizer ({self.offload_ratio:.0%} of it)"
+        offload = [name for name, on in ((optimizer, self.offload_optimizer), ("params", self.offload_params)) if on]
         return f"DeepSpeed ZeRO-{self.zero_stage}" + (f" + {' + '.join(offload)} offload" if offload else "")
 
     def to_dict(self) -> dict:
         return {"kind": self.kind, "zero_stage": self.zero_stage, "offload_optimizer": self.offload_optimizer,
-                "offload_params": self.offload_params, "description": self.describe()}
+                "offload_params": self.offload_params, "offload_ratio": self.offload_ratio,
+                "description": self.describe()}
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,9 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
     grads = p.trainable * DS_GRAD_BYTES // (world if e.zero_stage >= 2 else 1)
     optim = p.trainable * DS_OPTIM_BYTES // world
     where = "host" if e.offload_optimizer else "device"
+    if e.offload_optimizer and shard and e.offload_ratio < 1:
+        _partial_offload(b, p.trainable // world, e.offload_ratio, pinned)
+        return
     if e.offload_optimizer and shard:
         b.add("gradients", 0, zero3_host_gradient_bytes(p.trainable // world, pinned),
               "fp32, sharded, on the host twice: the flat buffer and one per optimizer sub-group"
@@ -251,6 +257,33 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
               f"fp32, {'sharded' if e.zero_stage >= 2 else 'replicated'}, on the {where}")
     b.add("optimizer state", 0 if e.offload_optimizer else optim, optim if e.offload_optimizer else 0,
           f"fp32 master + m + v / {world} ranks, on the {where}")
+
+
+def _partial_offload(b: Breakdown, numel: int, ratio: float, pinned: bool) -> None:
+    """ZeRO-3 with part of the optimizer on the device (--offload-ratio, deepspeed 0.19 stage3.py): one rank's
+    `numel` parameters in PARTIAL_SUB_GROUPS optimizer sub-groups (lstune.parallel.engine_ds sets the size), the
+    first int((1 - ratio) · n) on the device — their fp32 master, m, v and gradient, and the temporaries of the
+    torch AdamW that steps them one at a time (two fp32 copies of a sub-group) — the rest on the host with CPU Adam. The flat gradient
+    buffer stays on the host whole, and one pinned host buffer of a device sub-group's gradient stays cached.
+    DeepSpeed ends each sub-group at the parameter that reaches the size (a larger tensor, such as Llama-3.1-8B's
+    525M-element embedding, is one of its own), so the split it makes is the ratio's to about one sub-group (~3 %);
+    counted as n equal ones."""
+    from lstune.parallel.engine_ds import PARTIAL_SUB_GROUPS, partial_sub_group_size
+
+    size = partial_sub_group_size(numel)
+    groups = -(-numel // size)
+    on_device = min(groups, int((1 - ratio) * groups))
+    device_elements = on_device * size
+    host_elements = max(0, numel - device_elements)
+    host_grads = _pinned(DS_GRAD_BYTES * numel, pinned) + sum(
+        _pinned(DS_GRAD_BYTES * size, pinned) for _ in range(groups - on_device + (1 if on_device else 0)))
+    b.add("gradients", DS_GRAD_BYTES * device_elements, host_grads,
+          f"fp32, sharded: {on_device} of {groups} sub-groups on the device; on the host the flat buffer and one per "
+          "host sub-group" + (" (pinned: each a power of two)" if pinned else ""))
+    b.add("optimizer state", DS_OPTIM_BYTES * device_elements + (2 * 4 * size if on_device else 0),
+          DS_OPTIM_BYTES * host_elements,
+          f"fp32 master + m + v: {on_device} of {groups} sub-groups on the device (+ AdamW's step temporaries), "
+          f"the rest on the host (--offload-ratio {ratio:g}; PARTIAL_SUB_GROUPS = {PARTIAL_SUB_GROUPS})")
 
 
 def zero3_host_gradient_bytes(numel: int, pinned: bool) -> int:

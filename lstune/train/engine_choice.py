@@ -52,7 +52,7 @@ def zero_plan(prediction):
         return None
     static = sum(i.device for i in prediction.breakdown.items if i.name.startswith(("param", "grad", "optim")))
     return ZeroPlan(engine.zero_stage, engine.offload_optimizer, engine.offload_params, static,
-                    f"{engine.describe()}; {_peaks(prediction)}")
+                    f"{engine.describe()}; {_peaks(prediction)}", engine.offload_ratio)
 
 
 def prediction_note(prediction) -> str:

@@ -54,3 +54,26 @@ def test_deepspeeds_comm_backend_starts_without_compiling_its_inference_shm_op()
         assert ds_torch.build_shm_op() == "compiled" and built == [1]
     finally:
         ds_torch.build_shm_op = original
+
+
+def test_partial_offload_keeps_part_of_the_optimizer_on_the_gpu_in_fine_sub_groups():
+    """--offload-ratio: DeepSpeed's `ratio` of the optimizer sub-groups on the host, which lstune cuts into
+    PARTIAL_SUB_GROUPS per rank so the ratio holds to 1/32 (DeepSpeed's default sub-group is 1e9 parameters)."""
+    from lstune.parallel.engine_ds import PARTIAL_SUB_GROUPS, partial_sub_group_size
+
+    size = partial_sub_group_size(8_030_261_248)
+    cfg = deepspeed_config(zero_stage=3, offload_optimizer=True, offload_params=True, bf16=True, max_grad_norm=1.0,
+                           pin_memory=True, offload_ratio=0.5, sub_group_size=size)
+    zero = cfg["zero_optimization"]
+    assert zero["offload_optimizer"]["ratio"] == 0.5 and zero["sub_group_size"] == size
+    assert -(-8_030_261_248 // size) == PARTIAL_SUB_GROUPS
+    full = deepspeed_config(zero_stage=3, offload_optimizer=True, offload_params=True, bf16=True, max_grad_norm=1.0,
+                            pin_memory=True, sub_group_size=size)["zero_optimization"]
+    assert "ratio" not in full["offload_optimizer"] and "sub_group_size" not in full  # all on the host: as before
+
+
+@pytest.mark.parametrize(("stage", "offload_optimizer"), [(2, True), (3, False)])
+def test_a_ratio_without_stage_3_optimizer_offload_is_a_config_error(stage, offload_optimizer):
+    with pytest.raises(ConfigError, match="--offload-ratio 0.5 .* needs --zero-stage 3 --offload-optimizer"):
+        deepspeed_config(zero_stage=stage, offload_optimizer=offload_optimizer, offload_params=False, bf16=False,
+                         max_grad_norm=1.0, pin_memory=False, offload_ratio=0.5)

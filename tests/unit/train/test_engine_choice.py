@@ -43,6 +43,30 @@ def test_full_fine_tune_of_8b_on_one_h100_puts_adam_on_the_host():
     assert "predicted peak" in plan.reason
 
 
+def test_full_fine_tune_of_8b_on_one_h100_with_128_gib_of_host_fits_with_half_the_optimizer_on_the_gpu():
+    """Everything on the host needs 171.9 GiB (fp32 master + Adam 89.7, fp32 gradients 64.1 pinned, bf16 weights
+    16): refused, and the refusal names --offload-ratio 0.5, which keeps 16 of 32 optimizer sub-groups on the GPU —
+    device 70.3 GiB, host 111.9 GiB at 16K — and goes to 132K with the memory techniques."""
+    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, seq_len=16384)
+    assert not prediction.fits
+    with pytest.raises(ConfigError, match="--offload-ratio 0.5"):
+        check_fits(config, prediction, runtime)
+    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, seq_len=16384, zero_stage="3",
+                             offload_optimizer=True, offload_params=True, offload_ratio=0.5)
+    assert prediction.fits and prediction.longest_seq_len >= 128 * 1024
+    assert prediction.device_peak_bytes / GiB == pytest.approx(70.3, abs=0.1)
+    assert prediction.host_peak_bytes / GiB == pytest.approx(111.9, abs=0.1)
+    plan = zero_plan(prediction)
+    assert (plan.stage, plan.offload_optimizer, plan.offload_params, plan.offload_ratio) == (3, True, True, 0.5)
+    assert "optimizer (50% of it)" in plan.reason
+    parts = {item.name: item for item in prediction.breakdown.items}
+    # 16 of 32 sub-groups of 250,945,664 parameters on the device: fp32 master, m, v (+ AdamW's two temporaries of
+    # one sub-group) and the fp32 gradient.
+    size = 250_945_664
+    assert parts["optimizer state"].device == 16 * size * 12 + 2 * 4 * size
+    assert parts["gradients"].device == 16 * size * 4
+
+
 def test_70b_lora_on_8_gpus_is_sharded_not_zero1():
     """The old rule counted trainable weights only and chose ZeRO-1 with '1.5 GB per device': the bf16 base
     alone is 141 GB on every GPU."""
