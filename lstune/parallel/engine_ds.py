@@ -117,8 +117,9 @@ def deepspeed_config(
     }
 
 
-def _gpu_optimizer_states(optimizer) -> dict[int, dict] | None:
-    """Under partial offload, the Adam state of the sub-groups kept on the GPU, by sub-group index; None otherwise.
+def _gpu_optimizer_states(optimizer) -> dict | None:
+    """Under partial offload, the Adam state of the sub-groups kept on the GPU, by sub-group index, with the ratio
+    and sub-group count they belong to; None otherwise.
 
     Why by hand: DeepSpeed (0.19) steps those sub-groups with a separate torch AdamW (`backup_optimizer`) whose
     state its checkpoint leaves out — a resume would restart their moments and step count, silently."""
@@ -126,7 +127,8 @@ def _gpu_optimizer_states(optimizer) -> dict[int, dict] | None:
     if backup is None:
         return None
     groups = optimizer.fp32_partitioned_groups_flat
-    return {i: dict(backup.state[group]) for i, group in enumerate(groups) if group in backup.state}
+    return {"ratio": float(optimizer.partial_offload), "sub_groups": len(groups),
+            "states": {i: dict(backup.state[group]) for i, group in enumerate(groups) if group in backup.state}}
 
 
 def _sync_gpu_optimizer_settings(optimizer) -> None:
@@ -140,23 +142,35 @@ def _sync_gpu_optimizer_settings(optimizer) -> None:
         gpu.update({k: v for k, v in main.items() if k != "params"})
 
 
+def _check_offload_ratio(optimizer, path: Path) -> None:
+    """CheckpointError unless the checkpoint's GPU part of the optimizer state (`path`, this rank's) is there exactly
+    when this run keeps one: across --offload-ratio settings DeepSpeed either fails to load or restarts moments."""
+    partial = getattr(optimizer, "backup_optimizer", None) is not None
+    if partial != path.is_file():
+        written = "below 1 (part of the optimizer state on the GPU)" if path.is_file() else "1 (or none)"
+        raise CheckpointError(f"{path.parent.parent} was written with --offload-ratio {written}: resume with the "
+                              "--offload-ratio that wrote it.")
+
+
 def _load_gpu_optimizer_states(optimizer, path: Path) -> None:
-    """The GPU sub-groups' Adam state `_gpu_optimizer_states` saved, into this engine's (same world and ratio)."""
-    backup = getattr(optimizer, "backup_optimizer", None)
-    if backup is None:
-        return
+    """The GPU sub-groups' Adam state `_gpu_optimizer_states` saved, into this engine's; CheckpointError where the
+    checkpoint's --offload-ratio or sub-groups differ (DeepSpeed would restart those moments)."""
+    _check_offload_ratio(optimizer, path)
     if not path.is_file():
-        raise CheckpointError(f"{path.parent.parent} has no {path.name}: it was not written with this --offload-ratio "
-                              "(the GPU part of the optimizer state). Resume with the settings that wrote it.")
+        return
     import torch
 
-    states = torch.load(path, map_location="cpu", weights_only=True)
+    saved = torch.load(path, map_location="cpu", weights_only=True)
     groups = optimizer.fp32_partitioned_groups_flat
-    for i, state in states.items():
-        if i >= len(groups):
-            raise CheckpointError(f"{path} holds optimizer sub-group {i}; this run has {len(groups)}: resume with "
-                                  "the model, processes and --offload-ratio that wrote it.")
-        backup.state[groups[i]] = {k: v.to(groups[i].device) if k != "step" else v for k, v in state.items()}
+    if saved["ratio"] != float(optimizer.partial_offload) or saved["sub_groups"] != len(groups) or any(
+            state["exp_avg"].numel() != groups[i].numel() for i, state in saved["states"].items()):
+        raise CheckpointError(f"{path} (--offload-ratio {saved['ratio']:g}, {saved['sub_groups']} sub-groups) does "
+                              f"not match this run's optimizer (--offload-ratio {optimizer.partial_offload:g}, "
+                              f"{len(groups)} sub-groups): resume with the model, processes and --offload-ratio "
+                              "that wrote it.")
+    backup = optimizer.backup_optimizer
+    for i, state in saved["states"].items():
+        backup.state[groups[i]] = {k: v if k == "step" else v.to(groups[i].device) for k, v in state.items()}
 
 
 def gradient_divisor(zero_stage: int, dims: "ParallelDims") -> int:
@@ -291,13 +305,14 @@ class DeepSpeedEngine:
                 f"{ckpt_dir} has no DeepSpeed state ({DS_TAG}/); it was written by a single-device run or is "
                 "incomplete. Resume with the same launcher and number of processes that wrote it."
             )
+        gpu_part = Path(ckpt_dir) / DS_TAG / GPU_OPTIMIZER_FILE.format(rank=self.dims.rank)
+        _check_offload_ratio(self._ds.optimizer, gpu_part)
         path, _ = self._ds.load_checkpoint(
             str(ckpt_dir), tag=DS_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
-        _load_gpu_optimizer_states(self._ds.optimizer, Path(ckpt_dir) / DS_TAG / GPU_OPTIMIZER_FILE.format(
-            rank=self.dims.rank))
+        _load_gpu_optimizer_states(self._ds.optimizer, gpu_part)
         apply_optim_settings(self.optimizer, self.scheduler, self._optim)
 
     def export(self, out_dir: Path, *, merge_lora: bool = False) -> None:

@@ -77,3 +77,39 @@ def test_a_ratio_without_stage_3_optimizer_offload_is_a_config_error(stage, offl
     with pytest.raises(ConfigError, match="--offload-ratio 0.5 .* needs --zero-stage 3 --offload-optimizer"):
         deepspeed_config(zero_stage=stage, offload_optimizer=offload_optimizer, offload_params=False, bf16=False,
                          max_grad_norm=1.0, pin_memory=False, offload_ratio=0.5)
+
+
+def test_a_checkpoint_of_another_offload_ratio_is_refused_not_half_loaded(tmp_path):
+    """DeepSpeed would fail to load, or load the host part of the optimizer state and restart the GPU part's
+    silently: a checkpoint written with another --offload-ratio (or sub-groups) stops with a CheckpointError."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lstune.errors import CheckpointError
+    from lstune.parallel.engine_ds import _gpu_optimizer_states, _load_gpu_optimizer_states
+
+    def optimizer(groups, ratio=0.5, backup=True):
+        return SimpleNamespace(backup_optimizer=torch.optim.AdamW([groups[0]]) if backup else None,
+                               fp32_partitioned_groups_flat=groups, partial_offload=ratio)
+
+    groups = [torch.zeros(6), torch.zeros(4)]
+    writer = optimizer(groups)
+    writer.backup_optimizer.state[groups[0]] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(6),
+                                                "exp_avg_sq": torch.ones(6)}
+    path = tmp_path / "deepspeed" / "gpu_optimizer_rank0.pt"
+    path.parent.mkdir()
+    torch.save(_gpu_optimizer_states(writer), path)
+
+    reader = optimizer(groups)
+    _load_gpu_optimizer_states(reader, path)
+    state = reader.backup_optimizer.state[groups[0]]
+    assert torch.equal(state["exp_avg"], torch.ones(6)) and state["step"] == 3
+    with pytest.raises(CheckpointError, match="written with --offload-ratio below 1"):
+        _load_gpu_optimizer_states(optimizer(groups, 1.0, backup=False), path)
+    with pytest.raises(CheckpointError, match=r"--offload-ratio 0.5, 2 sub-groups\) does not match"):
+        _load_gpu_optimizer_states(optimizer(groups, 0.25), path)
+    with pytest.raises(CheckpointError, match="does not match"):
+        _load_gpu_optimizer_states(optimizer([torch.zeros(5), torch.zeros(5)]), path)
+    with pytest.raises(CheckpointError, match=r"written with --offload-ratio 1 \(or none\)"):
+        _load_gpu_optimizer_states(optimizer(groups), path.with_name("gpu_optimizer_rank1.pt"))
