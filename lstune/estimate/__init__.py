@@ -185,6 +185,9 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
     )
 
 
+AUTO_OFFLOAD_RATIOS = (0.75, 0.5, 0.25)  # the partial offloads `--zero-stage auto` and the suggestions try
+
+
 def engine_candidates(config: TrainConfig, hardware: Cluster) -> list[Engine]:
     """The engines `--zero-stage auto` may pick, least communication and host traffic first; the given stage and
     offloads alone otherwise."""
@@ -203,7 +206,9 @@ def engine_candidates(config: TrainConfig, hardware: Cluster) -> list[Engine]:
         return [Engine("deepspeed", 3, True if p.offload_optimizer is None else bool(p.offload_optimizer),
                        bool(p.offload_params))]
     plain = [Engine("torch")] if world == 1 else [Engine("deepspeed", s) for s in (1, 2, 3)]
-    offloads = [Engine("deepspeed", 3, True, False), Engine("deepspeed", 3, True, True)]
+    # Then part of the optimizer back on the device, for a host that cannot hold all of it (--offload-ratio).
+    offloads = [Engine("deepspeed", 3, True, False), Engine("deepspeed", 3, True, True),
+                *(Engine("deepspeed", 3, True, True, ratio) for ratio in AUTO_OFFLOAD_RATIOS)]
     if p.offload_optimizer is False:
         offloads = [e for e in offloads if not e.offload_optimizer]
     if p.offload_params is False:
@@ -540,7 +545,7 @@ _CHANGES: list[tuple[str, dict]] = [
                                                              "offload_params": True}),
     *((f"--zero-stage 3 --offload-optimizer --offload-params --offload-ratio {r:g}",
        {"zero_stage": "3", "offload_optimizer": True, "offload_params": True, "offload_ratio": r})
-      for r in (0.75, 0.5, 0.25)),
+      for r in AUTO_OFFLOAD_RATIOS),
 ]
 
 

@@ -21,7 +21,9 @@ ZeRO and offload (why each exists — memory per parameter with bf16 + Adam is 1
 stage 1 shards the 12 B of fp32 master weights and Adam moments over ranks, stage 2 also the 4 B of
 gradients, stage 3 also the 2 B of weights (gathered layer by layer in forward and backward);
 offload_optimizer keeps master weights, moments and the update on the host (DeepSpeedCPUAdam), and
-offload_params keeps the stage-3 weight shards on the host too. `--zero-stage auto` takes the first
+offload_params keeps the stage-3 weight shards on the host too, and offload_ratio below 1 keeps that fraction of
+the optimizer sub-groups on the host and the rest on the GPU (DeepSpeed's partial offload; two of its defects are
+worked around here: `_gpu_optimizer_states`, `_sync_gpu_optimizer_settings`). `--zero-stage auto` takes the first
 that the memory estimate says fits (lstune.estimate.choose_engine).
 """
 
