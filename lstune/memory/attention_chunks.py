@@ -735,12 +735,13 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         store = spec.sink.store = _ChunkStore(spec.owner.offload, spec.owner.stats)
         store.adopt(dict(zip(ctx.keys, saved)), ctx.on_host, hidden_BSD.device)
         del saved
-        store.plan(_backward_units(ctx.sources, len(spec.bounds)))
+        readers = _readers(ctx.sources, len(spec.bounds))
+        store.plan(_backward_units(ctx.sources, readers))
         want_x = ctx.needs_input_grad[1]
         try:
             with _replay_autocast(ctx.autocast):
                 _output_grads(spec, ctx.rng, hidden_BSD, grad_BSD)
-                grad_x, param_grads = _attention_and_input_grads(spec, ctx, hidden_BSD, grad_BSD, want_x)
+                grad_x, param_grads = _attention_and_input_grads(spec, ctx, readers, hidden_BSD, grad_BSD, want_x)
         finally:
             spec.sink.store = None
         if spec.into_grad:
@@ -764,17 +765,17 @@ def _readers(sources: dict[int, dict[int, str]], chunks: int) -> dict[int, dict[
     return {i: {j: sources[j][i] for j in range(chunks) if i in sources[j]} for i in range(chunks)}
 
 
-def _backward_units(sources: dict[int, dict[int, str]], chunks: int) -> list[_Unit]:
+def _backward_units(sources: dict[int, dict[int, str]], readers: dict[int, dict[int, str]]) -> list[_Unit]:
     """The host reads of the backward, unit by unit, in the order the loops below run them (the comment above)."""
-    last_first = range(chunks - 1, -1, -1)
+    last_first = range(len(readers) - 1, -1, -1)
     units = [_Unit((("o", m),), short=True) for m in last_first]
     units += [_Unit((("o", j), ("dout", j)), short=True) for j in last_first if MASKED in sources[j].values()]
     written: set[int] = set()  # query chunks whose dq accumulator the store holds
-    for i, readers in _readers(sources, chunks).items():
-        for n, j in enumerate(_reader_order(readers)):
+    for i, readers_i in readers.items():
+        for n, j in enumerate(_reader_order(readers_i)):
             kv = (("k", i), ("v", i)) if n == 0 else ()
             dq = (("dq", j),) if j in written else ()
-            units.append(_Unit((*kv, ("q", j), ("dout", j), ("lse", j), (_rows_key(readers[j]), j), *dq)))
+            units.append(_Unit((*kv, ("q", j), ("dout", j), ("lse", j), (_rows_key(readers_i[j]), j), *dq)))
             written.add(j)
         units.append(_Unit((("o", i),), short=True))
     return units
@@ -795,7 +796,8 @@ def _output_grads(spec: _ChunkSpec, rng: list, hidden_BSD: Tensor, grad_BSD: Ten
         store.put(("dout", m), _to5(dout.transpose(1, 2), sink.config["kv_heads"]))
 
 
-def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_BSD: Tensor, want_x: bool):
+def _attention_and_input_grads(spec: _ChunkSpec, ctx, readers: dict[int, dict[int, str]], hidden_BSD: Tensor,
+                               grad_BSD: Tensor, want_x: bool):
     """Phases (b) and (c): FPDT's kv-outer / q-inner attention backward; after outer iteration i, chunk i's
     projections are backpropagated with (dOut_i, dq_i, dk_i, dv_i)."""
     sink, store, device = spec.sink, spec.sink.store, hidden_BSD.device
@@ -809,10 +811,10 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, hidden_BSD: Tensor, grad_B
     grad_x = torch.empty_like(hidden_BSD) if want_x else None
     param_grads: list[Tensor | None] = [None] * len(ctx.params)
     with _Zero3Readiness(spec.into_grad, frozenset()) as readiness:
-        for i, readers in _readers(ctx.sources, chunks).items():
+        for i, readers_i in readers.items():
             # Queries see only chunks <= their own (under SP too, in FPDT's layout): after outer iteration i, dk_i,
             # dv_i and dq_i are complete.
-            dk4, dv4 = _kv_chunk_backward(spec, i, readers, device)
+            dk4, dv4 = _kv_chunk_backward(spec, i, readers_i, device)
             readiness.set(last_tile=i == chunks - 1)
             store.next_unit(device)
             dqkv = (store.pop(("dq", i), device), dk4, dv4)

@@ -246,18 +246,18 @@ def test_attention_block_peak_no_longer_grows_with_its_full_sequence_tensors():
 
 
 def _one_attention_step(chunks: int, *, kv_heads: int = 8, seq: int = 96, batch: int = 2,
-                        checkpointed: bool = False) -> ChunkStats:
-    """Forward + backward of one attention module in `chunks` offloaded chunks, one document a row: its stats."""
+                        checkpointed: bool = False, model=None) -> ChunkStats:
+    """Forward + backward of one attention module in `chunks` offloaded chunks, one document a row: its stats.
+    `model`: another than the WIDE Llama with `kv_heads`."""
     from torch.utils.checkpoint import checkpoint
 
-    config = dict(WIDE, num_key_value_heads=kv_heads)
-    model = tiny_model("llama", **config)
+    model = model or tiny_model("llama", **dict(WIDE, num_key_value_heads=kv_heads))
     attention = use_lstune_attention(model, backend="sdpa")
     layers = model.model.layers[:1]
     stats = ChunkStats()
     undos = install_chunked_attention(layers, chunks, offload=True, stats=stats)
     try:
-        hidden = torch.randn(batch, seq, config["hidden_size"], requires_grad=True)
+        hidden = torch.randn(batch, seq, model.config.hidden_size, requires_grad=True)
         positions = torch.arange(seq)[None].expand(batch, seq)
         cos_sin = model.model.rotary_emb(hidden, positions)
 
@@ -324,20 +324,7 @@ def test_a_sliding_windows_key_chunks_are_fetched_ahead_once_it_slides(chunks):
     starts sliding: its k and v), whatever the chunk count; with the backward's first read, three late reads."""
     model = tiny_model("mistral")
     assert model.config.sliding_window == 16
-    attention = use_lstune_attention(model, backend="sdpa")
-    layers = model.model.layers[:1]
-    stats = ChunkStats()
-    undos = install_chunked_attention(layers, chunks, offload=True, stats=stats)
-    seq = 24 * chunks
-    try:
-        hidden = torch.randn(1, seq, model.config.hidden_size, requires_grad=True)
-        positions = torch.arange(seq)[None]
-        out = layers[0].self_attn(hidden_states=hidden, position_embeddings=model.model.rotary_emb(hidden, positions),
-                                  attention_mask=None, position_ids=positions)[0]
-        out.backward(torch.randn_like(out))
-    finally:
-        run_undos(undos)
-        attention.undo()
+    stats = _one_attention_step(chunks, seq=24 * chunks, batch=1, model=model)
     assert stats.reads_late == 3
 
 
