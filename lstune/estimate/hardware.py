@@ -6,8 +6,11 @@ step time is computed with — `matmul_tflops` for everything that grows linearl
 and the elementwise work around them: norms, rotary, casts, LoRA's thin matmuls) and `attention_tflops` for the
 causal attention kernels. The H100 rates are fitted to the full-depth steps measured on one H100 80GB HBM3
 (docs/benchmarks/2026-11-23-h100: Llama-3.1-8B LoRA, 8K-147K tokens; docs/estimate.md): 340 and 500 TFLOP/s,
-against 700-800 for isolated GEMMs and 530-560 for isolated causal SDPA. The other GPUs get the same fractions
-of their data-sheet peaks until `lstune bench` measures them.
+against 700-800 for isolated GEMMs and 530-560 for isolated causal SDPA. The H200 (the H100's compute, 1.4 × its
+memory bandwidth) keeps the attention rate and takes 530 for the linear work, fitted to its two full-depth 128K
+steps (docs/benchmarks/2026-11-26-h200 and -h200-b: 50.72 and 51.21 s, where the H100's rates predicted 56.7 s);
+attention is 78 % of that step, so the linear rate rests on one length and is the less certain of the two. The
+other GPUs get the H100's fractions of their data-sheet peaks until `lstune bench` measures them.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class Hardware:
 
 GPUS: dict[str, Hardware] = {
     "h100-80gb": Hardware("h100-80gb", 85_017_493_504, 989.0, 340.0, 500.0, 50.0),
-    "h200": Hardware("h200", int(139.8 * GIB), 989.0, 350.0, 510.0, 50.0),
+    "h200": Hardware("h200", int(139.8 * GIB), 989.0, 530.0, 510.0, 50.0),
     "a100-80gb": Hardware("a100-80gb", int(79.15 * GIB), 312.0, 107.0, 156.0, 25.0),
     "a100-40gb": Hardware("a100-40gb", int(39.39 * GIB), 312.0, 107.0, 156.0, 25.0),
     "l40s": Hardware("l40s", int(44.39 * GIB), 362.0, 125.0, 163.0, 25.0),

@@ -121,6 +121,15 @@ def test_zero3_offload_host_peak_matches_the_h200_measurement():
     assert e.device_peak_bytes == pytest.approx(29_513_342_464, rel=0.05)
 
 
+def test_h200_step_time_matches_its_full_depth_128k_steps():
+    """docs/benchmarks/2026-11-26-h200 and -h200-b: Llama-3.1-8B LoRA r=16 at 131072 tokens, lstune's defaults (no
+    tiled MLP: it fits without), steps of 50.72 and 51.21 s. The H100's rates said 56.7 s (+11 %)."""
+    hw = resolve_hardware(gpu="h200", host_mem=int(125.9 * GiB))
+    e = estimate(_config(model="llama-3.1-8b", seq_len=131072, lora_r=16), hw)
+    assert e.flops.hardware_matmul == pytest.approx(5.9459e15, rel=1e-4)  # the plan the runs had: no tiled MLP
+    assert e.step_seconds == pytest.approx((50.72 + 51.21) / 2, rel=0.02)
+
+
 def test_70b_lora_on_8_gpus_shards_the_bf16_base():
     """The old rule counted trainable weights only (ZeRO-1, '1.5 GB per device'); the base is 141 GB."""
     hw = resolve_hardware(gpu="h100-80gb", gpus=8, host_mem=1024 * GiB)
