@@ -44,6 +44,7 @@ from typing import Any
 
 from lstune.estimate.placement import checkpoint_terms
 from lstune.estimate.shapes import ModelShape, ParamCounts, ceil_div
+from lstune.memory.host_copies import host_copy_bytes, pinned_bytes
 from lstune.models.quant import frozen_weight_bytes
 
 GIB = 2**30
@@ -298,9 +299,7 @@ def zero3_host_gradient_bytes(numel: int, pinned: bool) -> int:
 
 
 def _pinned(nbytes: int, pinned: bool) -> int:
-    """lstune.memory.checkpoint's rounding of a pinned allocation (imported here: that module imports torch)."""
-    from lstune.memory.checkpoint import pinned_bytes
-
+    """One allocation's host bytes, rounded up to a power of two when pinned (lstune.memory.host_copies)."""
     return pinned_bytes(nbytes, pinned)
 
 
@@ -362,7 +361,7 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
     if chunk_host_bytes(shape, s):
         c = _sample_chunk(s)
         detail = f"{s.attn_chunk_count} chunks of {c:,} tokens" + (
-            "; pinned, each copy rounded up to a power of two" if s.on_cuda and c & (c - 1) else "")
+            "; pinned, in 64 MiB blocks (the last of each copy rounded up to a power of two)" if s.on_cuda else "")
         b.add("attention chunks on the host (FPDT, the live layer's)", 0, chunk_host_bytes(shape, s), detail)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
 
@@ -421,10 +420,8 @@ def _gradient_split(shape: ModelShape, p: ParamCounts, s: Settings) -> tuple[int
 
 
 def pinned_copy_bytes(nbytes: int, element_size: int) -> int:
-    """Host bytes one offloaded checkpoint of `nbytes` takes: the offloader's pinned blocks (memory.checkpoint), each
+    """Host bytes one offloaded checkpoint of `nbytes` takes: the offloader's pinned blocks (memory.host_copies), each
     rounded to a power of two by torch's caching host allocator — under one block over `nbytes`."""
-    from lstune.memory.checkpoint import host_copy_bytes  # imports torch: not for `lstune estimate`'s fast path
-
     return host_copy_bytes(nbytes // element_size, element_size, pinned=True)
 
 
@@ -536,15 +533,17 @@ def _sample_chunk(s: Settings) -> int:
 def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
     """Host bytes of the offloaded chunks at the peak (the live layer's attention backward): what its forward saved
     and what its backward stores (`_chunk_items`, one copy of each per chunk), plus one chunk's fp32 dk and dv. On
-    CUDA each copy is pinned, rounded up to a power of two by torch's caching host allocator (`pinned_bytes`):
-    nothing for power-of-two chunk lengths, a third more for 96K-token chunks (768K in 8) — uncounted before, when
-    the first emulated try at the longest length was killed by the OOM killer (2026-11-26)."""
+    CUDA each copy is pinned in blocks (`host_copy_bytes`), only the last of each rounded up to a power of two by
+    torch's caching host allocator. (Rounded whole, as the store once allocated them, copies of 96K-token chunks took
+    a third more — the first emulated try at 768K was killed by the OOM killer, 2026-11-26 — and 16,400-token keys
+    twice their size.)"""
     if s.attn_chunk_count <= 1 or not s.offload_checkpoints:
         return 0
     act, res = dtypes(s)["act"], dtypes(s)["residual"]
     saved, stored = _chunk_items(shape, act, res)
     chunks, c = s.attn_chunk_count, _chunk_tokens(s)
-    return chunks * sum(_pinned(c * item, s.on_cuda) for item in saved + stored) + c * 8 * shape.kv_width
+    copies = sum(host_copy_bytes(c * item, 1, pinned=s.on_cuda) for item in saved + stored)
+    return chunks * copies + c * 8 * shape.kv_width
 
 
 def _score_tiles(shape: ModelShape, s: Settings) -> int:

@@ -13,6 +13,7 @@ from functools import partial
 from typing import Any
 
 from lstune.estimate.shapes import ModelShape
+from lstune.memory.host_copies import host_copy_bytes
 from lstune.memory.placement import CheckpointPlacement, plan_placement
 
 
@@ -49,7 +50,7 @@ def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
     if s.on_cuda:
         flops = 2 * shape.layer_matmul_params() * tokens + 2 * tokens**2 * shape.q_width
         forward_s = flops / ckpt_mod.SUSTAINED_FLOPS
-    host_bytes_of = partial(_pinned_bytes, element_size, s.on_cuda, ckpt_mod.host_copy_bytes)
+    host_bytes_of = partial(_pinned_bytes, element_size, s.on_cuda)
     return plan_placement(
         shape.layers, ckpt, host_budget=s.host_mem_budget if s.offload_checkpoints else 0,
         device_budget=device_budget, copy_bytes_per_s=ckpt_mod.PCIE_BYTES_PER_S if s.on_cuda else None,
@@ -57,7 +58,7 @@ def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
     )
 
 
-def _pinned_bytes(element_size: int, pinned: bool, host_copy_bytes, nbytes: int) -> int:
+def _pinned_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
     return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
 
 

@@ -25,6 +25,7 @@ from lstune.errors import ConfigError, UserError
 from lstune.memory import attention_chunks as chunked_attn
 from lstune.memory import checkpoint as ckpt
 from lstune.memory import mlp as tiled_mlp_mod
+from lstune.memory.host_copies import host_copy_bytes
 from lstune.memory.lora_inputs import share_lora_inputs
 from lstune.memory.loss import (
     LossTiles,
@@ -364,7 +365,7 @@ def checkpoint_placement(parts: ModelParts, seq_len: int, memory: MemorySection,
 
 
 def _host_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
-    return ckpt.host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
+    return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
 
 
 def _offload_decision(parts: ModelParts, seq_len: int, budget: int | None) -> tuple[bool, str]:

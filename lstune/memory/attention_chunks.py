@@ -70,6 +70,7 @@ from torch.autograd.function import once_differentiable
 from lstune.errors import DataError, ModelError, UserError
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
 from lstune.memory.checkpoint import MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS
+from lstune.memory.host_copies import HostBlocks
 from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.tiling import (
     _accumulate,
@@ -191,11 +192,12 @@ class ChunkStats:
     reads_ahead: int = 0
     reads_late: int = 0
 
-    def add(self, tensor: Tensor) -> None:
-        nbytes = tensor.untyped_storage().nbytes()
-        self.host_bytes += nbytes
+    def add(self, host: HostBlocks) -> None:
+        for block in host.blocks:
+            nbytes = block.untyped_storage().nbytes()
+            self.host_bytes += nbytes
+            weakref.finalize(block.untyped_storage(), self._release, nbytes)
         self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
-        weakref.finalize(tensor.untyped_storage(), self._release, nbytes)
 
     def _release(self, nbytes: int) -> None:
         self.host_bytes -= nbytes
@@ -559,8 +561,8 @@ class _ChunkStore:
 
     def __init__(self, offload: bool, stats: ChunkStats):
         self.offload, self.stats = offload, stats
-        self.items: dict[Key, Tensor] = {}
-        self.on_host: set[Key] = set()  # keys whose item is a host copy
+        self.items: dict[Key, Tensor | HostBlocks] = {}
+        self.on_host: set[Key] = set()  # keys whose item is a host copy (HostBlocks)
         self._resident: dict[Key, Tensor] = {}  # device copies of host items kept for later reads (`get(keep=True)`)
         self._arriving: dict[Key, tuple[Tensor, Any]] = {}  # CUDA: device copy in flight, its event
         self._landed: dict[Key, Any] = {}  # CUDA: event after the key's device-to-host copy
@@ -577,10 +579,29 @@ class _ChunkStore:
             self.items[key] = tensor
             self.on_host.discard(key)
 
-    def adopt(self, items: dict[Key, Tensor], on_host: frozenset[Key], device: torch.device) -> None:
-        """Backward: the items its forward saved (`on_host`: those that are host copies); their copies to the host
-        were started on the side stream before now."""
-        self.items, self.on_host = items, set(on_host)
+    def packed(self) -> tuple[list[tuple], list[Tensor]]:
+        """The items as `save_for_backward` takes them, tensors only (a host copy's blocks in order), and the layout
+        `adopt` rebuilds them from: per key, its host copy's shape and dtype (None for a device item) and how many
+        of the tensors are its own."""
+        layout, tensors = [], []
+        for key, item in self.items.items():
+            parts = item.blocks if isinstance(item, HostBlocks) else [item]
+            shape = (item.shape, item.dtype) if isinstance(item, HostBlocks) else None
+            layout.append((key, shape, len(parts)))
+            tensors += parts
+        return layout, tensors
+
+    def adopt(self, layout: list[tuple], tensors: list[Tensor], device: torch.device) -> None:
+        """Backward: the items its forward saved (`packed`); their copies to the host were started on the side stream
+        before now."""
+        self.items, self.on_host, at = {}, set(), 0
+        for key, shape, count in layout:
+            parts, at = tensors[at:at + count], at + count
+            if shape is None:
+                self.items[key] = parts[0]
+            else:
+                self.items[key] = HostBlocks(*shape, pinned=device.type == "cuda", blocks=parts)
+                self.on_host.add(key)
         if device.type == "cuda" and self.on_host:
             landed = torch.cuda.Event()
             landed.record(_side_stream("d2h", device))
@@ -589,22 +610,24 @@ class _ChunkStore:
     def has(self, key: Key) -> bool:
         return key in self.items
 
-    def _to_host(self, key: Key, tensor: Tensor) -> Tensor:
+    def _to_host(self, key: Key, tensor: Tensor) -> HostBlocks:
+        """A host copy of `tensor`: pinned blocks on CUDA (memory.host_copies: no power-of-two rounding), written on
+        the side stream; on CPU one block, read in place. Fake tensors (memory traces, on CPU) take the CPU path: a
+        separate copy, counted in `stats`, which the trace moves from its device peak to the host."""
         self.stats.bytes_to_host += tensor.numel() * tensor.element_size()
-        # Fake tensors (memory traces, on CPU) take the CPU path: a separate copy, counted in `stats`, which the
-        # trace moves from its device peak to the host.
+        source = tensor.contiguous()
+        host = HostBlocks(tensor.shape, tensor.dtype, pinned=tensor.is_cuda, split=tensor.is_cuda)
         if not tensor.is_cuda:
-            host = tensor.clone(memory_format=torch.contiguous_format)
+            host.write(source)
         else:
             stream = _side_stream("d2h", tensor.device)
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             stream.wait_stream(torch.cuda.current_stream(tensor.device))
             with torch.cuda.stream(stream):
-                host.copy_(tensor, non_blocking=True)
+                host.write(source, non_blocking=True)
                 landed = torch.cuda.Event()
                 landed.record(stream)
             self._landed[key] = landed
-            tensor.record_stream(stream)
+            source.record_stream(stream)
         self.stats.add(host)
         return host
 
@@ -635,8 +658,8 @@ class _ChunkStore:
         if key not in self.on_host or key in self._asked or key in self._resident:
             return
         self._asked[key] = self._tick
-        tensor = self.items[key]
-        self.stats.bytes_from_host += tensor.numel() * tensor.element_size()
+        host: HostBlocks = self.items[key]
+        self.stats.bytes_from_host += host.numel * host.dtype.itemsize
         if device.type != "cuda":
             return
         # The device copy comes from the compute stream's pool, where it is used and freed: allocated on the side
@@ -645,12 +668,12 @@ class _ChunkStore:
         # copy waits for the compute work enqueued so far (the block may have served it), and the block's reuse for
         # the copy.
         compute, stream = torch.cuda.current_stream(device), _side_stream("h2d", device)
-        arrived = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        arrived = torch.empty(host.shape, dtype=host.dtype, device=device)
         stream.wait_stream(compute)
         if key in self._landed:
             stream.wait_event(self._landed[key])
         with torch.cuda.stream(stream):
-            arrived.copy_(tensor, non_blocking=True)
+            host.read_into(arrived, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(stream)
         arrived.record_stream(stream)
@@ -667,10 +690,11 @@ class _ChunkStore:
         late = self._asked.pop(key) >= self._tick
         self.stats.reads_late += late
         self.stats.reads_ahead += not late
-        tensor = self.items[key]
         if key in self._arriving:
             tensor, ready = self._arriving.pop(key)
             torch.cuda.current_stream(device).wait_event(ready)
+        else:  # on CPU: the one block, in place
+            tensor = self.items[key].tensor()
         if keep:
             self._resident[key] = tensor
         return tensor
@@ -720,8 +744,8 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         spec.sink.order.check(spec.sink.gathered)
         ctx.sources = dict(spec.sink.sources)
         # Saved through save_for_backward (not held by ctx), so an enclosing checkpoint drops and recomputes them.
-        ctx.keys, ctx.on_host = list(store.items), frozenset(store.on_host)
-        ctx.save_for_backward(hidden_BSD, *store.items.values())
+        ctx.layout, saved = store.packed()
+        ctx.save_for_backward(hidden_BSD, *saved)
         spec.sink.store = None
         return out_BSD
 
@@ -733,7 +757,7 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         if hidden_BSD.is_cuda and spec.owner.offload:
             torch.cuda.current_stream(hidden_BSD.device).wait_stream(_side_stream("d2h", hidden_BSD.device))
         store = spec.sink.store = _ChunkStore(spec.owner.offload, spec.owner.stats)
-        store.adopt(dict(zip(ctx.keys, saved)), ctx.on_host, hidden_BSD.device)
+        store.adopt(ctx.layout, saved, hidden_BSD.device)
         del saved
         readers = _readers(ctx.sources, len(spec.bounds))
         store.plan(_backward_units(ctx.sources, readers))

@@ -44,11 +44,12 @@ import logging
 import math
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lstune.memory.host_copies import HostBlocks, host_copy_bytes
 from lstune.memory.patching import Undo, patch_forward
 from lstune.memory.placement import CheckpointPlacement
 
@@ -65,12 +66,6 @@ PCIE_BYTES_PER_S = 25e9
 SUSTAINED_FLOPS = 400e12
 # Pinned copies below ~1 MiB are dominated by their fixed ~10 us launch/sync cost.
 MIN_COPY_BYTES = 1 << 20
-# Torch's pinned-memory caching allocator rounds every request up to a power of two and keeps the block
-# cached, so one 4.1 GiB checkpoint (Llama-8B at ~270K tokens) would pin 8 GiB. A host copy is therefore held
-# in blocks of this size, a power of two that the allocator does not round; only a checkpoint's last, partly
-# filled block is rounded, so the overhead is under one block per checkpoint. 64 MiB copies still run at full
-# PCIe bandwidth.
-HOST_BLOCK_BYTES = 64 << 20
 
 
 def offload_min_tokens(
@@ -123,46 +118,16 @@ class _OnDevice:
         self.tensor = tensor
 
 
-def host_block_sizes(numel: int, element_size: int) -> list[int]:
-    """Element counts of the host blocks that hold `numel` elements: full blocks, then the remainder."""
-    per_block = max(1, HOST_BLOCK_BYTES // element_size)
-    return [min(per_block, numel - start) for start in range(0, numel, per_block)]
-
-
-def pinned_bytes(nbytes: int, pinned: bool) -> int:
-    """Host bytes one allocation of `nbytes` takes: pinned ones rounded up to a power of two by torch's caching host
-    allocator (`CachingHostAllocator`: `PowerOf2Ceil`), others exact."""
-    return 1 << (nbytes - 1).bit_length() if pinned and nbytes > 0 else nbytes
-
-
-def host_copy_bytes(numel: int, element_size: int, *, pinned: bool) -> int:
-    """Host bytes a checkpoint's blocks really take: each pinned block rounded to a power of two, else exact.
-    Counted, not listed: the estimate asks this of checkpoints of any size (a terabyte is 16K blocks)."""
-    per_block = max(1, HOST_BLOCK_BYTES // element_size)
-    full, rest = divmod(numel, per_block)
-    return full * pinned_bytes(per_block * element_size, pinned) + pinned_bytes(rest * element_size, pinned)
-
-
 class _HostCopy:
-    """A checkpoint living in host memory (as `blocks`), plus its in-flight device copy when prefetched."""
+    """A checkpoint living in host memory (`host`, in blocks), plus its in-flight device copy when prefetched."""
 
     def __init__(self, index: int, source: torch.Tensor, *, pinned: bool):
         self.index = index
         self.device = source.device
-        self.shape = source.shape
-        self.dtype = source.dtype
-        sizes = host_block_sizes(source.numel(), source.element_size())
-        self.blocks = [torch.empty(n, dtype=source.dtype, pin_memory=pinned) for n in sizes]
-        self.nbytes = host_copy_bytes(source.numel(), source.element_size(), pinned=pinned)
+        self.host = HostBlocks(source.shape, source.dtype, pinned=pinned)
+        self.nbytes = self.host.nbytes
         self.ready = None  # CUDA event: the device→host copy finished (None on CPU)
         self.incoming: tuple[torch.Tensor, object] | None = None  # (device tensor, CUDA event or None)
-
-    def pieces(self, flat: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(host block, the slice of the flat device tensor it holds), in order."""
-        start = 0
-        for block in self.blocks:
-            yield block, flat[start : start + block.numel()]
-            start += block.numel()
 
 
 class _Saved:
@@ -341,35 +306,32 @@ class CheckpointOffloader:
         return tensor
 
     def _copy_out(self, index: int, tensor: torch.Tensor) -> _HostCopy:
-        flat = tensor.detach().contiguous().view(-1)
+        source = tensor.detach().contiguous()
         if tensor.device.type != "cuda":
             handle = _HostCopy(index, tensor, pinned=False)
-            for block, piece in handle.pieces(flat):
-                block.copy_(piece)
+            handle.host.write(source)
             return handle
         handle = _HostCopy(index, tensor, pinned=True)
         stream = self._stream("d2h", tensor.device)
         stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(stream):
-            for block, piece in handle.pieces(flat):
-                block.copy_(piece, non_blocking=True)
+            handle.host.write(source, non_blocking=True)
             handle.ready = torch.cuda.Event()
             handle.ready.record(stream)
-        flat.record_stream(stream)
+        source.record_stream(stream)
         return handle
 
     def _copy_in(self, handle: _HostCopy) -> tuple[torch.Tensor, object]:
+        host = handle.host
         if handle.device.type != "cuda":
-            tensor = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
-            for block, piece in handle.pieces(tensor.view(-1)):
-                piece.copy_(block)
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=handle.device)
+            host.read_into(tensor)
             return tensor, None
         stream = self._stream("h2d", handle.device)
         with torch.cuda.stream(stream):
             stream.wait_event(handle.ready)
-            tensor = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
-            for block, piece in handle.pieces(tensor.view(-1)):
-                piece.copy_(block, non_blocking=True)
+            tensor = torch.empty(host.shape, dtype=host.dtype, device=handle.device)
+            host.read_into(tensor, non_blocking=True)
             arrived = torch.cuda.Event()
             arrived.record(stream)
         return tensor, arrived

@@ -511,7 +511,7 @@ def emulation_ballast(deep, layers: int) -> tuple[int, int]:
 def host_ballast(nbytes: int, pinned: bool) -> list[torch.Tensor]:
     """`nbytes` of host memory allocated as the offloader allocates checkpoints: blocks of HOST_BLOCK_BYTES from
     torch's pinned (page-locked, caching) host allocator on CUDA, plain blocks on CPU."""
-    from lstune.memory.checkpoint import HOST_BLOCK_BYTES
+    from lstune.memory.host_copies import HOST_BLOCK_BYTES
 
     blocks, left = [], nbytes
     while left > 0:

@@ -24,13 +24,14 @@ chunks_128k() {
 #   cmd_maxlen's doc says what that emulation does and does not model. lstune.estimate's plan for it
 #   (`deep_plan`, weights on the device, chunks `auto`; computed on the dev machine, 125 GiB host of which 119.75 GiB
 #   usable: the OS keeps 4 GiB + 1 %, lstune.estimate.memory.host_reserve_bytes):
-#     704K: 8 chunks, predicted device 69.7 GiB, host 118.4 GiB; 18 layers recomputed → ballast 11.0 + 66.0 GiB;
-#     768K: 8 chunks, predicted device 75.2 GiB, host 119.0 GiB (45 GiB of it the live layer's chunks: each
-#           96K-token copy rounded up to a power of two by the pinned allocator, counted since 2026-11-26 evening);
-#           19 layers recomputed, device 31 → ballast 12.0 GiB device + 66.0 GiB pinned host (+ 13.1 GB of weights);
-#     832K: 16 chunks, 75.0 / 118.2 GiB (fits, the estimate's longest with weights on the device) → ballast
-#           13.0 GiB device + 65.0 GiB host;
-#     896K: 56 chunks, device 79.5 GiB: predicted not to fit.
+#     704K: 8 chunks, predicted device 67.3 GiB, host 119.8 GiB; 15 layers recomputed → ballast 6.9 + 81.1 GiB;
+#     768K: 8 chunks, predicted device 75.2 GiB, host 113.9 GiB (33.9 GiB of it the live layer's chunks, pinned in
+#           power-of-two pieces, lstune.memory.host_copies; 45 GiB and one more layer recomputed when each copy was
+#           one allocation, rounded up whole); 18 layers recomputed, device 31 → ballast 12.0 GiB device + 72.0 GiB
+#           pinned host (+ 13.1 GB of weights);
+#     832K: 16 chunks, 75.0 / 116.4 GiB (fits, the estimate's longest with weights on the device) → ballast
+#           13.0 GiB device + 71.5 GiB host;
+#     896K: 16 chunks, device 79.5 GiB: predicted not to fit.
 #   (1M needs the weights on the host too, ZeRO-3: docs/memory.md; not emulated here: the bench model keeps its
 #   weights on the device.) tests/unit/bench/test_emulation_ballast.py pins the 768K numbers.
 #   Target ≥ 1.5 × lstune without them: 768K vs the 512K device limit, 675K vs the ~450K host cap.

@@ -160,7 +160,8 @@ def test_offload_copy_hides_under_compute():
 def test_offloaded_checkpoints_pin_their_size_not_the_next_power_of_two():
     """Five checkpoints of 1.27 GiB each (bf16, 163K tokens × 4096): one pinned allocation each would pin 2 GiB
     (torch's host allocator rounds up to a power of two); the offloader's blocks pin under one block more."""
-    from lstune.memory.checkpoint import HOST_BLOCK_BYTES, CheckpointOffloader
+    from lstune.memory.checkpoint import CheckpointOffloader
+    from lstune.memory.host_copies import HOST_BLOCK_BYTES
 
     stats_of = getattr(torch.cuda.memory, "host_memory_stats", None)
     assert stats_of is not None, "this torch has no torch.cuda.memory.host_memory_stats"

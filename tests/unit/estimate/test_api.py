@@ -100,7 +100,7 @@ def test_zero3_host_gradients_are_two_fp32_buffers_each_a_power_of_two_when_pinn
     """DeepSpeed 0.19's ZeRO-3 under optimizer offload keeps the fp32 gradient twice on the host: the flat buffer and
     one per optimizer sub-group of 1e9 elements; pinned (on CUDA) each is rounded up to a power of two."""
     from lstune.estimate.memory import zero3_host_gradient_bytes
-    from lstune.memory.checkpoint import pinned_bytes
+    from lstune.memory.host_copies import pinned_bytes
 
     n = 3_212_749_824  # Llama-3.2-3B: sub-groups of 1e9, 1e9, 1e9 and 212,749,824 elements
     assert zero3_host_gradient_bytes(n, pinned=False) == 8 * n

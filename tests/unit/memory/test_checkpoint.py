@@ -108,24 +108,10 @@ def test_offload_threshold_follows_memo_eq1():
     )
 
 
-def test_host_copies_are_power_of_two_blocks_so_the_pinned_allocator_rounds_only_the_last():
-    from lstune.memory.checkpoint import HOST_BLOCK_BYTES, host_block_sizes, host_copy_bytes
-
-    per_block = HOST_BLOCK_BYTES // 2
-    assert host_block_sizes(2 * per_block + 5, 2) == [per_block, per_block, 5]
-    assert host_block_sizes(per_block, 2) == [per_block]
-    # Llama-3.1-8B at 270K tokens: a 2.06 GiB bf16 checkpoint. One pinned allocation would take 4 GiB; blocks take
-    # its size rounded up to the next block at most.
-    nbytes = 270_000 * 4096 * 2
-    assert nbytes <= host_copy_bytes(nbytes // 2, 2, pinned=True) < nbytes + HOST_BLOCK_BYTES
-    assert host_copy_bytes(nbytes // 2, 2, pinned=False) == nbytes
-    assert host_copy_bytes(3, 4, pinned=True) == 16  # a small copy: the allocator's power of two
-
-
 def test_checkpoints_split_over_several_host_blocks_are_exact(monkeypatch):
-    from lstune.memory import checkpoint
+    from lstune.memory import host_copies
 
-    monkeypatch.setattr(checkpoint, "HOST_BLOCK_BYTES", 1000)  # a 64 × 128 fp32 checkpoint → 33 blocks
+    monkeypatch.setattr(host_copies, "HOST_BLOCK_BYTES", 1000)  # a 64 × 128 fp32 checkpoint → 33 blocks
     batch = long_batch(64)
     reference = build_model("tiny-llama")
     expected, reference_grads = run_grads(reference, lambda m, b: hf_loss_sum(m, b), [batch])
