@@ -361,7 +361,7 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
     if chunk_host_bytes(shape, s):
         c = _sample_chunk(s)
         detail = f"{s.attn_chunk_count} chunks of {c:,} tokens" + (
-            "; pinned, in 64 MiB blocks (the last of each copy rounded up to a power of two)" if s.on_cuda else "")
+            "; pinned in power-of-two pieces (only a last piece under 1 MiB rounded up)" if s.on_cuda else "")
         b.add("attention chunks on the host (FPDT, the live layer's)", 0, chunk_host_bytes(shape, s), detail)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
 

@@ -16,8 +16,9 @@ Steps (one custom autograd Function per attention module call; model code untouc
    `index - position`; causal: `k <= q`; window: `q - k < w`), so only the diagonal block is cut by causality,
    packed documents and sliding windows hold, and softcapping is a score map. position_ids must continue by +1 or
    restart at 0 in global order (checked once per call; under SP this also refuses contiguous shards, below).
-   Saved per chunk: k, v, the output o and its log-sum-exp — in pinned host memory when offloading (copied on a
-   side stream; read back on a schedule that starts each copy at least one compute unit ahead, `_ChunkStore`),
+   Saved per chunk: k, v, the output o and its log-sum-exp — in pinned host memory when offloading (in power-of-two
+   pieces, memory.host_copies; copied on a side stream; read back on a schedule that starts each copy at least one
+   compute unit ahead, `_ChunkStore`),
    on the device otherwise; and the module's input. No per-chunk autograd graph is kept.
 2. Backward (a), per chunk: re-run the module with grad, the attention output a leaf; its gradient dO_m through
    the output projection alone (`torch.autograd.grad` w.r.t. the leaf); q_m is recorded on the way.

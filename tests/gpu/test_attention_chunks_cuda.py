@@ -136,14 +136,21 @@ def test_long_documents_run_the_cuda_flash_kernel_and_stay_close(monkeypatch):
         assert err < 5e-2, f"{name}: relative gradient error {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_offloaded_reads_on_their_schedule_equal_the_device_store(dtype):
+@pytest.mark.parametrize("dtype,small_pieces", [(torch.float32, False), (torch.bfloat16, False),
+                                                (torch.float32, True)])
+def test_offloaded_reads_on_their_schedule_equal_the_device_store(dtype, small_pieces, monkeypatch):
     """The chunk store's reads run ahead on two side streams, each host-to-device copy waiting only for its own
     key's device-to-host copy: a missed wait would read a chunk before it landed. Llama attention on one
     8,192-token document in 4 chunks: the output and every gradient with the chunks offloaded equal those with the
     chunks kept on the device — bit for bit in fp32 (the PyTorch block kernel: deterministic), within run-to-run
     noise in bf16 (the fused kernels' backward accumulates dq with atomics) — and every host read but the
-    backward's first started a unit ahead."""
+    backward's first started a unit ahead. `small_pieces`: each copy in 1 MiB blocks (a chunk's output in 8, its
+    keys in 2), so every copy is written and read back piece by piece."""
+    if small_pieces:
+        from lstune.memory import host_copies
+
+        monkeypatch.setattr(host_copies, "HOST_BLOCK_BYTES", 1 << 20)
+        monkeypatch.setattr(host_copies, "MIN_PIECE_BYTES", 1 << 16)
     model = tiny_model("llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
                        intermediate_size=1024).to("cuda", dtype)
     attention = use_lstune_attention(model, backend="sdpa")
@@ -179,3 +186,38 @@ def test_offloaded_reads_on_their_schedule_equal_the_device_store(dtype):
         else:
             err = (kept.float() - offloaded.float()).norm() / kept.float().norm().clamp_min(1e-12)
             assert err < 1e-2, f"relative difference {err:.2e}"
+
+
+def test_offloaded_chunks_pin_their_size_not_the_next_power_of_two():
+    """4 chunks of 3,072 tokens, fp32, hidden 1024 (8 heads, 2 kv heads of 128): each chunk's output is 12 MiB and
+    its keys and values 3 MiB each. One pinned allocation per copy would hold 16 and 4 MiB (torch's host allocator
+    rounds every allocation up to a power of two): 96.4 MiB for the forward's 16 copies of 72.4 MiB. In pieces
+    (lstune.memory.host_copies) only each copy's last piece under 1 MiB is rounded."""
+    from lstune.memory.host_copies import MIN_PIECE_BYTES
+
+    stats_of = getattr(torch.cuda.memory, "host_memory_stats", None)
+    assert stats_of is not None, "this torch has no torch.cuda.memory.host_memory_stats"
+    model = tiny_model("llama", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                       intermediate_size=1024).to("cuda")
+    attention = use_lstune_attention(model, backend="sdpa")
+    layers = model.model.layers[:1]
+    seq = 4 * 3072
+    x = torch.randn(1, seq, 1024, device="cuda", requires_grad=True)
+    positions = torch.arange(seq, device="cuda")[None]
+    cos_sin = model.model.rotary_emb(x, positions)
+    stats = ChunkStats()
+    undos = install_chunked_attention(layers, 4, offload=True, stats=stats)
+    try:
+        torch.cuda.synchronize()
+        before = stats_of()["active_bytes.current"]
+        out = layers[0].self_attn(hidden_states=x, position_embeddings=cos_sin, attention_mask=None,
+                                  position_ids=positions)[0]
+        torch.cuda.synchronize()
+        pinned = stats_of()["active_bytes.current"] - before
+        exact = stats.bytes_to_host  # k, v, o and lse of 4 chunks: what the forward saved
+        assert exact == 4 * (2 * 3 * 2**20 + 12 * 2**20 + 3072 * 8 * 4), exact
+        assert exact <= pinned < exact + 16 * MIN_PIECE_BYTES, (pinned, exact)
+        out.sum().backward()
+    finally:
+        run_undos(undos)
+        attention.undo()
