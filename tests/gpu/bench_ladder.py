@@ -509,16 +509,11 @@ def emulation_ballast(deep, layers: int) -> tuple[int, int]:
 
 
 def host_ballast(nbytes: int, pinned: bool) -> list[torch.Tensor]:
-    """`nbytes` of host memory allocated as the offloader allocates checkpoints: blocks of HOST_BLOCK_BYTES from
-    torch's pinned (page-locked, caching) host allocator on CUDA, plain blocks on CPU."""
-    from lstune.memory.host_copies import HOST_BLOCK_BYTES
+    """`nbytes` of host memory allocated as the offloader allocates checkpoints (lstune.memory.host_copies: power-of-
+    two pieces from torch's pinned, page-locked, caching host allocator on CUDA; plain pieces on CPU)."""
+    from lstune.memory.host_copies import HostBlocks
 
-    blocks, left = [], nbytes
-    while left > 0:
-        n = min(HOST_BLOCK_BYTES, left)
-        blocks.append(torch.empty(n, dtype=torch.uint8, pin_memory=pinned))
-        left -= n
-    return blocks
+    return HostBlocks((nbytes,), torch.uint8, pinned=pinned).blocks
 
 
 def _release_host_cache() -> None:
