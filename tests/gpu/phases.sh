@@ -52,7 +52,13 @@ maxlen_chunks_emulated() {
 # on this machine (one untimed warm-up step, then one timed step; 231 s in all on the H200, whose step took 50.7 s =
 # 1.13 × its ideal; the second H200 run's 51.2 s step was done at 220 s and its closing estimates trial was cut at
 # 240 s: 300 s now). Target ≤ 1.2 × the ideal (bench.md's "× ideal"); the record also carries the estimate's peak.
+# An H200 has run it twice (50.7 and 51.2 s): on one, the phase is skipped (recorded as such) for the phases after it.
 full_depth_128k() {
+  if nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200; then
+    echo "=== $(date +%T) full-depth-128k skipped: an H200 measured it twice already; it waits for an H100"
+    echo '{"kind": "phase", "name": "full-depth-128k", "skipped": "H200: measured twice already"}' >> "$OUT"
+    return
+  fi
   phase full-depth-128k 300 python3 -m lstune bench --model llama-3.1-8b --lora-r 16 --rungs lstune \
     --seq-len 128k --lengths 128k --steps 1 --rates --trial-timeout 220 --output-dir "$RES/full-depth-128k"
 }
