@@ -197,6 +197,37 @@ def test_offloaded_chunks_are_exact_and_live_on_the_host():
     assert plan.attn_chunk_stats.host_bytes == 0  # everything freed after backward
 
 
+def test_chunk_copies_in_several_pieces_are_exact(monkeypatch):
+    """On CUDA each chunk copy is pinned in pieces (memory.host_copies) that `save_for_backward` keeps with a layout
+    (`_ChunkStore.packed` / `adopt`). Forced here on CPU, with 512-byte pieces: every k, v and output copy spans
+    several, the layout survives an enclosing checkpoint's drop and recompute, and loss and gradients stay exact."""
+    from lstune.memory import attention_chunks, host_copies
+
+    most = []
+
+    class Pieces(host_copies.HostBlocks):
+        def __init__(self, shape, dtype, *, pinned, split=True, blocks=None):
+            super().__init__(shape, dtype, pinned=pinned, split=True, blocks=blocks)
+            most.append(len(self.blocks))
+
+    monkeypatch.setattr(host_copies, "HOST_BLOCK_BYTES", 512)
+    monkeypatch.setattr(attention_chunks, "HostBlocks", Pieces)
+    model = tiny_model("llama")
+    batch, reference = _reference(model, "long")
+    attention = use_lstune_attention(model, backend="sdpa")
+    plan = apply_memory_techniques(model, MemorySection(attn_chunks=4, tiled_mlp="off", offload_checkpoints=True),
+                                   seq_len=SEQ)
+    try:
+        loss, grads = run_grads(model, plan.loss_sum, [batch])
+    finally:
+        plan.undo()
+        attention.undo()
+    assert max(most) > 4  # copies of several pieces were written and read back
+    assert loss == pytest.approx(reference[0], rel=1e-5)
+    assert_grads_match(grads, reference[1])
+    assert plan.attn_chunk_stats.host_bytes == 0
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Memory: the attention block's device peak, at two lengths
 # --------------------------------------------------------------------------------------------------------------------
