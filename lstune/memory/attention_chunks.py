@@ -660,7 +660,7 @@ class _ChunkStore:
             return
         self._asked[key] = self._tick
         host: HostBlocks = self.items[key]
-        self.stats.bytes_from_host += host.numel * host.dtype.itemsize
+        self.stats.bytes_from_host += host.shape.numel() * host.dtype.itemsize
         if device.type != "cuda":
             return
         # The device copy comes from the compute stream's pool, where it is used and freed: allocated on the side

@@ -73,7 +73,6 @@ class HostBlocks:
             blocks = [torch.empty(n, dtype=dtype, pin_memory=pinned) for n in sizes]
         self.blocks = list(blocks)
         self.nbytes = sum(pinned_bytes(block.numel() * dtype.itemsize, pinned) for block in self.blocks)
-        self.numel = numel
 
     def pieces(self, flat: "torch.Tensor") -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
         """(host block, the slice of the flat tensor it holds), in order."""

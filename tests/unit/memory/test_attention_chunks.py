@@ -179,8 +179,8 @@ def test_rows_with_different_documents_are_exact():
     _compare(model, batch, reference, ALL)
 
 
-def test_offloaded_chunks_are_exact_and_live_on_the_host():
-    """With --offload-checkpoints the saved chunks take the offload path (separate host buffers on CPU)."""
+def _offloaded_chunks_step() -> ChunkStats:
+    """One step of tiny Llama in 4 offloaded chunks under checkpointing, asserted equal to plain HF; its chunk stats."""
     model = tiny_model("llama")
     batch, reference = _reference(model, "long")
     attention = use_lstune_attention(model, backend="sdpa")
@@ -193,8 +193,14 @@ def test_offloaded_chunks_are_exact_and_live_on_the_host():
         attention.undo()
     assert loss == pytest.approx(reference[0], rel=1e-5)
     assert_grads_match(grads, reference[1])
-    assert plan.attn_chunk_stats.peak_host_bytes > 0
-    assert plan.attn_chunk_stats.host_bytes == 0  # everything freed after backward
+    return plan.attn_chunk_stats
+
+
+def test_offloaded_chunks_are_exact_and_live_on_the_host():
+    """With --offload-checkpoints the saved chunks take the offload path (separate host buffers on CPU)."""
+    stats = _offloaded_chunks_step()
+    assert stats.peak_host_bytes > 0
+    assert stats.host_bytes == 0  # everything freed after backward
 
 
 def test_chunk_copies_in_several_pieces_are_exact(monkeypatch):
@@ -212,20 +218,9 @@ def test_chunk_copies_in_several_pieces_are_exact(monkeypatch):
 
     monkeypatch.setattr(host_copies, "HOST_BLOCK_BYTES", 512)
     monkeypatch.setattr(attention_chunks, "HostBlocks", Pieces)
-    model = tiny_model("llama")
-    batch, reference = _reference(model, "long")
-    attention = use_lstune_attention(model, backend="sdpa")
-    plan = apply_memory_techniques(model, MemorySection(attn_chunks=4, tiled_mlp="off", offload_checkpoints=True),
-                                   seq_len=SEQ)
-    try:
-        loss, grads = run_grads(model, plan.loss_sum, [batch])
-    finally:
-        plan.undo()
-        attention.undo()
+    stats = _offloaded_chunks_step()
     assert max(most) > 4  # copies of several pieces were written and read back
-    assert loss == pytest.approx(reference[0], rel=1e-5)
-    assert_grads_match(grads, reference[1])
-    assert plan.attn_chunk_stats.host_bytes == 0
+    assert stats.host_bytes == 0
 
 
 # --------------------------------------------------------------------------------------------------------------------
