@@ -22,8 +22,9 @@ checkpointing the device holds one layer input (res · hidden per token) per lay
 four moments of the step (`Phase`), each with what is alive then:
 
 - the loss head: every checkpoint, the final norm (one tile's when it runs in the loss tiles, before Liger too, with
-  the whole normed output Liger reads), the gradient of the head's input and the larger of one tile's log-softmax backward (12 B per logit) and a trainable head's
-  weight gradient for one tile (Liger's chunks on CUDA); the head's gradient;
+  the whole normed output Liger reads), the gradient of the head's input and the larger of one tile's log-softmax
+  backward (12 B per logit) and a trainable head's weight gradient for one tile — or Liger's buffers on CUDA
+  (`_liger_parts`); the head's gradient;
 - the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's, the
   MLP norm's (HF's RMSNorm backward in fp32) and attention's moments (`_layer_parts`); one layer's gradients;
   LoRA dropout saves nothing more (its cast + dropout are recomputed), only its replay joins the MLP's and
@@ -711,9 +712,7 @@ def _loss_parts(shape: ModelShape, s: Settings, act: int, res: int) -> list[tupl
     backend = loss_backend(s)
     alst_tiles = ceil_div(t, max(1, LOSS_TILE_BYTES // (4 * v)))
     if backend == "liger":
-        chunk = ceil_div(t, ceil_div(v, h))  # Liger's chunks hold about as many logits as hidden states
-        return [*_liger_norm_parts(s, t, h, res, alst_tiles), ("loss head: Liger's gradient of its input", t * act * h),
-                ("loss head: one Liger chunk of logits", 2 * chunk * v * 4)]
+        return [*_liger_norm_parts(s, t, h, res, alst_tiles), *_liger_parts(s, t, h, v, act, res)]
     if backend == "mst":
         tiles = ceil_div(v, h)
     elif backend == "alst":
@@ -753,6 +752,26 @@ def _liger_norm_parts(s: Settings, t: int, h: int, res: int, tiles: int) -> list
     one_tile = ceil_div(t, tiles) * h * _norm_saved(s, res)
     return [("loss head: final norm in the tiles (its input, one tile's)", t * h * res + one_tile),
             ("loss head: the normed states Liger reads (in backward, the norm's input gradient)", t * h * res)]
+
+
+def _liger_parts(s: Settings, t: int, h: int, v: int, act: int, res: int) -> list[tuple[str, int]]:
+    """Liger's fused linear cross-entropy as liger-kernel 0.8.5 runs it (ops/fused_linear_cross_entropy.py): its
+    forward computes every gradient, chunk by chunk, so they are alive from the loss's forward to its backward —
+    the gradient of its input (t · h, in the input's dtype) and, for a trainable head, of the head's weight (in the
+    weight's dtype, no fp32 accumulator unless asked). One logits buffer serves every chunk, in the input's dtype,
+    the cross-entropy kernel writing the logits' gradient over it: ⌈t / ⌈V/h⌉⌉ tokens rounded up to a power of
+    two (never more than t). Under autocast (fp32 weights) lstune.memory.loss._liger_loss_sum hands Liger 16-bit
+    copies of the normed states and of the head's weight."""
+    chunk = min(1 << (ceil_div(t, ceil_div(v, h)) - 1).bit_length(), t)
+    parts = [("loss head: Liger's gradient of its input", t * h * act),
+             (f"loss head: Liger's logits buffer ({chunk:,} tokens; the gradient overwrites it)", chunk * v * act)]
+    if res > act:
+        parts.append(("loss head: the normed states cast for Liger (autocast)", t * h * act))
+    if not s.lora_r:
+        parts.append(("loss head: Liger's gradient of the head's weight (made in forward)", v * h * act))
+        if res > act:
+            parts.append(("loss head: the head's weight cast for Liger (autocast)", v * h * act))
+    return parts
 
 
 def _autocast_copies(shape: ModelShape, tile: int, act: int, res: int) -> int:
