@@ -372,8 +372,8 @@ class ParallelSection:
         1.0,
         "With --zero-stage 3 --offload-optimizer: the fraction of the optimizer state (fp32 master weights, Adam "
         "moments, their gradients) kept on the host; the rest stays on the GPU and is stepped there (DeepSpeed's "
-        "partial offload), for a host that cannot hold it all. --zero-stage auto tries 0.75, 0.5 and 0.25 itself "
-        "when the whole offload does not fit the host.",
+        "partial offload), for a host that cannot hold it all. --zero-stage auto tries 0.75, 0.5, 0.25, then every "
+        "other k/32, itself when the whole offload does not fit the host.",
         partial(p.parse_float, above=0.0, maximum=1.0),
     )
     hostfile: str | None = _opt(

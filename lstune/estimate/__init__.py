@@ -121,12 +121,12 @@ class Suggestion:
 
 
 def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None, params: ParamCounts | None = None,
-             suggest: bool = True, resolve_auto: bool = True) -> Estimate:
+             suggest: bool = True, resolve_auto: bool = True, reach: bool = True) -> Estimate:
     """The estimate of `config` on `hardware` (a Cluster from `resolve_hardware`). `model_config`: the model's
     transformers config when already resolved (else read from `config.model.name`); `params`: counts when
     already made (a search calls this many times). `resolve_auto=False`: the memory settings as the memory plan
     applies them unresolved (`auto` tiles at ALST's counts, `auto` offload off; no `memory_choice`) — what a
-    bench ladder rung runs."""
+    bench ladder rung runs. `reach=False`: no longest sequence searched (`longest_seq_len` 0), for a suggestion."""
     model_config = model_config if model_config is not None else _model_config(config)
     shape = ModelShape.from_config(model_config)
     params = params or count_parameters(model_config, lora_r=config.model.lora_r,
@@ -138,7 +138,7 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
     result = _evaluate(choice.applied_to(config) if choice else config, hardware, shape, params, sp, engine,
                        model_config)
     result.memory_choice = choice
-    result.longest_seq_len = longest_reach(config, hardware, shape, params, sp)
+    result.longest_seq_len = longest_reach(config, hardware, shape, params, sp, engine) if reach else 0
     if suggest and not result.fits:
         result.suggestions = cheapest_changes(config, hardware, model_config, params)
     return result
@@ -185,7 +185,19 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
     )
 
 
-AUTO_OFFLOAD_RATIOS = (0.75, 0.5, 0.25)  # the partial offloads `--zero-stage auto` and the suggestions try
+AUTO_OFFLOAD_RATIOS = (0.75, 0.5, 0.25)  # the partial offloads `--zero-stage auto` tries first
+
+
+def partial_offload_ratios() -> list[float]:
+    """The --offload-ratio values `--zero-stage auto` tries, in order: AUTO_OFFLOAD_RATIOS, then every other k / n
+    of the n optimizer sub-groups lstune cuts a rank's parameters into (the resolution DeepSpeed honours,
+    lstune.parallel.engine_ds.PARTIAL_SUB_GROUPS), most on the host first. The fine ones matter where the fitting
+    window is narrow: Llama-3.1-8B's full fine-tune at 16K on an H100 with a 112 GiB host fits only with 13 or 14 of
+    the 32 sub-groups on the host (host 106.8 GiB at 14/32; the device is over at 12/32, the host at 15/32)."""
+    from lstune.parallel.engine_ds import PARTIAL_SUB_GROUPS  # no torch: what the byte model imports too
+
+    fine = [k / PARTIAL_SUB_GROUPS for k in range(PARTIAL_SUB_GROUPS - 1, 0, -1)]
+    return [*AUTO_OFFLOAD_RATIOS, *(r for r in fine if r not in AUTO_OFFLOAD_RATIOS)]
 
 
 def engine_candidates(config: TrainConfig, hardware: Cluster) -> list[Engine]:
@@ -208,7 +220,7 @@ def engine_candidates(config: TrainConfig, hardware: Cluster) -> list[Engine]:
     plain = [Engine("torch")] if world == 1 else [Engine("deepspeed", s) for s in (1, 2, 3)]
     # Then part of the optimizer back on the device, for a host that cannot hold all of it (--offload-ratio).
     offloads = [Engine("deepspeed", 3, True, False), Engine("deepspeed", 3, True, True),
-                *(Engine("deepspeed", 3, True, True, ratio) for ratio in AUTO_OFFLOAD_RATIOS)]
+                *(Engine("deepspeed", 3, True, True, ratio) for ratio in partial_offload_ratios())]
     if p.offload_optimizer is False:
         offloads = [e for e in offloads if not e.offload_optimizer]
     if p.offload_params is False:
@@ -223,16 +235,28 @@ def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     for engine in candidates:
         if _fits_some_choice(config, hardware, shape, params, sp, engine):
             return engine
+    candidates = _reach_candidates(candidates)
     reach = [longest_seq_len(config, hardware, shape, params, sp, engine) for engine in candidates]
     return candidates[reach.index(max(reach))]
 
 
-def longest_reach(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int) -> int:
+def longest_reach(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,
+                  chosen: Engine | None = None) -> int:
     """The longest sequence the configuration fits with the engine `--zero-stage auto` would pick at that length:
     the most of `longest_seq_len` over the engines it may pick (at a longer sequence it may pick a more offloaded
     engine than at this one — Llama-3.1-8B LoRA on one H100: 730K with AdamW on the device, 886K with ZeRO-3 and
-    the parameters on the host)."""
-    return max(longest_seq_len(config, hardware, shape, params, sp, e) for e in engine_candidates(config, hardware))
+    the parameters on the host), of the partial offloads AUTO_OFFLOAD_RATIOS' and `chosen`'s (the engine picked at
+    the requested length; each search costs ~20 byte models, too many to make for all 31 ratios)."""
+    engines = _reach_candidates(engine_candidates(config, hardware))
+    if chosen is not None and chosen not in engines:
+        engines.append(chosen)
+    return max(longest_seq_len(config, hardware, shape, params, sp, e) for e in engines)
+
+
+def _reach_candidates(candidates: list[Engine]) -> list[Engine]:
+    """`candidates` less the fine partial offloads (`partial_offload_ratios`), unless only those are left."""
+    coarse = [e for e in candidates if e.offload_ratio >= 1 or e.offload_ratio in AUTO_OFFLOAD_RATIOS]
+    return coarse or list(candidates)
 
 
 @dataclass(frozen=True)
@@ -531,6 +555,11 @@ def _with(config: TrainConfig, **flat: Any) -> TrainConfig:
     return TrainConfig.from_flat(values)
 
 
+def _partial_change(ratio: float) -> tuple[str, dict]:
+    return (f"--zero-stage 3 --offload-optimizer --offload-params --offload-ratio {ratio:g}",
+            {"zero_stage": "3", "offload_optimizer": True, "offload_params": True, "offload_ratio": ratio})
+
+
 # Changes tried, in order of cost: memory techniques first (no extra hardware), then more sharding/offload.
 _CHANGES: list[tuple[str, dict]] = [
     ("--tiled-loss auto", {"tiled_loss": "auto"}),
@@ -543,10 +572,9 @@ _CHANGES: list[tuple[str, dict]] = [
     ("--zero-stage 3 --offload-optimizer", {"zero_stage": "3", "offload_optimizer": True}),
     ("--zero-stage 3 --offload-optimizer --offload-params", {"zero_stage": "3", "offload_optimizer": True,
                                                              "offload_params": True}),
-    *((f"--zero-stage 3 --offload-optimizer --offload-params --offload-ratio {r:g}",
-       {"zero_stage": "3", "offload_optimizer": True, "offload_params": True, "offload_ratio": r})
-      for r in AUTO_OFFLOAD_RATIOS),
+    *(_partial_change(r) for r in AUTO_OFFLOAD_RATIOS),
 ]
+
 
 
 def cheapest_changes(config: TrainConfig, hardware: Cluster, model_config, params: ParamCounts,
@@ -555,8 +583,8 @@ def cheapest_changes(config: TrainConfig, hardware: Cluster, model_config, param
     GPUs for sequence parallelism when no single-node change does."""
     found: list[Suggestion] = []
     current = config.to_dict()
-    for flags, change in _CHANGES:
-        if all(current.get(k) == v for k, v in change.items()):
+    for flags, change in [*_CHANGES, _fine_partial_change(config, hardware, model_config, params)]:
+        if not change or all(current.get(k) == v for k, v in change.items()):
             continue
         found += _try(config, hardware, model_config, params, flags, change)
         if sum(s.fits for s in found) >= limit:
@@ -574,12 +602,33 @@ def cheapest_changes(config: TrainConfig, hardware: Cluster, model_config, param
     return (fitting or found)[:limit]
 
 
+def _fine_partial_change(config: TrainConfig, hardware: Cluster, model_config, params: ParamCounts) -> tuple[str, dict]:
+    """The partial offload `--zero-stage auto` would take beyond AUTO_OFFLOAD_RATIOS (`partial_offload_ratios`), as
+    a change, when one fits (("", {}) otherwise): the first ratio whose byte model fits, one search, not an
+    estimate per ratio."""
+    if not hardware.on_cuda:
+        return "", {}
+    shape = ModelShape.from_config(model_config)
+    for ratio in partial_offload_ratios()[len(AUTO_OFFLOAD_RATIOS):]:
+        flags, change = _partial_change(ratio)
+        try:
+            changed = _with(config, **change)
+            if changed.problems():
+                return "", {}
+            sp = resolve_sp(changed, hardware, model_config)
+        except ConfigError:
+            return "", {}
+        if _fits_some_choice(changed, hardware, shape, params, sp, Engine("deepspeed", 3, True, True, ratio)):
+            return flags, change
+    return "", {}
+
+
 def _try(config, hardware, model_config, params, flags, change) -> list[Suggestion]:
     try:
         changed = _with(config, **change)
         if changed.problems():
             return []
-        e = estimate(changed, hardware, model_config=model_config, params=params, suggest=False)
+        e = estimate(changed, hardware, model_config=model_config, params=params, suggest=False, reach=False)
     except ConfigError:
         return []
     return [Suggestion(flags, e.device_peak_bytes, e.host_peak_bytes, e.step_seconds, e.fits)]
@@ -595,4 +644,4 @@ def _notes(config: TrainConfig, shape: ModelShape, sp: int) -> list[str]:
 
 
 __all__ = ["Estimate", "Suggestion", "MemoryChoice", "choose_memory", "estimate", "StepFlops", "step_flops", "Cluster", "choose_engine",
-           "engine_candidates", "longest_seq_len", "longest_reach", "cheapest_changes"]
+           "engine_candidates", "partial_offload_ratios", "longest_seq_len", "longest_reach", "cheapest_changes"]

@@ -4,7 +4,8 @@
 runs on (its device, the processes per node and nodes of the launch, this machine's RAM), before any weight is
 loaded. The engine is the estimate's: with `--zero-stage auto`, the first of single-device AdamW (one process),
 ZeRO-1, -2, -3, ZeRO-3 with Adam state on the host, and with the weights on the host too, then with 3/4, 1/2 or
-1/4 of the Adam state on the host (the rest on the GPU, `--offload-ratio`), whose predicted
+1/4 of the Adam state on the host (the rest on the GPU, `--offload-ratio`), then every other k/32 of it
+(lstune.estimate.partial_offload_ratios), whose predicted
 device and host peaks fit; `--zero-stage N`, `--offload-optimizer` and `--offload-params` are taken as given.
 On CPU one process always trains with plain AdamW and several with ZeRO-1 (nothing to offload to). The `auto`
 memory settings come from the same estimate (`Estimate.memory_choice`, lstune.estimate.choose_memory): the

@@ -68,6 +68,29 @@ def test_full_fine_tune_of_8b_on_one_h100_with_128_gib_of_host_keeps_half_the_op
     assert parts["gradients"].device == 16 * size * 4
 
 
+def test_a_narrow_partial_offload_window_is_found_at_the_sub_groups_resolution():
+    """Llama-3.1-8B's full fine-tune at 16K on an H100 with 112 GiB of host: 3/4 and 1/2 of the optimizer on the
+    host are over the host, 1/4 over the device; 13/32 and 14/32 fit. `auto` takes 14/32 (the most on the host of
+    those) and says how far it reaches; with the whole offload asked for, the refusal names that ratio."""
+    from lstune.estimate import partial_offload_ratios
+
+    ratios = partial_offload_ratios()
+    assert ratios[:3] == [0.75, 0.5, 0.25] and len(ratios) == len(set(ratios)) == 31
+    assert sorted(ratios) == [k / 32 for k in range(1, 32)]
+    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=112 * GiB, seq_len=16384)
+    assert prediction.fits, prediction.verdict()
+    plan = zero_plan(prediction)
+    assert (plan.stage, plan.offload_optimizer, plan.offload_params, plan.offload_ratio) == (3, True, True, 14 / 32)
+    assert prediction.device_peak_bytes / GiB == pytest.approx(73.9, abs=0.1)
+    assert prediction.host_peak_bytes / GiB == pytest.approx(106.8, abs=0.1)
+    assert prediction.longest_seq_len >= 16384  # the ratio picked here is among those the longest is searched over
+    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=112 * GiB, seq_len=16384,
+                                        zero_stage="3", offload_optimizer=True, offload_params=True)
+    with pytest.raises(ConfigError, match="--offload-ratio 0.4375"):
+        check_fits(config, prediction, runtime)
+
+
+
 def test_70b_lora_on_8_gpus_is_sharded_not_zero1():
     """The old rule counted trainable weights only and chose ZeRO-1 with '1.5 GB per device': the bf16 base
     alone is 141 GB on every GPU."""
