@@ -17,7 +17,8 @@ layer's checkpoint goes to (pinned, on CUDA) host memory:
    as soon as the forward no longer needs it.
 2. Backward: unpacking layer i (when autograd reaches it and checkpoint recomputes it) returns the
    tensor prefetched during layer i+1's backward, then starts the copy of layer i-1 on another side
-   stream. The last layer stays on the device: its backward comes first, a copy would not hide.
+   stream, into a block of the compute stream's pool (`HostBlocks.to_device`, as the chunk store's
+   reads). The last layer stays on the device: its backward comes first, a copy would not hide.
 3. `host_mem_budget` caps the host bytes: once the next checkpoint would exceed it, it stays on the
    device (so the earliest layers, whose checkpoints live longest, are the ones offloaded).
 4. Placement (MEMO Sec. 4; lstune.memory.placement): a `CheckpointPlacement` gives each layer a host
@@ -299,10 +300,8 @@ class CheckpointOffloader:
             self.stats.fetched_on_demand += 1
         tensor, arrived = handle.incoming
         handle.incoming = None
-        if arrived is not None:
-            compute = torch.cuda.current_stream(handle.device)
-            compute.wait_event(arrived)
-            tensor.record_stream(compute)
+        if arrived is not None:  # the tensor is the compute stream's (HostBlocks.to_device)
+            torch.cuda.current_stream(handle.device).wait_event(arrived)
         return tensor
 
     def _copy_out(self, index: int, tensor: torch.Tensor) -> _HostCopy:
@@ -327,14 +326,7 @@ class CheckpointOffloader:
             tensor = torch.empty(host.shape, dtype=host.dtype, device=handle.device)
             host.read_into(tensor)
             return tensor, None
-        stream = self._stream("h2d", handle.device)
-        with torch.cuda.stream(stream):
-            stream.wait_event(handle.ready)
-            tensor = torch.empty(host.shape, dtype=host.dtype, device=handle.device)
-            host.read_into(tensor, non_blocking=True)
-            arrived = torch.cuda.Event()
-            arrived.record(stream)
-        return tensor, arrived
+        return host.to_device(handle.device, self._stream("h2d", handle.device), after=handle.ready)
 
     def _stream(self, kind: str, device: torch.device) -> "torch.cuda.Stream":
         key = (kind, device)

@@ -1,7 +1,8 @@
 # The phases run_short.sh and run_next.sh share, one function each (sourced after phase.sh, with $RES, $OUT, $B).
 L8="--preset llama-3.1-8b --lora-r 16"
 
-# Issue 14 (c): the chunked-attention and memory CUDA tests (23 tests: 77 s on the H200 of 2026-11-26).
+# Issue 14 (c): the chunked-attention and memory CUDA tests (23 tests: 77 s on the H200 of 2026-11-26; 3 more since,
+# each a second or two: Liger's peak against the estimate, frozen and trainable head, and the prefetch buffers' pool).
 gpu_tests_chunks() {
   phase gpu-tests-chunks 150 bash -c "python3 -m pytest -q -rs tests/gpu/test_attention_chunks_cuda.py \
     tests/gpu/test_memory_cuda.py > $RES/gpu-tests-chunks.log 2>&1"

@@ -209,3 +209,25 @@ def test_offloaded_checkpoints_pin_their_size_not_the_next_power_of_two():
     back, _ = offloader._copy_in(handles[0])
     torch.cuda.synchronize()
     assert torch.equal(back, hidden)
+
+
+def test_prefetched_checkpoints_come_from_the_compute_streams_pool():
+    """A checkpoint's device copy (HostBlocks.to_device) is allocated from the compute stream's pool: once read and
+    freed, the compute stream's next allocation of that size reuses its block (allocated on the copy stream, the
+    block went back to that stream's cache, and the compute allocation reserved another 64 MiB)."""
+    from lstune.memory.checkpoint import CheckpointOffloader
+
+    hidden = torch.randn(1, 8192, 4096, device="cuda", dtype=torch.bfloat16)  # 64 MiB
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # no cached block of earlier tests to serve the allocation below
+    offloader = CheckpointOffloader(n_layers=2)
+    handle = offloader._copy_out(0, hidden)
+    back, arrived = offloader._copy_in(handle)
+    torch.cuda.current_stream().wait_event(arrived)
+    assert torch.equal(back, hidden)
+    del back
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    again = torch.empty_like(hidden)
+    assert torch.cuda.memory_reserved() == reserved, "the copy's block was not the compute stream's to reuse"
+    del again
