@@ -281,12 +281,31 @@ class DeepSpeedEngine:
         self._ds.backward(loss * self._divisor)
 
     def step(self) -> dict[str, float]:
-        """Reduce, clip, update, advance the schedule and zero gradients; {"grad_norm", "lr"}."""
+        """Reduce, clip, update, advance the schedule and zero gradients; {"grad_norm", "lr", "update_skipped"}.
+
+        DeepSpeed (0.19: every ZeRO stage, offloaded or not, fp32 or bf16) checks the gradients before it updates
+        and, when they are not finite, drops them and leaves the weights and the schedule as they were, counting
+        the step in `skipped_steps`. The step is then reported skipped and the schedule advanced as the
+        single-device engine's `skip_step` advances it, so a skipped step leaves both engines on one schedule."""
+        import warnings
+
         lr = float(self.scheduler.get_last_lr()[0])
         _sync_gpu_optimizer_settings(self._ds.optimizer)
+        skipped_before = self._ds.skipped_steps
         self._ds.step()
+        skipped = self._ds.skipped_steps > skipped_before
+        if skipped:
+            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+                warnings.simplefilter("ignore", UserWarning)
+                self.scheduler.step()
         norm = self._ds.get_global_grad_norm()
-        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr}
+        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr, "update_skipped": skipped}
+
+    def skip_step(self) -> dict[str, float]:
+        """A step whose loss is not finite: DeepSpeed's own check drops its gradients when they are not finite
+        (`step`); when they are, the update is applied and `update_skipped` is False (the run then stops,
+        lstune.train.guard)."""
+        return self.step()
 
     def save(self, ckpt_dir: Path) -> None:
         """Model, optimizer and scheduler state, sharded as DeepSpeed keeps it (every rank writes its part).

@@ -7,9 +7,10 @@ from finite weights). With `--skip-nonfinite-steps`, the single-device engine le
 untouched for that step (its update is skipped before it is applied) and the run goes on; after
 `MAX_CONSECUTIVE_SKIPS` such steps in a row it stops anyway, since skipping is not recovering.
 
-DeepSpeed applies its update inside `step()` before lstune sees the gradient norm, so under ZeRO a
-non-finite norm stops the run even with skipping on; a non-finite loss is caught before the update and
-skipped like on one device.
+Under DeepSpeed the check is DeepSpeed's own (0.19: every ZeRO stage, offloaded or not): it drops non-finite
+gradients inside `step()` and leaves the weights, and lstune advances the schedule as on one device
+(lstune.parallel.engine_ds.DeepSpeedEngine.step). The one step no engine can skip is a non-finite loss with
+finite gradients under DeepSpeed (its update is applied before lstune could drop them): that stops the run.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def _stop_message(step: int, problem: str, newest: Path | None, guard: NonFinite
             else "No checkpoint had been saved yet.")
     why = (f"{guard.consecutive} steps in a row were not finite; skipping does not recover the run"
            if guard.skip and guard.consecutive > MAX_CONSECUTIVE_SKIPS
-           else "the update could not be skipped (DeepSpeed applies it before the norm is known)" if guard.skip
+           else "the update could not be skipped (DeepSpeed found the gradients finite and applied it)" if guard.skip
            else "training stopped before that step could reach a checkpoint")
     return (
         f"step {step}: {problem}: training diverged; {why}. Nothing from this step was saved and no final model "

@@ -95,15 +95,10 @@ class Stepper:
         times[f"{name}_s"] += time.perf_counter() - begin
 
     def _update(self, loss: float) -> dict[str, Any]:
-        """The optimizer step, unless the loss is not finite: then an engine that can skip does, and one
-        that cannot (DeepSpeed) is not stepped at all, so its weights stay as they were (lstune.train.guard
-        stops the run)."""
-        if math.isfinite(loss):
-            return self.engine.step()
-        if hasattr(self.engine, "skip_step"):
-            return self.engine.skip_step()
-        lr = self.engine.scheduler.get_last_lr()[0] if hasattr(self.engine, "scheduler") else float("nan")
-        return {"grad_norm": float("nan"), "lr": float(lr), "update_skipped": False}
+        """The optimizer step, unless the loss is not finite: then the engine's `skip_step` (the single-device
+        engine drops the gradients; DeepSpeed drops them when they are not finite, lstune.parallel.engine_ds),
+        whose `update_skipped` says whether the weights stayed as they were (lstune.train.guard decides)."""
+        return self.engine.step() if math.isfinite(loss) else self.engine.skip_step()
 
     def _autocast(self):
         import torch

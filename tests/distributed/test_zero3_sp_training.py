@@ -188,3 +188,53 @@ def test_one_process_zero3_offload_without_a_launcher_matches_adamw():
     from tests.support.distributed import run_distributed
 
     _check(run_distributed(_single_process_worker, 1, timeout=600)[0])
+
+
+def _skip_worker(rank: int, world: int, stage: int, offload: tuple) -> dict:
+    """Three steps, the middle one with finite loss and non-finite gradients, through the single-device engine
+    and DeepSpeed: (loss, update_skipped, lr) per step of each."""
+    import copy
+
+    import torch.distributed as dist
+
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.engine_ds import DeepSpeedEngine, ZeroPlan
+    from lstune.train.engine import TorchEngine
+    from tests.distributed._helpers import loss_sum, tiny_model
+
+    dist.destroy_process_group()  # DeepSpeedEngine makes its own one-process group, as on one GPU
+    samples = _samples(1)
+    model = tiny_model("tiny-llama")
+    engines = {"torch": TorchEngine(copy.deepcopy(model), OPTIM),
+               "deepspeed": DeepSpeedEngine(model, dims=ParallelDims(1, 1), optim=OPTIM,
+                                            zero=ZeroPlan(stage, *offload, 0, "test"), bf16=False)}
+    runs = {}
+    for name, engine in engines.items():
+        records = []
+        for step in range(3):
+            batch = samples[step]
+            s, _ = loss_sum(engine.model, batch)
+            objective = s / int((batch["shift_labels"] != -100).sum())
+            if step == 1:
+                objective.register_hook(lambda grad: grad * float("inf"))
+            engine.backward(objective)
+            stats = engine.step()
+            records.append((float(objective), stats["update_skipped"], stats["lr"]))
+        runs[name] = records
+    return runs
+
+
+@pytest.mark.parametrize("stage, offload", [(2, (False, False)), (3, (True, True))], ids=["zero2", "zero3-offload"])
+def test_deepspeed_skips_a_nonfinite_step_like_the_single_device_engine(stage, offload):
+    """DeepSpeed drops a step's non-finite gradients itself; lstune reports it skipped and advances the schedule as
+    the single-device engine's skip does: the step after it has the same loss (the weights were left as they were)
+    and the same learning rate on both engines."""
+    from tests.support.distributed import run_distributed
+
+    runs = run_distributed(_skip_worker, 1, stage, offload, timeout=600)[0]
+    for name, records in runs.items():
+        assert [skipped for _, skipped, _ in records] == [False, True, False], name
+    for (loss, _, lr), (ref_loss, _, ref_lr) in zip(runs["deepspeed"], runs["torch"]):
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        assert lr == pytest.approx(ref_lr, rel=1e-9)
+    assert runs["torch"][2][2] != runs["torch"][1][2]  # the schedule moved on through the skipped step
