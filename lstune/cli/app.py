@@ -150,11 +150,7 @@ def _main(argv: list[str] | None) -> None:
     try:
         code = app(args=args, prog_name="lstune", standalone_mode=False)
     except UserError as exc:
-        if debug:
-            traceback.print_exc()
-        if debug or not exc.quiet:
-            typer.echo(f"lstune: {exc}", err=True)
-        sys.exit(exc.exit_code)
+        _report(exc, debug)
     except _click_classes("Exit") as exc:
         sys.exit(exc.exit_code)
     except _click_classes("ClickException") as exc:
@@ -163,6 +159,9 @@ def _main(argv: list[str] | None) -> None:
         exc.show()
         sys.exit(exc.exit_code)
     except Terminated as exc:
+        interrupted = _user_error_under(exc)
+        if interrupted is not None:
+            _report(interrupted, debug)
         typer.echo(f"lstune: {exc.args[0] if exc.args else 'SIGTERM'} received {_terminated_when()}", err=True)
         sys.exit(130)
     except (_click_classes("Abort") + (KeyboardInterrupt,)):
@@ -172,6 +171,33 @@ def _main(argv: list[str] | None) -> None:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _report(exc: UserError, debug: bool) -> None:
+    """Print a user error (with its traceback under --debug) and exit with its code. SIGTERM is ignored from here
+    on: the other ranks of a launched run stop on this error as it is reported (`Runtime.main_first`), and the
+    launcher (torchrun) then terminates the ranks still running — this one included, before its message was out
+    (seen: a bad eval set under --gpus 2 said only "SIGTERM received before training started", exit 130)."""
+    if _in_main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if debug:
+        traceback.print_exc()
+    if debug or not exc.quiet:
+        typer.echo(f"lstune: {exc}", err=True)
+    sys.exit(exc.exit_code)
+
+
+def _user_error_under(exc: BaseException) -> UserError | None:
+    """The user error that was propagating when SIGTERM came (the signal's exception has it as its context), so
+    that the error, not the launcher's signal, is what the user reads."""
+    seen: set[int] = set()
+    context = exc.__context__
+    while context is not None and id(context) not in seen:
+        if isinstance(context, UserError):
+            return context
+        seen.add(id(context))
+        context = context.__context__
+    return None
 
 
 def _terminated_when() -> str:

@@ -45,3 +45,47 @@ def test_a_plain_process_exits_normally(monkeypatch, hard_exits):
     with pytest.raises(SystemExit) as exc:
         app.main(["train", "--no-such-flag"])
     assert exc.value.code == 2 and hard_exits == []
+
+
+def _fails_with_a_data_error(*args, **kwargs):
+    from lstune.errors import DataError
+
+    raise DataError("the eval set has no token to train on")
+
+
+def test_a_sigterm_while_an_error_propagates_does_not_hide_it(monkeypatch, capsys):
+    """A launched rank's peers stop on the main process's error as it propagates, and torchrun then terminates the
+    main process: its SIGTERM (Terminated, raised in a `finally` on the way out) must not replace the error."""
+    from lstune.train.signals import Terminated
+
+    def interrupted(*args, **kwargs):
+        try:
+            _fails_with_a_data_error()
+        finally:
+            raise Terminated("SIGTERM")
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(app, "app", interrupted)
+    with pytest.raises(SystemExit) as exc:
+        app.main(["train"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "no token to train on" in err and "SIGTERM" not in err
+
+
+def test_a_sigterm_while_an_error_is_reported_is_ignored(monkeypatch, capsys):
+    """Once the message is being written, a SIGTERM neither cuts it nor turns exit code 2 into 130."""
+    import os
+    import signal
+
+    echo = app.typer.echo
+
+    def terminated_while_echoing(message, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled (or ignored) before kill returns, in this main thread
+        echo(message, **kwargs)
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(app, "app", _fails_with_a_data_error)
+    monkeypatch.setattr(app.typer, "echo", terminated_while_echoing)
+    with pytest.raises(SystemExit) as exc:
+        app.main(["train"])
+    assert exc.value.code == 2 and "no token to train on" in capsys.readouterr().err
