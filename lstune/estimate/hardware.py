@@ -90,7 +90,8 @@ def resolve_hardware(
 ) -> Cluster:
     """The cluster to estimate for. Device: `gpu` from the table, else this machine's CUDA device (when
     `detect`), else the CPU; `device_mem` overrides its memory (an unlisted GPU: H100 rates). Host: `host_mem`,
-    else this machine's RAM."""
+    else this machine's RAM. CPU processes share the node's RAM: each has its 1/`gpus` share as its "device", as
+    `lstune train` counts them (lstune.train.engine_choice.runtime_cluster)."""
     problems = []
     if nodes < 1:
         problems.append(f"--nodes {nodes}: give at least 1 node.")
@@ -103,7 +104,7 @@ def resolve_hardware(
     device, source = _device(gpu, device_mem, detect)
     host = host_mem if host_mem is not None else local_host_bytes()
     if device.kind == "cpu":
-        device = replace(device, device_bytes=device_mem or host)
+        device = replace(device, device_bytes=device_mem or host // gpus)
     return Cluster(device, gpus, nodes, host, source)
 
 

@@ -161,6 +161,22 @@ def test_sp_degree_that_cannot_work_is_refused():
         estimate(_config(sp=3), hw)
 
 
+def test_cpu_processes_share_the_nodes_ram_as_train_counts_them(monkeypatch):
+    """Four CPU processes on a 16 GiB machine: each has 4 GiB, as `lstune train` counts them (runtime_cluster);
+    each had been given all 16 GiB, four times over."""
+    from types import SimpleNamespace
+
+    import lstune.estimate.hardware as hardware
+    from lstune.train.engine_choice import runtime_cluster
+
+    assert resolve_hardware(gpu="cpu", gpus=4, host_mem=16 * GiB).device.device_bytes == 4 * GiB
+    assert resolve_hardware(gpu="cpu", host_mem=16 * GiB).device.device_bytes == 16 * GiB
+    monkeypatch.setattr(hardware, "local_host_bytes", lambda: 16 * GiB)
+    runtime = SimpleNamespace(device=SimpleNamespace(type="cpu"), world_size=4,
+                              launch=SimpleNamespace(local_world_size=4))
+    assert runtime_cluster(runtime).device.device_bytes == 4 * GiB
+
+
 def test_to_dict_is_json():
     import json
 
