@@ -576,7 +576,6 @@ _CHANGES: list[tuple[str, dict]] = [
 ]
 
 
-
 def cheapest_changes(config: TrainConfig, hardware: Cluster, model_config, params: ParamCounts,
                      limit: int = 5) -> list[Suggestion]:
     """Changes that would fit the requested length (each with its peaks and step time), cheapest first; more

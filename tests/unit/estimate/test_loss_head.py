@@ -47,8 +47,9 @@ def _buffer(parts: dict[str, int]) -> int:
 
 
 def test_liger_keeps_one_bf16_logits_buffer_of_a_power_of_two_tokens():
-    """liger-kernel 0.8.5: chunks of next_pow2(⌈t / ⌈V/h⌉⌉) tokens (⌈128256 / 4096⌉ = 32), one buffer in the input's
-    dtype that the logits' gradient overwrites — 2 B a logit, where the model had said 8 B and no rounding."""
+    """liger-kernel 0.8.5: chunks of next_pow2(⌈t / ⌈V/h⌉⌉) tokens (⌈128256 / 4096⌉ = 32), one buffer in the
+    input's dtype that the logits' gradient overwrites — 2 B a logit, where the model had said 8 B and no
+    rounding."""
     s = _liger_lora_settings()
     assert _buffer(_liger(s, 131072)) == 4096 * VOCAB * 2  # 131072 / 32 is already a power of two: 1.0 GiB
     assert _buffer(_liger(s, 100_000)) == 4096 * VOCAB * 2  # ⌈100000 / 32⌉ = 3125 -> 4096
