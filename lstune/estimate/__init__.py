@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Iterator
 
 from lstune.config.schema import TrainConfig, zero_problems
 from lstune.errors import ConfigError
@@ -582,8 +582,8 @@ def cheapest_changes(config: TrainConfig, hardware: Cluster, model_config, param
     GPUs for sequence parallelism when no single-node change does."""
     found: list[Suggestion] = []
     current = config.to_dict()
-    for flags, change in [*_CHANGES, _fine_partial_change(config, hardware, model_config, params)]:
-        if not change or all(current.get(k) == v for k, v in change.items()):
+    for flags, change in _changes(config, hardware, model_config, params):
+        if all(current.get(k) == v for k, v in change.items()):
             continue
         found += _try(config, hardware, model_config, params, flags, change)
         if sum(s.fits for s in found) >= limit:
@@ -601,25 +601,28 @@ def cheapest_changes(config: TrainConfig, hardware: Cluster, model_config, param
     return (fitting or found)[:limit]
 
 
-def _fine_partial_change(config: TrainConfig, hardware: Cluster, model_config, params: ParamCounts) -> tuple[str, dict]:
-    """The partial offload `--zero-stage auto` would take beyond AUTO_OFFLOAD_RATIOS (`partial_offload_ratios`), as
-    a change, when one fits (("", {}) otherwise): the first ratio whose byte model fits, one search, not an
-    estimate per ratio."""
+def _changes(config: TrainConfig, hardware: Cluster, model_config, params: ParamCounts) -> Iterator[tuple[str, dict]]:
+    """_CHANGES, then — only when the search gets that far — the partial offload `--zero-stage auto` would take
+    beyond AUTO_OFFLOAD_RATIOS (`partial_offload_ratios`), when one fits: the first ratio whose byte model fits
+    (one byte model a ratio, not an estimate)."""
+    yield from _CHANGES
     if not hardware.on_cuda:
-        return "", {}
+        return
+    fine = partial_offload_ratios()[len(AUTO_OFFLOAD_RATIOS):]
+    try:  # the ratio changes neither the config's problems nor the SP degree: checked once
+        changed = _with(config, **_partial_change(fine[0])[1])
+        if changed.problems():
+            return
+        sp = resolve_sp(changed, hardware, model_config)
+    except ConfigError:
+        return
     shape = ModelShape.from_config(model_config)
-    for ratio in partial_offload_ratios()[len(AUTO_OFFLOAD_RATIOS):]:
+    for ratio in fine:
         flags, change = _partial_change(ratio)
-        try:
-            changed = _with(config, **change)
-            if changed.problems():
-                return "", {}
-            sp = resolve_sp(changed, hardware, model_config)
-        except ConfigError:
-            return "", {}
-        if _fits_some_choice(changed, hardware, shape, params, sp, Engine("deepspeed", 3, True, True, ratio)):
-            return flags, change
-    return "", {}
+        engine = Engine("deepspeed", 3, True, True, ratio)
+        if _fits_some_choice(_with(config, **change), hardware, shape, params, sp, engine):
+            yield flags, change
+            return
 
 
 def _try(config, hardware, model_config, params, flags, change) -> list[Suggestion]:
