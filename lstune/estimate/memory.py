@@ -349,7 +349,9 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
              + (f"; {placed.placement.describe()}" if placed.placement else ""))
 
     def checkpoints(n: float) -> tuple[str, int]:
-        return (f"activation checkpoints: {n:g} on the device; {where}", round(n * ckpt))
+        # A split layer's device part or a segment's held input makes `n` fractional: say so, two decimals.
+        held = f"{n:g}" if n == int(n) else f"{n:.2f} checkpoints' worth"
+        return (f"activation checkpoints: {held} on the device; {where}", round(n * ckpt))
 
     phases = [
         Phase("loss head", [checkpoints(placed.kept_fwd), *_loss_parts(shape, s, act, res)], head_grad),
