@@ -11,6 +11,7 @@ and against the estimate (docs/bench.md).
     rates.py        the device's kernel rates (the ideal step time)
     fingerprint.py  hardware and versions, read without starting CUDA
     report.py       bench.json, bench.md; plots.py the PNGs
+    outputs.py      the output folder: checked before any trial, only the bench's own names written (its record)
 
 Sits above `train` (a trial runs train's step) and below `cli`; nothing here imports rich or typer.
 """

@@ -89,7 +89,10 @@ class BenchOptions:
         None, "Where bench.json, bench.md and the plots go (default: runs/bench-MODEL-TIMESTAMP).",
         p.parse_optional_str, metavar="DIR",
     )
-    overwrite: bool = _opt(False, "Replace the bench files of an earlier run in --output-dir.", p.parse_bool)
+    overwrite: bool = _opt(
+        False, "Replace an earlier bench's files in --output-dir (those its record lists; nothing else is touched).",
+        p.parse_bool,
+    )
 
 
 def parse_options(raw: dict[str, Any]) -> tuple[BenchOptions, list[str]]:

@@ -4,7 +4,8 @@
 - peak-vs-length.png: peak memory against length, measured (points) and the estimate's (a line per
   configuration, same colour), with the capacity the trials had;
 - tokens-per-s.png: throughput against length.
-A plot with nothing to show is not written.
+A plot with nothing to show is not written. Each is claimed in the folder's record before it is written
+(lstune.bench.outputs).
 """
 
 from __future__ import annotations
@@ -12,20 +13,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lstune.bench.outputs import BenchFolder, write_new
 from lstune.config.parse import format_length
 
 GIB, MIB = 2**30, 2**20
 COLOURS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
 
 
-def write_plots(result, folder: Path) -> list[Path]:
+def write_plots(result, folder: BenchFolder) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     written = []
     for name, draw in (("longest.png", _longest), ("peak-vs-length.png", _peaks), ("tokens-per-s.png", _throughput)):
-        if draw(result, folder / name):
-            written.append(folder / name)
+        fig = draw(result)
+        if fig is not None:
+            folder.claim(folder.path / name)
+            written.append(_save(fig, folder.path / name))
     return written
 
 
@@ -49,11 +53,11 @@ def _k(n: float) -> float:
     return n / 1024
 
 
-def _longest(result, path: Path) -> bool:
+def _longest(result):
     import matplotlib.pyplot as plt
 
     if not result.searches:
-        return False
+        return None
     name, colour = labels(result), _colours(result)
     rungs = list(result.searches)
     values = [_k(result.searches[r]["longest_ok"]) for r in rungs]
@@ -70,21 +74,21 @@ def _longest(result, path: Path) -> bool:
     ax.set_title(f"{_title(result)}\nlongest sequence completing a step (resolution {format_length(step)} tokens)")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, max(values + [1]) * 1.25)
-    return _save(fig, path)
+    return fig
 
 
 def _ok_steps(result, rung: str) -> list[dict[str, Any]]:
     return [t for t in result.trials if t.get("kind") == "step" and t.get("rung") == rung and t.get("outcome") == "ok"]
 
 
-def _peaks(result, path: Path) -> bool:
+def _peaks(result):
     import matplotlib.pyplot as plt
 
     cuda = bool(result.fingerprint["gpus"])
     points = {r["name"]: sorted((t["seq_len"], t["peak_allocated"]) for t in _ok_steps(result, r["name"])
                                 if t.get("peak_allocated") is not None) for r in result.rungs}
     if not any(points.values()):
-        return False
+        return None
     top = max(p for pts in points.values() for _, p in pts)
     unit, unit_name = (GIB, "GiB") if top >= 2 * GIB else (MIB, "MiB")
     name, colour = labels(result), _colours(result)
@@ -106,7 +110,7 @@ def _peaks(result, path: Path) -> bool:
     ax.set_title(f"{_title(result)}\npeak memory per step: measured and estimated")
     ax.set_ylim(0, top / unit * 1.15)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _save(fig, path)
+    return fig
 
 
 def _capacity(result) -> tuple[float, str] | None:
@@ -116,13 +120,13 @@ def _capacity(result) -> tuple[float, str] | None:
     return None
 
 
-def _throughput(result, path: Path) -> bool:
+def _throughput(result):
     import matplotlib.pyplot as plt
 
     name, colour = labels(result), _colours(result)
     series = {r["name"]: _throughputs(result, r["name"]) for r in result.rungs}
     if not any(series.values()):
-        return False
+        return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for rung, pts in series.items():
         if pts:
@@ -133,7 +137,7 @@ def _throughput(result, path: Path) -> bool:
     ax.set_ylim(bottom=0)
     ax.set_xlim(left=0)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return fig
 
 
 def _throughputs(result, rung: str) -> list[tuple[int, float]]:
@@ -145,12 +149,11 @@ def _throughputs(result, rung: str) -> list[tuple[int, float]]:
     return sorted(by_length.items())
 
 
-def _save(fig, path: Path) -> bool:
+def _save(fig, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
-    return True
+    try:
+        return write_new(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)

@@ -1,30 +1,25 @@
 """The bench's files: bench.json (everything), bench.md (the tables for docs/benchmarks/), the plots
-(lstune.bench.plots). Each is written to a temporary name and renamed, so a reader never sees half a file."""
+(lstune.bench.plots). Each is claimed in the folder's record, written to a temporary name and renamed, so a reader
+never sees half a file (lstune.bench.outputs)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from lstune.bench.fingerprint import describe
+from lstune.bench.outputs import BenchFolder, write_text_new
 from lstune.bench.plots import GIB, MIB, labels, write_plots
 from lstune.config.parse import format_length
 
 
-def write_outputs(result, folder: Path) -> list[Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    files = [_write(folder / "bench.json", json.dumps(result.to_dict(), indent=1, default=str) + "\n"),
-             _write(folder / "bench.md", markdown(result))]
+def write_outputs(result, folder: BenchFolder) -> list[Path]:
+    json_path, md_path = folder.path / "bench.json", folder.path / "bench.md"
+    folder.claim(json_path, md_path)
+    files = [write_text_new(json_path, json.dumps(result.to_dict(), indent=1, default=str) + "\n"),
+             write_text_new(md_path, markdown(result))]
     return files + write_plots(result, folder)
-
-
-def _write(path: Path, text: str) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
 
 
 def markdown(result) -> str:

@@ -4,7 +4,8 @@ results. The CLI (lstune.cli.bench) parses and renders; everything else is here.
 Order: the kernel rates (--rates), then per configuration its --find-max-len search and its measurements
 at each of --lengths (default --seq-len), then the estimate's line for the plots; bench.json, bench.md and
 the plots last (lstune.bench.report). Every trial is a fresh process (lstune.bench.runner); an observer
-hears each one start, tick and finish.
+hears each one start, tick and finish. The output folder is checked before the first trial, and every name
+written there is recorded as the bench's first (lstune.bench.outputs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lstune.bench.options import BenchOptions
+from lstune.bench.outputs import BenchFolder, check_folder
 from lstune.bench.rungs import Rung, rung_config, same_as, select_rungs
 from lstune.config.schema import TrainConfig
 from lstune.errors import ConfigError, UserError
@@ -24,7 +26,6 @@ from lstune.train.signals import Terminated
 
 CPU_DEFAULT_CAP = 0.8  # of this machine's RAM: a CPU search stops there rather than at the kernel's OOM killer
 CURVE_POINTS = 24
-OUTPUT_FILES = ("bench.json", "bench.md")
 
 
 class Observer(Protocol):
@@ -89,20 +90,15 @@ def problems_with(config: TrainConfig, options: BenchOptions) -> list[str]:
     return problems
 
 
-def output_dir(options: BenchOptions, config: TrainConfig) -> Path:
-    """--output-dir (default runs/bench-MODEL-TIMESTAMP); refuses to replace an earlier bench's files unasked."""
+def output_dir(options: BenchOptions, config: TrainConfig) -> BenchFolder:
+    """--output-dir (default runs/bench-MODEL-TIMESTAMP), checked: refuses the user's files and links at the bench's
+    names, and an earlier bench's files without --overwrite (lstune.bench.outputs)."""
     if options.output_dir is not None:
         path = Path(options.output_dir)
     else:
         model = re.sub(r"[^A-Za-z0-9._-]+", "-", config.model.name).strip("-")
         path = Path("runs") / f"bench-{model}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if path.exists() and not path.is_dir():
-        raise ConfigError([f"--output-dir {str(path)!r} is a file; give a folder."])
-    taken = [name for name in OUTPUT_FILES if (path / name).exists()]
-    if taken and not options.overwrite:
-        raise ConfigError([f"--output-dir {str(path)!r} already holds {', '.join(taken)} of an earlier bench; add "
-                           "--overwrite to replace them, or give another --output-dir."])
-    return path
+    return check_folder(path, overwrite=options.overwrite)
 
 
 def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, observer: Observer | None = None,
@@ -117,9 +113,10 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
     observer = observer or _Quiet()
     started = time.monotonic()
     limits = Limits(options.trial_timeout, host_cap(options, fp))
-    runner = TrialRunner(limits, folder / "trials", cuda=bool(fp["gpus"]), on_tick=observer.tick)
+    runner = TrialRunner(limits, folder.path / "trials", cuda=bool(fp["gpus"]), on_tick=observer.tick,
+                         claim=folder.claim)
     configs = {r.name: rung_config(config, r, in_ladder=options.ablation) for r in rungs}
-    result = BenchResult(command, folder, fp, _options_view(options, limits),
+    result = BenchResult(command, folder.path, fp, _options_view(options, limits),
                          [{"name": r.name, "label": r.label, "config": configs[r.name].to_dict()} for r in rungs])
     session = _Session(runner, observer, result)
     try:
@@ -136,7 +133,7 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
                             "are here.")
         _finish(result, config, rungs, folder, started)
         raise BenchInterrupted(f"{what} received: bench stopped; its {len(result.trials)} finished trial(s) are in "
-                               f"{folder / 'bench.json'} and bench.md.") from None
+                               f"{folder.path / 'bench.json'} and bench.md.") from None
     _finish(result, config, rungs, folder, started)
     return result
 
@@ -148,12 +145,13 @@ class BenchInterrupted(UserError):
     exit_code = 130
 
 
-def _finish(result: BenchResult, config: TrainConfig, rungs: list[Rung], folder: Path, started: float) -> None:
+def _finish(result: BenchResult, config: TrainConfig, rungs: list[Rung], folder: BenchFolder, started: float) -> None:
     from lstune.bench.report import write_outputs
 
     result.notes += _notes(config, rungs)
     result.seconds = time.monotonic() - started
     result.files = write_outputs(result, folder)
+    folder.clear_previous()  # only once this bench's results are in place: an earlier bench's stay until then
 
 
 def _check_gpu_count(config: TrainConfig, fp: dict[str, Any]) -> None:

@@ -12,7 +12,8 @@ While a trial runs, the parent samples the resident memory of the trial's proces
 trial's own peak RSS (getrusage) is checked against the cap afterwards too, since sampling can miss a short
 peak. Past `timeout_s` the tree is killed and the trial recorded as "timeout"; a process that dies without
 writing its record (the kernel's OOM killer, a segfault) is a "crash". Each trial's log (its stdout and
-stderr) and record are kept in `workdir`.
+stderr) and record are kept in `workdir`, each name passed to `claim` before it is created (the bench's output
+folder records it as the bench's: lstune.bench.outputs).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+from lstune.bench.outputs import open_new_log, write_text_new
 
 # lstune.bench.trial first: it quiets a warning peft's import of bitsandbytes would print (models.quant).
 PRELOAD = ["lstune.bench.trial", "torch", "transformers", "peft", "lstune.train.run", "lstune.train.prepare",
@@ -41,17 +44,16 @@ class Limits:
 
 class TrialRunner:
     """Runs `lstune.bench.trial.Job`s one at a time; `on_tick(job, elapsed_s, rss_bytes)` is called about twice
-    a second while one runs (the CLI's live display)."""
+    a second while one runs (the CLI's live display); `claim(*paths)` is told of every path before it is created."""
 
     def __init__(self, limits: Limits, workdir: Path, *, cuda: bool, on_tick: Callable | None = None,
-                 poll_s: float = 0.05):
+                 poll_s: float = 0.05, claim: Callable[..., None] = lambda *paths: None):
         self.limits, self.workdir, self.cuda, self.on_tick, self.poll_s = limits, workdir, cuda, on_tick, poll_s
+        self.claim = claim
         self._context = None
 
     def run(self, job) -> dict[str, Any]:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        result_path = self.workdir / f"trial-{job.id}.json"
-        log_path = self.workdir / f"trial-{job.id}.log"
+        result_path, log_path = self._paths(job)
         result_path.unlink(missing_ok=True)
         start = time.monotonic()
         process = self._start(job, result_path, log_path)
@@ -72,8 +74,17 @@ class TrialRunner:
         self._check_cap(record)
         record.update(id=job.id, kind=job.kind, rung=job.rung, seq_len=job.seq_len, purpose=job.purpose,
                       processes=job.processes, wall_s=time.monotonic() - start, log=str(log_path))
-        result_path.write_text(json.dumps(record, default=str))
+        write_text_new(result_path, json.dumps(record, default=str))
         return record
+
+    def _paths(self, job) -> tuple[Path, Path]:
+        """Trial `job`'s record and log (and job file, for the launcher), claimed, in the created `workdir`.
+        These names are lstune.bench.outputs.TRIAL_FILE's."""
+        result_path, log_path = self.workdir / f"trial-{job.id}.json", self.workdir / f"trial-{job.id}.log"
+        launched = [job_path(result_path)] if job.processes > 1 else []
+        self.claim(self.workdir, result_path, log_path, *launched)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        return result_path, log_path
 
     def _check_cap(self, record: dict[str, Any]) -> None:
         cap = self.limits.max_host_mem
@@ -121,7 +132,7 @@ class TrialRunner:
 
 def _child(job, result_path: str, log_path: str) -> None:
     """A forked trial's body: its output goes to its log, not over the parent's display."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_new_log(Path(log_path))
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -165,14 +176,13 @@ class _Launched(_Process):
     def start(cls, job, result_path: Path, log_path: Path, cuda: bool) -> "_Launched":
         from lstune.parallel.launch import launch_command
 
-        job_path = result_path.with_suffix(".job.json")
-        job_path.write_text(json.dumps(job.to_dict()))
+        job_file = write_text_new(job_path(result_path), json.dumps(job.to_dict()))
         env = dict(os.environ)
         if not cuda:
             env["DS_ACCELERATOR"] = "cpu"
-        command = launch_command([str(job_path), str(result_path)], job.processes, job.config.get("hostfile"),
+        command = launch_command([str(job_file), str(result_path)], job.processes, job.config.get("hostfile"),
                                  module="lstune.bench.trial")
-        with open(log_path, "w") as log:
+        with os.fdopen(open_new_log(log_path), "w") as log:
             return cls(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
 
     def exit_code(self) -> int | None:
@@ -183,6 +193,11 @@ class _Launched(_Process):
             self.popen.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pass
+
+
+def job_path(result_path: Path) -> Path:
+    """Where a launched trial's job is written for its processes to read: trial-N.job.json."""
+    return result_path.with_suffix(".job.json")
 
 
 def _kill(pid: int) -> None:

@@ -340,9 +340,9 @@ def run_to_file(job: Job, result_path: str) -> None:
     except Exception as exc:
         record = failure(exc)
     if int(os.environ.get("RANK", "0")) == 0:
-        tmp = Path(f"{result_path}.tmp")
-        tmp.write_text(json.dumps(record, default=str))
-        os.replace(tmp, result_path)
+        from lstune.bench.outputs import write_text_new
+
+        write_text_new(Path(result_path), json.dumps(record, default=str))
     # Only after a trial that went well on this rank: after a failure another rank may be stuck in a collective and
     # never reach the barrier (the record is written either way; the parent reads it, not the exit code).
     if record.get("outcome") == "ok":

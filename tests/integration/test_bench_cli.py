@@ -81,8 +81,24 @@ def test_ablation_with_the_longest_sequence_search_under_a_host_cap(cli, tmp_pat
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "longest sequence completing a step" in result.out and "trials in" in result.out
 
+    recorded = set(json.loads((out / "lstune-bench-files.json").read_text())["entries"])
+    assert recorded == {p.relative_to(out).as_posix() for p in out.rglob("*")} - {"lstune-bench-files.json"}
     again = cli("bench", "--model", "tiny-llama", "--output-dir", out)
     assert again.code == 2 and "--overwrite" in again.err
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_the_users_files_at_the_bench_names_stop_it_before_any_trial(cli, tmp_path, overwrite):
+    out = tmp_path / "b1"
+    (out / "trials").mkdir(parents=True)
+    (out / "tokens-per-s.png").write_text("x\n")
+    (out / "trials" / "trial-1.log").write_text("mylog\n")
+    result = cli("bench", "--model", "tiny-llama", "--seq-len", "256", "--lengths", "256", "--steps", "1",
+                 "--warmup", "0", "--output-dir", out, *overwrite)
+    assert result.code == 2 and "Traceback" not in result.err, result.err
+    assert "tokens-per-s.png" in result.err and "trials/trial-1.log" in result.err and "Move them away" in result.err
+    assert (out / "tokens-per-s.png").read_text() == "x\n" and (out / "trials" / "trial-1.log").read_text() == "mylog\n"
+    assert sorted(p.name for p in out.rglob("*")) == ["tokens-per-s.png", "trial-1.log", "trials"]
 
 
 @pytest.mark.slow
