@@ -5,10 +5,11 @@ say everything (a window applied only through the mask, positions that do not co
 mixer that is not attention). So before the run, on a short probe, it compares the model as lstune prepared it with
 the unmodified model running its own attention implementation (eager) and its own mask:
 
-1. probe model: a copy of the loaded model when it is small (<= 100M parameters); else a random-init copy, built on
-   the run's device, of a prefix of its layers long enough to hold every layer type the config lists per layer (a
-   layer or a few), with a vocabulary of 512 and windows / attention chunks cut to 16 tokens — exactness is a
-   property of the code path, not of the weights or the window's size;
+1. probe model: a copy of the loaded model when it is small (<= 100M parameters) and names no window / attention
+   chunk longer than 16 tokens; else a random-init copy, built on the run's device, of a prefix of its layers long
+   enough to hold every layer type the config lists per layer (a layer or a few), with a vocabulary of 512 and
+   windows / attention chunks cut to 16 tokens — exactness is a property of the code path, not of the weights or
+   the window's size;
 2. probe batch: one sequence longer than every window/chunk the config names (at least 64 tokens), with two packed
    documents when the run packs; labels pre-shifted as the data pipeline makes them;
 3. reference: the probe model with `attn_implementation="eager"`, fp32, dropout off, each packed document run alone
@@ -105,7 +106,7 @@ def probe_model(model: Any, *, trust_remote_code: bool = False, device: Any = "c
     from lstune.models.introspect import unwrap_model
 
     lm = unwrap_model(model)
-    if sum(p.numel() for p in lm.parameters()) <= _SMALL_MODEL:
+    if sum(p.numel() for p in lm.parameters()) <= _SMALL_MODEL and not _long_windows(lm.config):
         # A 4-bit base (--load-in-4bit) is checked as it is: transformers refuses to cast it, and its quantized
         # layers are part of what the check compares.
         as_loaded = getattr(lm, "is_loaded_in_4bit", False)
@@ -118,6 +119,16 @@ def probe_model(model: Any, *, trust_remote_code: bool = False, device: Any = "c
     _drop_dropout(probe)
     probe.config.use_cache = False
     return probe, kind
+
+
+def _long_windows(config: Any) -> bool:
+    """Whether `config` names a window a copy of the model could not be probed across cheaply.
+
+    The probe must be longer than every window (`probe_batch`), and the eager reference builds an [L, L] mask: a copy
+    keeping tiny-gemma2's 1M-token window asked for 1.1 TB. A built model's window cannot be cut afterwards (layers
+    copy it from the config at init, e.g. Gemma-2's `self.sliding_window`), so such a model is probed on a truncated
+    copy built from a config with its windows cut, like a big one."""
+    return any(window > _PROBE_WINDOW for window in named_windows(config).values())
 
 
 def _fp32_compute(model: Any) -> None:
@@ -191,7 +202,8 @@ def named_windows(config: Any) -> dict[str, int]:
     """Integer (text) config entries that limit how far attention reaches (sliding windows, attention chunks)."""
     return {
         key: value for key, value in vars(_text(config)).items()
-        if ("window" in key or "attention_chunk" in key) and "pattern" not in key  # a layer pattern is no length
+        if ("window" in key or "attention_chunk" in key)
+        and "pattern" not in key and "layers" not in key  # a layer pattern or count (max_window_layers) is no length
         and isinstance(value, int) and not isinstance(value, bool) and value > 0
     }
 

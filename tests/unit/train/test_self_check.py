@@ -98,6 +98,33 @@ def test_the_probe_crosses_every_named_window():
     assert (batch["position_ids"][0] == 0).sum() == 2
 
 
+@pytest.mark.parametrize("name", ["tiny-gemma2", "tiny-gemma3", "tiny-llama", "tiny-mistral", "tiny-mixtral",
+                                  "tiny-phi3", "tiny-qwen2", "tiny-qwen3-moe", "tiny-qwen3"])
+def test_every_tiny_preset_is_probed_on_a_short_sequence(name):
+    """A copy keeps its model's windows and the probe crosses every window: tiny-gemma2's 1M-token window made a
+    1M-token probe whose eager mask asked for 1.1 TB. A long window sends a small model to the truncated copy (its
+    windows cut); Qwen's max_window_layers is a layer count, not a window, and keeps the copy."""
+    from lstune.models.presets import build_model
+
+    probe, kind = self_check.probe_model(build_model(name))
+    batch = self_check.probe_batch(probe.config, pack=True, sp=1, vocab=probe.config.vocab_size)
+    assert batch["input_ids"].shape[1] <= 64
+    assert kind == ("truncated random-init copy" if name in ("tiny-gemma2", "tiny-gemma3") else "copy")
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_a_small_model_with_a_million_token_window_is_checked(pack):
+    from lstune.models.presets import build_model
+
+    model = build_model("tiny-gemma2", attn_implementation="eager")
+    probe, _ = self_check.probe_model(model)
+    # Asserted before the run, which unfixed would ask for a 1.1 TB mask.
+    assert self_check.probe_batch(probe.config, pack=pack, sp=1, vocab=320)["input_ids"].shape[1] <= 64
+    result = self_check.run_self_check(model, _config(pack), CPU)
+    assert result.ok and result.tokens <= 64 and result.documents == (2 if pack else 1)
+    assert model.config.sliding_window == 1048576  # the model's own config is untouched
+
+
 @pytest.mark.parametrize("skip", [False, True])
 def test_training_setup_runs_it_unless_skipped(skip, tmp_path):
     from lstune.models.loading import resolve_model
