@@ -3,7 +3,8 @@
 Promise: a checkpoint is either complete or absent. A save interrupted at any point (exception,
 SIGKILL, power loss) leaves no `checkpoint-STEP/` folder behind; a partial or corrupt checkpoint is
 refused before anything is loaded from it; nothing that is not an lstune checkpoint is ever
-overwritten or deleted.
+overwritten or deleted. Resuming in its own folder from a checkpoint that is not the newest there is
+refused (`resolve_resume`), since saving and pruning by step would mix the two histories.
 
 Layout::
 
@@ -198,7 +199,9 @@ def resolve_resume(output_dir: Path, resume: str | Path | bool | None) -> Path |
     - True / "latest": the latest complete checkpoint in `output_dir`; `CheckpointError` if there is none.
     - "auto": the latest complete checkpoint if there is one, else start fresh (for jobs that are
       requeued after preemption and run the same command again).
-    - a path: that checkpoint folder, or the latest complete checkpoint of the output folder it names.
+    - a path: that checkpoint folder, or the latest complete checkpoint of the output folder it names. A
+      checkpoint folder inside `output_dir` must be the newest of lstune's checkpoints there
+      (`_refuse_a_branch`).
     """
     if resume is None or resume is False:
         return None
@@ -216,12 +219,63 @@ def resolve_resume(output_dir: Path, resume: str | Path | bool | None) -> Path |
             f"(OUTPUT_DIR/checkpoint-STEP) or an output folder that holds checkpoints."
         )
     if _CHECKPOINT_RE.match(path.name) or (path / MANIFEST_NAME).exists():
-        validate_checkpoint(path, verify_hashes=False)
+        manifest = validate_checkpoint(path, verify_hashes=False)
+        _refuse_a_branch(output_dir, path, manifest)
         return path
     latest = find_latest_checkpoint(path)
     if latest is None:
         raise CheckpointError(_nothing_to_resume(path))
     return latest
+
+
+def _refuse_a_branch(output_dir: Path, checkpoint: Path, manifest: dict) -> None:
+    """Refuse to resume in `checkpoint`'s own folder when lstune's later checkpoints are there.
+
+    Continuing from an earlier step there would mix two histories: `_prune` keeps by step, so the run's
+    new checkpoints (and the one it resumed from) would be pruned while the abandoned run's later ones
+    stay, those would be replaced as the new run reaches their steps, and a later `--resume` would
+    continue whichever is highest. Checked before anything is written; resuming into another folder
+    leaves this one alone, so it is always allowed (outputs.py checks that folder holds no other run).
+    """
+    if checkpoint.resolve().parent != output_dir.resolve():
+        return
+    later = _later_checkpoints(output_dir, _step_of(checkpoint, manifest))
+    if later:
+        names = ", ".join(path.name for path in later)
+        raise CheckpointError(
+            f"Cannot resume from {checkpoint} in {output_dir}: it is not the newest checkpoint there ({names} "
+            f"came later), and continuing in the same folder would mix two histories (pruning by step would "
+            f"delete this run's checkpoints and keep the later ones, which a later --resume would continue). "
+            + _branch_fixes(checkpoint, later)
+        )
+
+
+def _branch_fixes(checkpoint: Path, later: list[Path]) -> str:
+    """The two ways to resume from `checkpoint` when `later` checkpoints share its folder."""
+    names = ", ".join(path.name for path in later)
+    return (
+        f"Continue from {checkpoint.name} in a new folder (--resume {checkpoint} --output-dir NEW_FOLDER), "
+        f"or move {names} out of {checkpoint.parent} and resume from {checkpoint.name} there."
+    )
+
+
+def _step_of(checkpoint: Path, manifest: dict) -> int | None:
+    """The step lstune orders checkpoints by: the folder name's, else (a renamed folder) the manifest's."""
+    match = _CHECKPOINT_RE.match(checkpoint.name)
+    if match:
+        return int(match.group(1))
+    step = manifest.get("step")
+    return step if isinstance(step, int) else None
+
+
+def _later_checkpoints(output_dir: Path, step: int | None) -> list[Path]:
+    """lstune's checkpoints in `output_dir` (complete or not: none may be lost) after `step`, oldest first.
+
+    Folders named like a checkpoint without lstune's manifest are not counted: lstune never touches them.
+    """
+    if step is None:
+        return []
+    return [path for number, path in reversed(_checkpoint_dirs(output_dir)) if number > step and _is_ours(path)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -544,15 +598,36 @@ def _checkpoint_error(path: Path, problems: list[str]) -> CheckpointError:
 
 
 def _earlier_checkpoints_hint(path: Path) -> str:
-    others = [
-        other
-        for _, other in _checkpoint_dirs(path.parent)
-        if other.resolve() != path.resolve() and not _problems(other, verify_hashes=False)
-    ]
-    if not others:
+    """The newest other checkpoint beside `path` that passes the checks `load_checkpoint` makes, hashes
+    included (a size check alone would recommend a checkpoint whose resume then fails its sha256).
+
+    Newest first, stopping at the first that verifies: one full read besides the ones that fail.
+    """
+    checked = []
+    for step, other in _checkpoint_dirs(path.parent):
+        if other.resolve() == path.resolve():
+            continue
+        if not _problems(other, verify_hashes=True):
+            return _resume_instead(other, step)
+        checked.append(other.name)
+    if not checked:
         return f"No other complete checkpoint is in {path.parent}; start the run again without resuming."
-    names = ", ".join(other.name for other in others[:5]) + (", ..." if len(others) > 5 else "")
-    return f"Resume from another complete checkpoint in {path.parent} instead: {names}."
+    return (
+        f"No other checkpoint in {path.parent} verifies either ({', '.join(checked)}); start the run again "
+        f"without resuming."
+    )
+
+
+def _resume_instead(good: Path, step: int) -> str:
+    """How to resume from `good`, the newest checkpoint that verifies: directly when it is the newest of
+    lstune's checkpoints in its folder, else in one of the ways `_refuse_a_branch` allows."""
+    later = _later_checkpoints(good.parent, step)
+    if not later:
+        return f"Resume from another complete checkpoint in {good.parent} instead: {good.name}."
+    return (
+        f"The newest other checkpoint in {good.parent} that verifies is {good.name}, but later checkpoints "
+        f"are there. " + _branch_fixes(good, later)
+    )
 
 
 def _nothing_to_resume(output_dir: Path) -> str:

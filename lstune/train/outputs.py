@@ -43,7 +43,10 @@ def resolve_output_dir(run: RunSection, model_name: str) -> tuple[Path, Path | N
     """The output folder and the checkpoint to resume from; read-only, so every rank may call it."""
     from lstune.train.checkpoint import resolve_resume
 
-    output_dir = Path(run.output_dir) if run.output_dir else default_output_dir(model_name)
+    if run.output_dir:
+        output_dir = Path(run.output_dir).expanduser()
+    else:  # `--resume PATH` alone continues in that run's folder; otherwise a new folder under runs/
+        output_dir = _resumed_run_folder(run.resume) or default_output_dir(model_name)
     if run.resume:
         checkpoint = resolve_resume(output_dir, run.resume)
         _refuse_foreign_resume(output_dir, checkpoint, run.resume)
@@ -67,6 +70,52 @@ def _refuse_foreign_resume(output_dir: Path, checkpoint: Path | None, resume: st
         )
 
 
+def _resumed_run_folder(resume) -> Path | None:
+    """The run folder a path given to --resume names: a checkpoint's parent, or the folder itself (None for
+    `latest` / `auto`, which need --output-dir, and for a path that does not exist: resolve_resume says so)."""
+    from lstune.train.checkpoint import MANIFEST_NAME
+
+    if not isinstance(resume, str) or resume.lower() in ("latest", "auto"):
+        return None
+    path = Path(resume).expanduser()
+    if not path.exists():
+        return None
+    return path.parent if _CHECKPOINT_RE.match(path.name) or (path / MANIFEST_NAME).exists() else path
+
+
+def check_overlaps(output_dir: Path, model_dir: Path | None, data_paths: list[Path]) -> None:
+    """Refuse an output folder that would touch the run's own inputs: one inside a --data folder (lstune's
+    files there would be read as data by this run and every later one), or a --model / --data path inside one
+    of the entries lstune writes or replaces in the output folder (`final/`, a checkpoint: --overwrite removes
+    them, the export replaces `final/`, so a LoRA run would lose its base)."""
+    out = output_dir.expanduser().resolve()
+    for data in data_paths:
+        data = data.resolve()
+        if data.is_dir() and out.is_relative_to(data):
+            raise UserError(
+                f"--output-dir {str(output_dir)!r} is inside the --data folder {str(data)!r}: lstune's files there "
+                "would be read as training data. Choose an --output-dir outside it."
+            )
+    inputs = [("--model", model_dir)] if model_dir is not None else []
+    for flag, path in inputs + [("--data", p) for p in data_paths]:
+        path = path.resolve()
+        if path.is_relative_to(out) and path != out and _is_lstune_name(path.relative_to(out).parts[0]):
+            entry = out / path.relative_to(out).parts[0]
+            where = "is" if path == entry else f"lies inside {str(entry)!r},"
+            raise UserError(
+                f"{flag} {str(path)!r} {where} which this run writes or replaces in its output "
+                f"folder. Copy it elsewhere first, or choose another --output-dir."
+            )
+
+
+def _is_lstune_name(name: str) -> bool:
+    from lstune.train.plots import PLOT_FILE
+    from lstune.train.tracking import TRACKERS
+
+    return (name in FIXED_NAMES or name == PLOT_FILE or bool(_CHECKPOINT_RE.match(name))
+            or name in {folder for _, _, folder in TRACKERS.values()})
+
+
 def default_output_dir(model_name: str) -> Path:
     name = Path(model_name).name.lower().replace(":", "-")
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -83,17 +132,20 @@ class OutputFolder:
         self.previous: set[str] = set()
         self._log_handler: logging.Handler | None = None
 
-    def open(self, *, overwrite: bool) -> "OutputFolder":
+    def open(self, *, overwrite: bool, writes: tuple[str, ...] = ()) -> "OutputFolder":
+        """Lock the folder and check it: `writes` are the names this run writes besides the fixed ones and its
+        checkpoints (its plot, its trackers' folders), checked before anything is written."""
         _make_writable(self.path)
         self.lock.acquire()
         try:
-            _refuse_links(self.path)
+            names = (*FIXED_NAMES, *writes)
+            _refuse_links(self.path, names)
             recorded = read_record(self.path)
             if overwrite:
                 self.previous = recorded | _manifest_checkpoints(self.path)
             else:
                 self.entries = recorded
-            _refuse_foreign(self.path, self.entries | self.previous)
+            _refuse_foreign(self.path, self.entries | self.previous | _manifest_checkpoints(self.path), names)
             self.claim(RECORD_NAME)
             self._attach_log_file()
             if self.lock.stale:
@@ -105,8 +157,12 @@ class OutputFolder:
         return self
 
     def claim(self, name: str) -> Path:
-        """Record `name` as lstune's before it is created (so a crash between the two leaves it recorded)."""
+        """Record `name` as lstune's before it is created (so a crash between the two leaves it recorded). A name
+        that exists and is not lstune's (not recorded, not a checkpoint with lstune's manifest) is the user's: it is
+        refused, never recorded, so that no later --overwrite removes it."""
         if name not in self.entries:
+            if name not in self.previous and os.path.lexists(self.path / name) and not _has_manifest(self.path / name):
+                raise UserError(_foreign_message(self.path, [name]))
             self.entries.add(name)
             _write_record(self.path, self.entries | self.previous)
         return self.path / name
@@ -156,10 +212,10 @@ def _make_writable(output_dir: Path) -> None:
         ) from None
 
 
-def _refuse_links(output_dir: Path) -> None:
+def _refuse_links(output_dir: Path, names: tuple[str, ...]) -> None:
     links = sorted(
         entry.name for entry in output_dir.iterdir()
-        if entry.is_symlink() and (entry.name in FIXED_NAMES or _CHECKPOINT_RE.match(entry.name))
+        if entry.is_symlink() and (entry.name in names or _CHECKPOINT_RE.match(entry.name))
     )
     if links:
         raise UserError(
@@ -168,26 +224,31 @@ def _refuse_links(output_dir: Path) -> None:
         )
 
 
-def _refuse_foreign(output_dir: Path, ours: set[str]) -> None:
-    """A file at one of lstune's fixed names that lstune did not record is the user's: stop, touch nothing."""
+def _refuse_foreign(output_dir: Path, ours: set[str], names: tuple[str, ...]) -> None:
+    """An entry at one of lstune's `names`, or a `checkpoint-N` folder, that lstune did not record (and that
+    carries no manifest of lstune's) is the user's: stop, touch nothing."""
+    checkpoints = {entry.name for entry in output_dir.iterdir() if _CHECKPOINT_RE.match(entry.name)}
     foreign = sorted(
-        name for name in (CONFIG_FILE, METRICS_FILE, FINAL_DIR, MERGED_DIR, LOG_FILE)
+        name for name in {*names, *checkpoints} - {RECORD_NAME, LOCK_NAME}
         if os.path.lexists(output_dir / name) and name not in ours
     )
     if foreign:
-        raise UserError(
-            f"--output-dir {str(output_dir)!r} holds {', '.join(foreign)}, which lstune did not write there (its "
-            f"{RECORD_NAME} does not list them) and would overwrite. Move them away or choose another --output-dir."
-        )
+        raise UserError(_foreign_message(output_dir, foreign))
+
+
+def _foreign_message(output_dir: Path, foreign: list[str]) -> str:
+    return (f"--output-dir {str(output_dir)!r} holds {', '.join(foreign)}, which lstune did not write there (its "
+            f"{RECORD_NAME} does not list them) and would overwrite. Move them away or choose another --output-dir.")
+
+
+def _has_manifest(path: Path) -> bool:
+    from lstune.train.checkpoint import MANIFEST_NAME
+
+    return _CHECKPOINT_RE.match(path.name) is not None and not path.is_symlink() and (path / MANIFEST_NAME).is_file()
 
 
 def _manifest_checkpoints(output_dir: Path) -> set[str]:
-    from lstune.train.checkpoint import MANIFEST_NAME
-
-    return {
-        entry.name for entry in output_dir.iterdir()
-        if _CHECKPOINT_RE.match(entry.name) and not entry.is_symlink() and (entry / MANIFEST_NAME).is_file()
-    }
+    return {entry.name for entry in output_dir.iterdir() if _has_manifest(entry)}
 
 
 def _write_record(output_dir: Path, names: set[str]) -> None:
@@ -221,32 +282,45 @@ def write_config_snapshot(folder: OutputFolder, view: dict) -> None:
     write_file_atomic(folder.claim(CONFIG_FILE), header + yaml.safe_dump(view, sort_keys=False))
 
 
-_WRITE_FAILURES = ("No space left", "os error 28", "Disk quota exceeded", "os error 122",
-                   "PytorchStreamWriter failed", "inline_container.cc")
+_WRITE_FAILURES = ("No space left", "os error 28", "Disk quota exceeded", "os error 122", "File too large",
+                   "os error 27", "PytorchStreamWriter failed", "inline_container.cc")
+_FULL = ("No space left", "os error 28", "Disk quota exceeded", "os error 122")
+_NEARLY_FULL_BYTES = 1 << 30  # torch reports every failed write alike: under this much free, call the disk full
 
 
 @contextmanager
 def write_errors(path: Path, *, kept: Path | None):
-    """A full disk (or quota) while writing `path` becomes a message naming it, instead of torch's or
-    safetensors' raw error; what was written before (`kept`) is intact, since every save is atomic."""
+    """A failed write of `path` (a full disk or quota, a file-size limit) becomes a message naming it and the
+    cause, instead of torch's or safetensors' raw error; what was written before (`kept`) is intact, since every
+    save is atomic."""
     try:
         yield
     except Exception as exc:
         if not _is_write_failure(exc):
             raise
         try:
-            free = f"{shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free there now"
+            free_bytes = shutil.disk_usage(path.parent).free
+            free = f"{free_bytes / 2**20:,.0f} MiB free there now"
         except OSError:
-            free = "free space unknown"
+            free_bytes, free = None, "free space unknown"
+        full = (isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)) or any(
+            marker in str(exc) for marker in _FULL) or (free_bytes is not None and free_bytes < _NEARLY_FULL_BYTES)
+        if full:
+            cause, fix = f"no space left on its device (or the quota is reached; {free})", "Free space (or lower --keep-last)"
+        else:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            cause = (f"the write failed ({first}) with {free}: a file-size limit (`ulimit -f`), the filesystem's "
+                     "largest file, or its permissions")
+            fix = "Fix that"
+        then = f"continue from {kept} with --resume" if kept is not None else "start the run again"
         before = f"{kept} is intact" if kept is not None else "no earlier checkpoint of this run exists"
         raise UserError(
-            f"could not write {path}: no space left on its device (or the quota is reached; {free}). It was not "
-            f"saved and nothing half-written was left; {before}. Free space (or lower --keep-last), then continue "
-            "with --resume."
+            f"could not write {path}: {cause}. It was not saved and nothing half-written was left; {before}. "
+            f"{fix}, then {then}."
         ) from exc
 
 
 def _is_write_failure(exc: BaseException) -> bool:
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return True
     return any(marker in str(exc) for marker in _WRITE_FAILURES)

@@ -21,6 +21,7 @@ from lstune.train.outputs import (
     FINAL_DIR,
     MERGED_DIR,
     OutputFolder,
+    check_overlaps,
     resolve_output_dir,
     write_config_snapshot,
 )
@@ -152,12 +153,14 @@ def _setup_output(config: TrainConfig, runtime: Runtime, opened: list) -> tuple[
     into `opened` at once, a SIGTERM held back meanwhile (lstune.train.signals.holding_sigterm), so that the
     caller releases the lock whatever happens next."""
     output_dir, resume_from = resolve_output_dir(config.run, config.model.name)
+    check_overlaps(output_dir, *_local_inputs(config))
     runtime.barrier()  # every rank has checked the folder before the main process writes into it
     folder, error = None, None
     if runtime.is_main:
         try:
             with holding_sigterm():
-                folder = OutputFolder(output_dir).open(overwrite=config.run.overwrite and not config.run.resume)
+                folder = OutputFolder(output_dir).open(overwrite=config.run.overwrite and not config.run.resume,
+                                                       writes=_extra_outputs(config))
                 opened.append(folder)
         except UserError as exc:
             error = exc
@@ -167,6 +170,28 @@ def _setup_output(config: TrainConfig, runtime: Runtime, opened: list) -> tuple[
         raise UserError(f"the main process could not open --output-dir {str(output_dir)!r} (its message says why)")
     config.run.output_dir = str(output_dir)
     return output_dir, resume_from, folder
+
+
+def _local_inputs(config: TrainConfig) -> tuple[Path | None, list[Path]]:
+    """The model folder and the data files or folders of this run that are on this machine (for
+    lstune.train.outputs.check_overlaps); hub ids, presets and builtin data are not."""
+    from lstune.data.sources import mixture_entries
+    from lstune.models.loading import resolve_source
+
+    source = resolve_source(config.model.name)
+    model_dir = Path(source.location) if source.kind == "local" else None
+    sources = [name for name, _ in mixture_entries(config.data.source)] if config.data.source else []
+    sources += [config.data.eval_data] if config.data.eval_data else []
+    paths = [Path(name).expanduser() for name in sources if isinstance(name, str)]
+    return model_dir, [path for path in paths if path.exists()]
+
+
+def _extra_outputs(config: TrainConfig) -> tuple[str, ...]:
+    """What the run writes in its folder besides the fixed names and its checkpoints: the plot, the trackers'."""
+    from lstune.train.plots import PLOT_FILE
+    from lstune.train.tracking import folders
+
+    return (PLOT_FILE, *folders(config.run.trackers()))
 
 
 def _check_model_support(config: TrainConfig, runtime: Runtime):
@@ -370,18 +395,16 @@ def _resume(engine, checkpoint: Path) -> tuple[RunState, dict]:
 
 # Settings whose change makes a resumed run differ from continuing the old one (the data stream, the
 # samples per step, the objective); a change is allowed but said.
-_RESUME_SENSITIVE = (
-    "model", "data", "seq_len", "pack", "max_records", "chat_template", "seed", "micro_batch_size", "grad_accum", "gpus", "sp",
-    "rope_scaling", "rope_factor", "original_max_position_embeddings", "load_in_4bit",
-    "lr", "schedule", "max_steps", "warmup_steps",
-)
+# Settings about this invocation, not the run's numbers: a change of these on resume is not worth a note.
+_NOT_NOTED_ON_RESUME = frozenset({"output_dir", "stop_at_step", "log_every", "skip_self_check", "force"})
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
+    """Every setting of the checkpoint's run that this run changes (docs/guarantees.md: each change is said)."""
     return [
         f"{key} {saved[key]!r} → {current.get(key)!r}"
-        for key in _RESUME_SENSITIVE
-        if key in saved and saved[key] != current.get(key)
+        for key in saved
+        if key not in _NOT_NOTED_ON_RESUME and key in current and saved[key] != current[key]
     ]
 
 
@@ -389,7 +412,21 @@ def _recipe_view(config: TrainConfig) -> dict[str, Any]:
     view = config.to_dict()
     for key in ("resume", "overwrite", "trust_checkpoint"):  # about this invocation, not the run's recipe
         view.pop(key)
+    # A local model folder is recorded by its absolute path: a resume or a rerun of config.yaml from another
+    # working directory finds the same model (a relative path would name another, or none).
+    model = Path(str(view["model"])).expanduser()
+    if not _is_hub_or_preset(str(view["model"])) and model.is_dir():
+        view["model"] = str(model.resolve())
     return view
+
+
+def _is_hub_or_preset(name: str) -> bool:
+    from lstune.models.loading import resolve_source
+
+    try:
+        return resolve_source(name).kind != "local"
+    except UserError:
+        return True
 
 
 def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Runtime, state, choice=None) -> dict[str, Any]:

@@ -293,3 +293,64 @@ def test_a_changed_lr_on_resume_takes_effect(cli, tmp_path, text_data):
     from tests.integration.conftest import read_metrics
 
     assert [m["lr"] for m in read_metrics(out)] == [1e-3, 1e-3, 5e-4]
+
+
+def test_every_changed_setting_on_resume_is_said(cli, tmp_path, text_data):
+    out = tmp_path / "run"
+    base = [*TINY_MODEL, "--data", text_data, "--output-dir", out]
+    assert cli("train", *base, "--max-steps", "3", "--stop-at-step", "1").code == 0
+    result = cli("train", *base, "--max-steps", "3", "--resume", "--weight-decay", "0.5", "--adam-eps", "0.001",
+                 "--max-grad-norm", "0.5", "--stop-at-step", "2")
+    assert result.code == 0, result.err
+    said = " ".join(result.out.split())
+    for change in ("weight_decay 0.0 → 0.5", "adam_eps 1e-08 → 0.001", "max_grad_norm 1.0 → 0.5"):
+        assert change in said, (change, said[-3000:])
+    assert "stop_at_step" not in said  # about this invocation, not the run
+
+
+def test_resume_given_a_checkpoint_alone_continues_in_its_folder(cli, tmp_path, text_data, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "run"
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--save-every", "1",
+               "--stop-at-step", "1", "--output-dir", out).code == 0
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "2", "--resume", out / "checkpoint-1")
+    assert result.code == 0, result.err
+    assert (out / "checkpoint-2").is_dir() and (out / "final").is_dir()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_tilde_output_dir_is_the_home_folder(cli, tmp_path, text_data, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", "~/run").code == 0
+    assert (tmp_path / "home" / "run" / "final").is_dir() and not (tmp_path / "~").exists()
+
+
+def test_a_relative_model_folder_resumes_from_another_working_directory(cli, tmp_path, text_data, monkeypatch):
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", tmp_path / "base").code == 0
+    (tmp_path / "base" / "final").rename(tmp_path / "mdl")
+    flags = ["--data", text_data, "--seq-len", "256", "--max-steps", "2"]
+    monkeypatch.chdir(tmp_path)
+    assert cli("train", "--model", "mdl", *flags, "--stop-at-step", "1", "--output-dir", "run").code == 0
+    monkeypatch.chdir(tmp_path / "base")
+    result = cli("train", "--model", tmp_path / "mdl", *flags, "--output-dir", tmp_path / "run", "--resume")
+    assert result.code == 0, result.err
+    assert (tmp_path / "run" / "final").is_dir()
+
+
+def test_a_lora_base_inside_the_folder_overwrite_clears_is_refused(cli, tmp_path, text_data, user_files):
+    out = tmp_path / "out"
+    assert cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out).code == 0
+    before = sorted(p.name for p in (out / "final").iterdir())
+    refused(cli("train", "--model", out / "final", "--data", text_data, "--seq-len", "256", "--lora-r", "4",
+                "--max-steps", "1", "--output-dir", out, "--overwrite"), "which this run writes or replaces")
+    assert sorted(p.name for p in (out / "final").iterdir()) == before
+
+
+def test_an_output_folder_inside_the_data_folder_is_refused(cli, tmp_path, text_data, user_files):
+    data = tmp_path / "ds"
+    data.mkdir()
+    text_data.rename(data / "train.jsonl")
+    refused(cli("train", *TINY_MODEL, "--data", data, "--max-steps", "1", "--output-dir", data / "out"),
+            "inside the --data folder")
+    assert sorted(p.name for p in data.iterdir()) == ["train.jsonl"]

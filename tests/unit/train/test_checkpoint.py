@@ -281,7 +281,13 @@ def test_a_partial_or_corrupt_checkpoint_is_refused_before_read_state(tmp_path, 
     message = str(error.value)
     assert message.startswith(f"Checkpoint {path} cannot be loaded:")
     assert expected in message
-    assert f"Resume from another complete checkpoint in {tmp_path} instead: checkpoint-2, checkpoint-1." in message
+    if corruption == "missing manifest":  # then checkpoint-3 is not lstune's, and checkpoint-2 is the newest
+        assert f"Resume from another complete checkpoint in {tmp_path} instead: checkpoint-2." in message
+    else:  # checkpoint-3 is still lstune's: resuming from checkpoint-2 beside it is refused, so say both ways
+        assert f"The newest other checkpoint in {tmp_path} that verifies is checkpoint-2" in message
+        assert f"--resume {tmp_path / 'checkpoint-2'} --output-dir NEW_FOLDER" in message
+        assert f"or move checkpoint-3 out of {tmp_path}" in message
+    assert "checkpoint-1" not in message  # the newest that verifies is enough
     assert error.value.exit_code == 2
 
 
@@ -292,6 +298,49 @@ def test_the_fix_says_to_start_again_when_no_other_checkpoint_is_complete(tmp_pa
     with pytest.raises(CheckpointError, match="No other complete checkpoint is in .*start the run again"):
         validate_checkpoint(path)
     assert validate_checkpoint(path, verify_hashes=False)["step"] == 1  # sizes alone cannot see a flip
+
+
+def test_the_fix_names_only_a_checkpoint_whose_hashes_verify(tmp_path):
+    save(tmp_path, 2)
+    partial = _partial(tmp_path, 4)
+    _flip_byte(save(tmp_path, 6) / "optimizer" / "state.bin")  # sizes match: only its sha256 can tell
+
+    with pytest.raises(CheckpointError) as error:
+        resolve_resume(tmp_path, str(partial))
+    message = str(error.value)
+    assert f"The newest other checkpoint in {tmp_path} that verifies is checkpoint-2" in message
+    assert "Resume from another complete checkpoint" not in message and "instead: checkpoint-6" not in message
+    assert f"or move checkpoint-6 out of {tmp_path}" in message
+
+    _flip_byte(tmp_path / "checkpoint-2" / "model.safetensors")
+    with pytest.raises(CheckpointError) as error:
+        resolve_resume(tmp_path, str(partial))
+    assert (
+        f"No other checkpoint in {tmp_path} verifies either (checkpoint-6, checkpoint-2); start the run again "
+        "without resuming."
+    ) in str(error.value)
+
+
+def test_the_fix_verifies_newest_first_and_stops_at_the_first_good_one(tmp_path, monkeypatch):
+    from lstune.train import checkpoint
+
+    for step in (1, 2, 3, 4):
+        save(tmp_path, step)
+    _flip_byte(tmp_path / "checkpoint-4" / "model.safetensors")
+    _flip_byte(tmp_path / "checkpoint-3" / "model.safetensors")
+    hashed = set()
+    real_hash_file = checkpoint._hash_file
+
+    def recording_hash_file(path: Path, fsync: bool) -> dict:
+        hashed.add(path.relative_to(tmp_path).parts[0])
+        return real_hash_file(path, fsync)
+
+    monkeypatch.setattr(checkpoint, "_hash_file", recording_hash_file)
+
+    with pytest.raises(CheckpointError, match="that verifies is checkpoint-2"):
+        validate_checkpoint(tmp_path / "checkpoint-4")
+
+    assert hashed == {"checkpoint-4", "checkpoint-3", "checkpoint-2"}  # checkpoint-1 is never read
 
 
 def test_load_calls_read_state_restores_the_rng_and_returns_train_state(tmp_path):
@@ -373,6 +422,51 @@ def test_resume_from_a_path(tmp_path):
     assert resolve_resume(tmp_path / "elsewhere", str(older)) == older
     assert resolve_resume(tmp_path / "elsewhere", older) == older
     assert resolve_resume(tmp_path / "elsewhere", str(tmp_path)) == tmp_path / "checkpoint-2"
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every entry under `folder` with its mtime and contents, to show that nothing was written."""
+    return {
+        path.relative_to(folder).as_posix(): (path.stat().st_mtime_ns, path.read_bytes() if path.is_file() else b"")
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+def test_resume_from_an_earlier_checkpoint_in_its_own_folder_is_refused_before_anything_is_written(tmp_path):
+    for step in (4, 6, 8):
+        save(tmp_path, step)
+    before = _snapshot(tmp_path)
+
+    with pytest.raises(CheckpointError) as error:
+        resolve_resume(tmp_path, str(tmp_path / "checkpoint-4"))
+
+    message = str(error.value)
+    assert message.startswith(f"Cannot resume from {tmp_path / 'checkpoint-4'} in {tmp_path}: it is not the newest")
+    assert "(checkpoint-6, checkpoint-8 came later)" in message
+    assert f"--resume {tmp_path / 'checkpoint-4'} --output-dir NEW_FOLDER" in message
+    assert f"or move checkpoint-6, checkpoint-8 out of {tmp_path}" in message
+    assert error.value.exit_code == 2
+    assert _snapshot(tmp_path) == before
+
+
+def test_resume_from_the_newest_or_into_another_folder_is_allowed(tmp_path):
+    for step in (4, 6, 8):
+        save(tmp_path, step)
+
+    assert resolve_resume(tmp_path, str(tmp_path / "checkpoint-8")) == tmp_path / "checkpoint-8"
+    assert resolve_resume(tmp_path, True) == tmp_path / "checkpoint-8"
+    assert resolve_resume(tmp_path / "branch", str(tmp_path / "checkpoint-4")) == tmp_path / "checkpoint-4"
+
+
+def test_only_lstunes_later_checkpoints_refuse_a_resume_damaged_ones_included(tmp_path):
+    save(tmp_path, 4)
+    (tmp_path / "checkpoint-100").mkdir()  # e.g. an HF Trainer checkpoint: lstune never touches it
+    (tmp_path / "checkpoint-100" / "model.bin").write_bytes(b"x")
+    assert resolve_resume(tmp_path, str(tmp_path / "checkpoint-4")) == tmp_path / "checkpoint-4"
+
+    (save(tmp_path, 6) / "model.safetensors").unlink()  # still lstune's, and not to be lost
+    with pytest.raises(CheckpointError, match=r"\(checkpoint-6 came later\)"):
+        resolve_resume(tmp_path, str(tmp_path / "checkpoint-4"))
 
 
 def test_resume_from_a_path_without_a_usable_checkpoint_is_refused(tmp_path):

@@ -75,13 +75,14 @@ def test_overwrite_clears_only_what_lstune_wrote(tmp_path):
     previous.claim("final").mkdir()
     previous.close()
     (tmp_path / "notes.txt").write_text("mine")
-    (tmp_path / "checkpoint-3").mkdir()  # no manifest: not ours
+    (tmp_path / "checkpoint-3.bak").mkdir()  # not a name lstune writes (a checkpoint-3 of the user's is refused:
+    # tests/unit/train/test_outputs.py)
     folder = OutputFolder(tmp_path).open(overwrite=True)
     try:
         folder.clear_previous()
     finally:
         folder.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["checkpoint-3", "notes.txt", RECORD_NAME, LOG_FILE])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["checkpoint-3.bak", "notes.txt", RECORD_NAME, LOG_FILE])
 
 
 def test_default_folder_and_config_snapshot(tmp_path):
