@@ -6,7 +6,10 @@
 - pack: documents are laid end to end in a stream cut into `seq_len` windows; `position_ids`
   restart at 0 at each document, and a document that does not fit the room left continues in the
   next sample as a new segment (positions restarting at 0). The last sample is padded, the pad
-  run getting its own positions from 0, so it reads as one more (ignored) document.
+  run getting its own positions from 0, so it reads as one more (ignored) document. A cut of the
+  stream with no loss-carrying token (the middle of a prompt longer than `seq_len`, a document's
+  last token alone) is dropped, as long mode drops a document with no target in its first
+  `seq_len` tokens: a sample must have something to learn (the summary counts them).
 
 Labels come pre-shifted per document (see `records.py`), so a sample is plain slicing: a
 document's last token has target -100, and a token whose document goes on past the cut keeps its
@@ -17,12 +20,19 @@ dataset costs O(documents) RAM for its index, never O(tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
-from lstune.data.records import IGNORE, check_tokenizer, detect_kind, document_features, tokenize_batch
+from lstune.data.records import (
+    IGNORE,
+    check_one_kind,
+    check_tokenizer,
+    detect_kind,
+    document_features,
+    tokenize_batch,
+)
 from lstune.data.sources import load_records
 from lstune.errors import DataError
 
@@ -33,8 +43,12 @@ if TYPE_CHECKING:
 # small enough that a batch of million-token documents stays well under a GB of RAM.
 MAP_BATCH_BYTES = 4 * 2**20
 MAP_MAX_BATCH = 1000
+# Per-document statistics the layouts read (records.document_features).
+STAT_COLUMNS = ["length", "n_targets", "first_target", "last_target", "max_id"]
+# Documents whose labels are read at once while finding the packed samples with a target.
+LABEL_READ_BATCH = 64
 # Bumped whenever the tokenized layout changes, so stale caches are never reused.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -55,8 +69,8 @@ class LongContextDataset(torch.utils.data.Dataset):
         self.pack = pack
         self.pad_id = pad_id
         self._docs = docs.with_format("numpy", columns=["input_ids", "shift_labels"])
-        stats = docs.select_columns(["length", "n_targets", "first_target", "max_id"]).with_format("numpy")[:]
-        self._layout = _PackedLayout(stats, seq_len, seed) if pack else _LongLayout(stats, seq_len)
+        stats = docs.select_columns(STAT_COLUMNS).with_format("numpy")[:]
+        self._layout = _PackedLayout(stats, seq_len, seed, self._labels) if pack else _LongLayout(stats, seq_len)
         if len(self._layout) == 0:
             raise DataError(_no_usable_tokens_message(info, seq_len))
         self._summary = {**info, **self._layout.summary(), "max_token_id": int(stats["max_id"].max())}
@@ -80,6 +94,9 @@ class LongContextDataset(torch.utils.data.Dataset):
     def summary(self) -> dict[str, Any]:
         """What was read and how it became samples; `note` says it in one sentence for the CLI."""
         return dict(self._summary)
+
+    def _labels(self, docs: list[int]) -> list[np.ndarray]:
+        return list(self._docs[docs]["shift_labels"])
 
     def _assemble(self, ids: list, labels: list, positions: list) -> dict[str, torch.Tensor]:
         pad = self.seq_len - sum(len(p) for p in positions)
@@ -129,13 +146,16 @@ class _LongLayout:
             "truncated_records": int((self.truncated > 0).sum()),
             "truncated_tokens": int(self.truncated.sum()),
             "skipped_beyond_seq_len": self.skipped_late,
+            "dropped_samples": 0,
+            "dropped_tokens": 0,
         }
 
 
 class _PackedLayout:
-    """Usable documents, in a seeded order, as one token stream cut every `seq_len` tokens."""
+    """Usable documents, in a seeded order, as one token stream cut every `seq_len` tokens; the cuts
+    (windows) without a loss-carrying token are dropped."""
 
-    def __init__(self, stats: dict[str, np.ndarray], seq_len: int, seed: int):
+    def __init__(self, stats: dict[str, np.ndarray], seq_len: int, seed: int, labels: Callable[[list[int]], list]):
         self.seq_len = seq_len
         self.skipped = int((stats["n_targets"] == 0).sum())
         # Shuffling documents before packing keeps sorted sources (by length, by origin) from
@@ -143,13 +163,19 @@ class _PackedLayout:
         self.docs = np.random.default_rng(seed).permutation(np.flatnonzero(stats["n_targets"] > 0))
         self.ends = np.cumsum(stats["length"][self.docs])
         self.starts = self.ends - stats["length"][self.docs]
-        self.tokens = int(self.ends[-1]) if len(self.ends) else 0
+        self.stream = int(self.ends[-1]) if len(self.ends) else 0
+        n_windows = -(-self.stream // seq_len)
+        self.windows = np.flatnonzero(_labelled_windows(stats, self.docs, self.starts, seq_len, n_windows, labels))
+        real = np.minimum(seq_len, self.stream - seq_len * np.arange(n_windows))  # the last window may be short
+        self.tokens = int(real[self.windows].sum())
+        self.dropped = n_windows - len(self.windows)
 
     def __len__(self) -> int:
-        return -(-self.tokens // self.seq_len)
+        return len(self.windows)
 
     def segments(self, index: int) -> list[Segment]:
-        lo, hi = index * self.seq_len, min((index + 1) * self.seq_len, self.tokens)
+        window = int(self.windows[index])
+        lo, hi = window * self.seq_len, min((window + 1) * self.seq_len, self.stream)
         first = int(np.searchsorted(self.ends, lo, side="right"))
         last = int(np.searchsorted(self.starts, hi, side="left"))
         segments = []
@@ -170,7 +196,36 @@ class _PackedLayout:
             "truncated_records": 0,
             "truncated_tokens": 0,
             "skipped_beyond_seq_len": 0,
+            "dropped_samples": self.dropped,
+            "dropped_tokens": self.stream - self.tokens,
         }
+
+
+def _labelled_windows(
+    stats: dict[str, np.ndarray], docs: np.ndarray, starts: np.ndarray, seq_len: int, n_windows: int,
+    labels: Callable[[list[int]], list],
+) -> np.ndarray:
+    """Whether each `seq_len` window of the packed stream holds a loss-carrying token.
+
+    From the statistics alone where they settle it: the windows of a document's first and last target have
+    one, and so does every window between them when its targets are one contiguous run (text, prompt +
+    completion, one-answer chats). Only a document with gaps between targets (multi-turn chat, masked
+    pre-tokenized labels) that spans three windows or more has its labels read, in batches.
+    """
+    first, last, count = (stats[k][docs] for k in ("first_target", "last_target", "n_targets"))
+    w_first, w_last = (starts + first) // seq_len, (starts + last) // seq_len
+    contiguous = last - first + 1 == count
+    edges = np.zeros(n_windows + 1, np.int64)
+    np.add.at(edges, w_first[contiguous], 1)
+    np.add.at(edges, w_last[contiguous] + 1, -1)
+    labelled = np.cumsum(edges[:-1]) > 0
+    labelled[w_first] = labelled[w_last] = True
+    gappy = np.flatnonzero(~contiguous & (w_last - w_first >= 2))
+    for lo in range(0, len(gappy), LABEL_READ_BATCH):
+        batch = gappy[lo : lo + LABEL_READ_BATCH]
+        for j, labels_T in zip(batch, labels([int(docs[j]) for j in batch])):
+            labelled[(starts[j] + np.flatnonzero(labels_T != IGNORE)) // seq_len] = True
+    return labelled
 
 
 def build_dataset(
@@ -207,6 +262,7 @@ def _build_one(
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     records = load_records(source, max_records=max_records)
     kind = detect_kind(records.dataset.column_names)
+    check_one_kind(records.dataset, kind, source)
     check_tokenizer(kind, tokenizer)
     docs = _tokenize(records.dataset, kind.name, tokenizer)
     info = {"source": source, "origin": records.origin, "kind": kind.name, "fields": list(kind.fields),
@@ -231,6 +287,10 @@ def describe(summary: dict[str, Any]) -> str:
     if s["skipped_beyond_seq_len"]:
         late, seq_len = s["skipped_beyond_seq_len"], s["seq_len"]
         text += f"; {late} records skipped (no trainable token in the first {seq_len})"
+    if s["dropped_samples"]:
+        text += (f"; {s['dropped_samples']} packed samples dropped (no trainable token in them: the middle of a "
+                 f"prompt or turn longer than {s['seq_len']} tokens, or a document's last token alone), "
+                 f"{s['dropped_tokens']} tokens")
     return text
 
 

@@ -37,7 +37,7 @@ class MixtureDataset(torch.utils.data.Dataset):
     """Several `LongContextDataset`s as one; `ds[i]` is a sample of one of them (see the module docstring)."""
 
     def __init__(self, parts: list, names: list[str], weights: list[float] | None, seed: int):
-        self.parts, self.names, self.weights = parts, names, weights
+        self.parts, self.names, self.weights, self.seed = parts, names, weights, seed
         counts = slot_counts([len(p) for p in parts], weights)
         self.source_of = np.repeat(np.arange(len(parts)), counts)
         self.local_index = np.concatenate([
@@ -62,9 +62,10 @@ class MixtureDataset(torch.utils.data.Dataset):
         parts = [p.summary() for p in self.parts]
         total = len(self)
         shares = []
-        for name, count, weight, part in zip(self.names, self.counts, self.weights or [None] * len(self.parts), parts):
+        sizes = [len(p) for p in self.parts]  # a part may be a split's view (lstune.data.split): its own samples
+        for name, count, weight, size in zip(self.names, self.counts, self.weights or [None] * len(self.parts), sizes):
             asked = f", weight {weight:g}" if weight is not None else ""
-            shares.append(f"{name} {100 * count / total:.1f}% ({count} slots for its {part['samples']} samples{asked})")
+            shares.append(f"{name} {100 * count / total:.1f}% ({count} slots for its {size} samples{asked})")
         note = (f"mixture of {len(parts)} sources, {total} samples per mixture epoch: " + "; ".join(shares) + ". "
                 + " | ".join(f"{name}: {part['note']}" for name, part in zip(self.names, parts)))
         return {
@@ -81,7 +82,8 @@ class MixtureDataset(torch.utils.data.Dataset):
         }
 
 
-_COUNTS = ("records", "tokens", "padding_tokens", "truncated_records", "truncated_tokens", "skipped_documents")
+_COUNTS = ("records", "tokens", "padding_tokens", "truncated_records", "truncated_tokens", "skipped_documents",
+           "dropped_samples", "dropped_tokens")
 
 
 def _cycled_permutation(size: int, count: int, seed: int, source: int) -> np.ndarray:

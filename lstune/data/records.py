@@ -1,6 +1,7 @@
 """Turn raw records into tokenized documents with pre-shifted labels.
 
-A record kind is detected from the columns (the first match wins):
+A record kind is detected from the columns (the first match wins; a source whose rows are of two kinds,
+some `text` and some `messages`, is refused rather than read as one):
 
 - `text`: tokenized with the tokenizer (bos if it adds one, eos appended); loss on every token.
 - `messages` (list of {role, content}): rendered with the tokenizer's chat template; loss only
@@ -72,6 +73,42 @@ def detect_kind(columns: Sequence[str]) -> RecordKind:
     )
 
 
+def check_one_kind(records: Any, kind: RecordKind, source: str) -> None:
+    """DataError when some records of `source` (a `datasets.Dataset`) are of another kind than `kind`.
+
+    A JSON file whose rows mix kinds (some `text`, some `messages`) loads as one table with every column,
+    null where a row lacks it; read as `kind`, the other rows would be empty documents, skipped as
+    "no trainable token" without a word about why. Reads only the columns' null masks.
+    """
+    from functools import reduce
+
+    import pyarrow.compute as pc
+
+    required = KIND_FIELDS[kind.name]
+    others = {name: fields for name, fields in KIND_FIELDS.items()
+              if name != kind.name and all(c in records.column_names for c in fields)}
+    if not others:
+        return
+    table = records.select_columns(sorted({c for f in (required, *others.values()) for c in f})).with_format("arrow")[:]
+    lacking = reduce(pc.or_, [pc.is_null(table.column(c)) for c in required])
+    for name, fields in others.items():
+        other = pc.and_(lacking, reduce(pc.and_, [pc.is_valid(table.column(c)) for c in fields]))
+        count = pc.sum(other).as_py() or 0
+        if count:
+            have = len(table) - (pc.sum(lacking).as_py() or 0)
+            raise DataError(
+                f"data source {source} mixes two kinds of records: {have} with {_field_names(required)} "
+                f"({kind.name}) and {count} with {_field_names(fields)} ({name}) instead, e.g. record "
+                f"{pc.index(other, True).as_py()}; lstune reads one kind per source, and would skip the {name} "
+                "records. Put each kind in a file of its own and give both (--data a.jsonl --data b.jsonl), or "
+                "convert the records to one kind."
+            )
+
+
+def _field_names(fields: Sequence[str]) -> str:
+    return " + ".join(repr(f) for f in fields)
+
+
 def check_tokenizer(kind: RecordKind, tokenizer: Any) -> None:
     """Fail before tokenizing anything if `tokenizer` cannot handle this kind."""
     if kind.name in CHAT_KINDS and not getattr(tokenizer, "chat_template", None):
@@ -108,6 +145,7 @@ def document_features():
         "length": Value("int64"),  # tokens in the document
         "n_targets": Value("int64"),  # labels != -100
         "first_target": Value("int64"),  # position of the first label != -100 (length if none)
+        "last_target": Value("int64"),  # position of the last label != -100 (-1 if none)
         "max_id": Value("int64"),  # largest token id, to check against the model's vocabulary
     })
 
@@ -129,6 +167,7 @@ def _document_columns(docs: list[tuple[np.ndarray, np.ndarray]]) -> dict:
         columns["length"].append(len(ids_T))
         columns["n_targets"].append(int(target_T.sum()))
         columns["first_target"].append(int(target_T.argmax()) if target_T.any() else len(ids_T))
+        columns["last_target"].append(int(len(ids_T) - 1 - target_T[::-1].argmax()) if target_T.any() else -1)
         # Ids and targets both index the vocabulary (embedding rows, logit columns).
         columns["max_id"].append(int(max(ids_T.max(), labels_T.max())) if len(ids_T) else -1)
     return columns
@@ -262,6 +301,7 @@ def _chat_document(
     """
     if not isinstance(messages, list) or not all(isinstance(m, Mapping) and "role" in m for m in messages):
         raise DataError(f"record {index}: 'messages' must be a list of {{role, content}} objects.")
+    _check_contents(tokenizer, messages, index)
     ids_T = _render(tokenizer, messages, False, index)
     labels_T = np.full_like(ids_T, IGNORE)
     for turn, message in enumerate(messages):
@@ -271,6 +311,63 @@ def _chat_document(
         end = _prefix_length(tokenizer, messages[: turn + 1], False, ids_T, index)
         labels_T[start:end] = ids_T[start:end]
     return ids_T, labels_T
+
+
+def _check_contents(tokenizer: Any, messages: list, index: int) -> None:
+    """DataError for a turn whose content is not text, unless the template renders it as what it means.
+
+    A null content is accepted only on a turn with `tool_calls`, and only when the template renders those (the
+    rendering changes without them) and renders the null as nothing (as "" renders); otherwise the turn would
+    be trained as an empty answer, its tool call lost, or as the text "None" (Jinja's text of None). A list
+    (content parts) is accepted only when the template reads the parts (their Python text, which Jinja prints
+    for a template that does not, is not in the rendering). Costs a few extra renderings, only for such records.
+    """
+    odd = [(turn, m) for turn, m in enumerate(messages) if not isinstance(m.get("content"), str)]
+    for turn, m in odd:
+        content = m.get("content")
+        if content is None and not m.get("tool_calls"):
+            raise DataError(f"record {index}: message {turn} ({m['role']}) has no content (null) and no tool_calls; "
+                            "lstune trains on the text of each turn. Give it a string (\"\" for an empty turn), or "
+                            "remove the turn or the record.")
+        if content is not None and not isinstance(content, list):
+            raise DataError(f"record {index}: message {turn} ({m['role']}) has content of type "
+                            f"{type(content).__name__}; give each turn its text as a string.")
+    rendered = _render_text(tokenizer, messages, index) if odd else ""
+    for turn, m in odd:
+        if m.get("content") is not None:
+            if str(m["content"]) in rendered:
+                raise DataError(_not_rendered(index, turn, m, "prints the list as its Python text"))
+            continue
+        without_calls = {k: v for k, v in m.items() if k != "tool_calls"}
+        if _render_text(tokenizer, _with_turn(messages, turn, without_calls), index, probe=True) == rendered:
+            raise DataError(_not_rendered(index, turn, m, "ignores tool_calls, so it would be trained as an empty "
+                                                          "answer"))
+        as_empty = _render_text(tokenizer, _with_turn(messages, turn, {**m, "content": ""}), index, probe=True)
+        if as_empty is not None and as_empty != rendered:
+            raise DataError(_not_rendered(index, turn, m, "prints the null content as the text 'None'"))
+
+
+def _with_turn(messages: list, turn: int, message: Mapping) -> list:
+    return [*messages[:turn], message, *messages[turn + 1 :]]
+
+
+def _not_rendered(index: int, turn: int, message: Mapping, how: str) -> str:
+    what = "no content (null)" if message.get("content") is None else "a list as content"
+    return (f"record {index}: message {turn} ({message['role']}) has {what}, and the chat template {how}. Give the "
+            "turn its text as a string, or use a chat template that renders such turns (tool calls, content parts).")
+
+
+def _render_text(tokenizer: Any, messages: list, index: int, *, probe: bool = False) -> str | None:
+    """The rendered text; for a `probe` (a variant of the record, not the record), None if the template fails."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    except Exception as e:  # as in `_render`
+        if probe:
+            return None
+        raise DataError(
+            f"record {index}: the tokenizer's chat template failed on this conversation ({type(e).__name__}: {e}). "
+            "Fix the record (roles, order, contents) or use a tokenizer whose template accepts it."
+        ) from e
 
 
 def _prefix_length(

@@ -99,14 +99,21 @@ class ByteTokenizer:
 
         HF-only options (tools, return_dict, ...) are accepted and have no effect here. A template set on the
         instance (`--chat-template`) is rendered with transformers' Jinja renderer instead, its special-token
-        strings (<s>, </s>, <pad>) becoming their ids.
+        strings (<s>, </s>, <pad>) becoming their ids. The built-in format renders text only: a content that is
+        not a string (null, as tool-call turns have, or a list of parts) is a ValueError, not Python's text of it.
         """
         if self.chat_template != type(self).chat_template:
             return self._apply_custom_template(messages, tokenize, add_generation_prompt)
         pieces = [np.array([self.bos_token_id], dtype=np.int64)]
-        for message in messages:
+        for turn, message in enumerate(messages):
+            text = message.get("content")
+            if not isinstance(text, str):
+                raise ValueError(
+                    f"message {turn} ({message['role']}) has content {'null' if text is None else type(text).__name__}"
+                    "; lstune's byte-level chat format renders text only, so give every turn a string"
+                )
             header = self._encode_np(f"<|{message['role']}|>\n", add_special_tokens=False)
-            content = self._encode_np(str(message["content"]), add_special_tokens=False)
+            content = self._encode_np(text, add_special_tokens=False)
             pieces += [header, content, np.array([self.eos_token_id], dtype=np.int64)]
         if add_generation_prompt:
             pieces.append(self._encode_np("<|assistant|>\n", add_special_tokens=False))
@@ -116,8 +123,11 @@ class ByteTokenizer:
     def _apply_custom_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> list[int] | str:
         from transformers.utils.chat_template_utils import render_jinja_template
 
+        # As transformers' own apply_chat_template does: a key whose value is None (content of a tool-call turn)
+        # is dropped, so templates see it missing, not the text "None".
+        messages = [{key: value for key, value in m.items() if value is not None} for m in messages]
         rendered, _ = render_jinja_template(
-            [list(messages)], chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
+            [messages], chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token,
         )
         if not tokenize:

@@ -53,7 +53,8 @@ def local_objective(loss_sum: "torch.Tensor", n_tokens_global: int) -> "torch.Te
     """This rank's share of the global mean loss for one micro-batch; backpropagate exactly this.
 
     With gradients summed over ranks and micro-batches (see the module docstring) the result is the
-    gradient of the global mean. A window with no labelled token gives 0 (and zero gradients), not NaN.
+    gradient of the global mean. A window with no labelled token gives 0 (and zero gradients), not NaN; the
+    training step does not run such a window at all (lstune.train.step: no optimizer step on zero gradients).
     """
     return loss_sum / max(n_tokens_global, 1)
 

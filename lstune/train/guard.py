@@ -11,6 +11,9 @@ Under DeepSpeed the check is DeepSpeed's own (0.19: every ZeRO stage, offloaded 
 gradients inside `step()` and leaves the weights, and lstune advances the schedule as on one device
 (lstune.parallel.engine_ds.DeepSpeedEngine.step). The one step no engine can skip is a non-finite loss with
 finite gradients under DeepSpeed (its update is applied before lstune could drop them): that stops the run.
+
+A step whose window has no loss-carrying token at all (label_tokens 0) has a NaN loss by definition (a mean
+over no tokens), not from divergence: lstune.train.step skipped its update, and it is reported as that.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ class NonFiniteGuard:
 
     def check(self, record: dict, newest_checkpoint: Path | None) -> str | None:
         """None for a finite step; a note for a skipped one; raises DivergedError when the run must stop."""
+        if record.get("label_tokens") == 0 and record.get("update_skipped"):
+            return empty_window_note(record)
         problem = nonfinite_problem(record)
         if problem is None:
             self.consecutive = 0
@@ -44,6 +49,12 @@ class NonFiniteGuard:
             self.skipped += 1
             return f"step {record['step']}: {problem}; the update was skipped (--skip-nonfinite-steps)"
         raise DivergedError(_stop_message(record["step"], problem, newest_checkpoint, self))
+
+
+def empty_window_note(record: dict) -> str:
+    return (f"step {record['step']}: no token of this step's samples carries a loss (every label is -100), so it has "
+            "no loss and nothing to learn: its update was skipped (weights and optimizer state unchanged, the "
+            "learning-rate schedule advanced). If this repeats, check the data's labels.")
 
 
 def nonfinite_problem(record: dict) -> str | None:

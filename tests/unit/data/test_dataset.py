@@ -135,3 +135,64 @@ def test_max_records_and_cache_reuse(tmp_path, byte_tok):
     ds = build_dataset(str(tmp_path / "d.jsonl"), byte_tok, 8, max_records=2)
     assert (len(ds), ds.summary()["records"]) == (2, 2)
     assert sorted(cache.iterdir()) == files  # the second build read the tokenized cache
+
+
+def test_pack_drops_samples_without_a_target_and_counts_them(tmp_path, byte_tok):
+    # bos + 60-byte prompt + 2 completion bytes + eos = 64 tokens: at seq_len 16 three cuts of each hold no target.
+    records = [{"prompt": "p" * 60, "completion": "ab"}, {"prompt": "q" * 60, "completion": "cd"}]
+    ds = _build(tmp_path, records, byte_tok, 16, pack=True, seed=0)
+    assert all(int((s["shift_labels"] != X).sum()) > 0 for s in ds)
+    s = ds.summary()
+    assert (s["samples"], s["dropped_samples"], s["dropped_tokens"]) == (2, 6, 96)
+    assert s["tokens"] + s["dropped_tokens"] == 2 * (61 + 3)
+    assert "6 packed samples dropped (no trainable token in them" in s["note"]
+
+
+def test_pack_drops_a_last_sample_holding_only_a_documents_final_token(tmp_path, byte_tok):
+    # 64 + 65 tokens at seq_len 64: the third cut is b's eos alone, whose target is -100.
+    ds = _build(tmp_path, [{"text": "a" * 62}, {"text": "b" * 63}], byte_tok, 64, pack=True, seed=0)
+    assert [int((s["shift_labels"] != X).sum()) for s in ds] == [63, 64]
+    assert (ds.summary()["dropped_samples"], ds.summary()["dropped_tokens"]) == (1, 1)
+
+
+def _packed_reference(docs, order, seq_len):
+    """Every seq_len cut of the documents laid end to end in `order`, keeping those with a target (by brute force)."""
+    ids, labels, positions = [], [], []
+    for d in order:
+        doc_ids, doc_labels = docs[d]
+        shifted = doc_labels[1:] + [X]
+        ids += doc_ids
+        labels += shifted
+        positions += [(d, t) for t in range(len(doc_ids))]
+    out = []
+    for lo in range(0, len(ids), seq_len):
+        if all(label == X for label in labels[lo : lo + seq_len]):
+            continue
+        pad = seq_len - len(ids[lo : lo + seq_len])
+        pos, run = [], 0
+        for k, (d, _) in enumerate(positions[lo : lo + seq_len]):
+            run = run + 1 if k and positions[lo + k - 1][0] == d else 0
+            pos.append(run)
+        out.append((ids[lo : lo + seq_len] + [0] * pad, pos + list(range(pad)), labels[lo : lo + seq_len] + [X] * pad))
+    return out
+
+
+def test_pack_keeps_exactly_the_cuts_with_a_target_for_gappy_labels(tmp_path, byte_tok):
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    docs = []
+    for _ in range(30):
+        n = int(rng.integers(2, 60))
+        ids = rng.integers(3, 250, n).tolist()
+        # Runs of targets separated by long ignored stretches (multi-turn chat), some documents with none: several
+        # documents span cuts between their first and last target, with and without a target of their own.
+        mask = np.zeros(n, bool)
+        for start in rng.integers(0, n, int(rng.integers(0, 4))):
+            mask[start : start + int(rng.integers(1, 4))] = True
+        docs.append((ids, [t if m else X for t, m in zip(ids, mask)]))
+    records = [{"input_ids": ids, "labels": labels} for ids, labels in docs]
+    ds = _build(tmp_path, records, byte_tok, 8, pack=True, seed=4)
+    usable = [i for i, (_, labels) in enumerate(docs) if any(label != X for label in labels[1:])]
+    order = np.random.default_rng(4).permutation(np.array(usable)).tolist()
+    assert _rows(ds) == _packed_reference(docs, order, 8)

@@ -125,3 +125,79 @@ def test_malformed_messages_name_the_record(byte_tok):
 def test_chat_data_needs_a_chat_template():
     with pytest.raises(DataError, match="no chat template.*'text' field"):
         check_tokenizer(detect_kind(["messages"]), make_word_tokenizer(chat_template=None))
+
+
+def test_a_source_mixing_record_kinds_is_refused_naming_it_and_both_kinds(tmp_path, byte_tok):
+    from lstune.data.dataset import build_dataset
+    from tests.unit.data._helpers import write_jsonl
+
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "there"}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "plain"}, {"messages": chat}, {"messages": chat}])
+    with pytest.raises(DataError, match=r"mixed\.jsonl mixes two kinds of records: 1 with 'text' \(text\) and 2 "
+                                        r"with 'messages' \(messages\) instead, e\.g\. record 1"):
+        build_dataset(str(path), byte_tok, 64)
+    # A null field of the detected kind alone is still an empty record, skipped and counted.
+    blank = write_jsonl(tmp_path / "blank.jsonl", [{"text": "plain"}, {"text": None, "id": 3}])
+    assert build_dataset(str(blank), byte_tok, 64).summary()["skipped_documents"] == 1
+
+
+NULL_TURN = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None},
+             {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]
+NAIVE = "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}" \
+        "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "hf"])
+def test_null_content_is_refused_not_trained_as_the_text_none(byte_tok, tokenizer):
+    tok = byte_tok if tokenizer == "byte" else make_word_tokenizer(NAIVE)
+    with pytest.raises(DataError, match=r"record 1: message 1 \(assistant\) has no content \(null\)"):
+        _docs("messages", {"messages": [CHAT, NULL_TURN]}, tok)
+
+
+def test_null_content_of_a_tool_call_turn_needs_a_template_that_renders_it(byte_tok):
+    calls = [{**m, "tool_calls": [{"name": "f"}]} if m["content"] is None else m for m in NULL_TURN]
+    with pytest.raises(DataError, match=r"record 0: .*ValueError: message 1 \(assistant\) has content null; "
+                                        "lstune's byte-level chat format renders text only"):
+        _docs("messages", {"messages": [calls]}, byte_tok)
+    with pytest.raises(DataError, match=r"record 0: message 1 \(assistant\) has no content \(null\), and the chat "
+                                        "template ignores tool_calls, so it would be trained as an empty answer"):
+        _docs("messages", {"messages": [calls]}, make_word_tokenizer(NAIVE))
+    prints_none = "{% for m in messages %}{{ m.role }} {{ m.content }} {% for c in m.tool_calls %}{{ c.name }} " \
+                  "{% endfor %}{% endfor %}"
+    with pytest.raises(DataError, match=r"message 1 \(assistant\) has no content \(null\), and the chat template "
+                                        "prints the null content as the text 'None'"):
+        _docs("messages", {"messages": [calls]}, _NoneKeepingTokenizer(prints_none, byte_tok))
+    aware = make_word_tokenizer(NAIVE.replace(
+        "{{ m['content'] }}", "{% if m['tool_calls'] %}{% for c in m['tool_calls'] %}what {{ c['name'] }}{% endfor %}"
+                              "{% else %}{{ m['content'] }}{% endif %}"))
+    ((ids, labels),) = _docs("messages", {"messages": [calls]}, aware)
+    trained = aware.convert_ids_to_tokens([ids[t + 1] for t in range(len(ids) - 1) if labels[t] != X])
+    assert trained[:3] == ["what", "f", "<|im_end|>"]  # the tool call is what the turn trains on
+
+
+class _NoneKeepingTokenizer:
+    """A tokenizer whose template sees None values (transformers before None-dropping, other renderers)."""
+
+    def __init__(self, chat_template: str, byte_tok):
+        self.chat_template, self.byte_tok = chat_template, byte_tok
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, **_):
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        (text,), _ = render_jinja_template([list(messages)], chat_template=self.chat_template,
+                                           add_generation_prompt=add_generation_prompt)
+        return self.byte_tok.encode(text) if tokenize else text
+
+
+def test_list_content_is_refused_where_the_template_prints_its_repr(byte_tok):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}, {"role": "assistant", "content": "a"}]
+    with pytest.raises(DataError, match=r"message 0 \(user\) has content list; lstune's byte-level chat format"):
+        _docs("messages", {"messages": [parts]}, byte_tok)
+    with pytest.raises(DataError, match=r"message 0 \(user\) has a list as content, and the chat template prints "
+                                        "the list as its Python text"):
+        _docs("messages", {"messages": [parts]}, make_word_tokenizer(NAIVE))
+    reads_parts = make_word_tokenizer(NAIVE.replace(
+        "{{ m['content'] }}", "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+                              "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}"))
+    ((ids, _),) = _docs("messages", {"messages": [parts]}, reads_parts)
+    assert "hello" in reads_parts.decode(ids)
