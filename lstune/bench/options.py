@@ -35,6 +35,21 @@ def parse_lengths(value: Any) -> list[int]:
     return sorted(set(lengths))
 
 
+# A trial is a Python process with torch and transformers imported (~300 MiB of RSS before any model): a cap
+# below this stops every trial as host-oom and measures nothing. Not 1 GiB (--device-mem's floor): the CPU
+# tests cap a tiny model's trials just above their RSS (~400 MiB) to make them run out of host memory.
+MIN_HOST_MEM = 256 * 2**20
+
+
+def parse_host_mem(value: Any) -> int:
+    """--max-host-mem: a size of at least MIN_HOST_MEM."""
+    n = p.parse_bytes(value)
+    if n < MIN_HOST_MEM:
+        raise ValueError(f"is less than {MIN_HOST_MEM // 2**20} MiB, less than a trial's Python with torch takes "
+                         "(every trial would stop at it); give e.g. 2G, or drop it for the default")
+    return n
+
+
 @dataclass
 class BenchOptions:
     """What to measure (configurations, lengths, searches), how (steps, limits) and where the results go."""
@@ -73,9 +88,9 @@ class BenchOptions:
     )
     max_host_mem: int | None = _opt(
         None,
-        "Host memory a trial may use (peak RSS of its processes), e.g. 2G: past it the trial is stopped and "
-        "counts as out of memory [default: none on CUDA; 80% of this machine's RAM on CPU].",
-        p.parse_bytes, metavar="BYTES",
+        "Host memory a trial may use (peak RSS of its processes; at least 256M), e.g. 2G: past it the trial is "
+        "stopped and counts as out of memory [default: none on CUDA; 80% of this machine's RAM on CPU].",
+        parse_host_mem, metavar="BYTES",
     )
     trial_timeout: int = _opt(
         1800, "Seconds a trial may take; a trial past it is stopped and counts as failed.", _pos_int,

@@ -38,7 +38,8 @@ def register(app: typer.Typer) -> None:
 
 def _bench_command(**kwargs: Any) -> int:
     from lstune.bench.options import parse_options
-    from lstune.bench.run import problems_with, run_bench
+    from lstune.bench.run import run_bench
+    from lstune.cli.train import model_problems, refuse
     from lstune.config.load import build_config, read_recipe
 
     config_path = kwargs.pop("config")
@@ -47,8 +48,10 @@ def _bench_command(**kwargs: Any) -> int:
     flags = given_flags(kwargs)
     recipe = read_recipe(config_path) if config_path else {}
     config = build_config(recipe, flags, recipe_name=str(config_path or "the recipe"),
-                          checks=lambda c: problems + (problems_with(c, options) if not problems else [])
-                          + _model_problems(c))
+                          checks=lambda c: _cheap_problems(c, options, problems))
+    # What `lstune train` refuses from these flags before loading anything, a trial would only record as an
+    # error: refused here, before any trial. Once the cheap checks pass: it reads the model's config.
+    refuse(model_problems(config, device=_trial_device()))
     command = shlex.join(["lstune", "bench", *to_argv(flags, config_path), *_own_argv(own)])
     live = LiveTrials()
     with live:
@@ -57,16 +60,21 @@ def _bench_command(**kwargs: Any) -> int:
     return 0
 
 
-def _model_problems(config) -> list[str]:
-    """The model must resolve here, before any trial starts (a trial would only record the same error)."""
-    from lstune.errors import UserError
-    from lstune.models.loading import resolve_model
+def _cheap_problems(config, options: BenchOptions, option_problems: list[str]) -> list[str]:
+    """The bench's options, the configurations asked for, and train's preflight (the model name and --data
+    resolve): nothing here imports torch or transformers, so bad input answers in about a second."""
+    from lstune.bench.run import problems_with
+    from lstune.train.preflight import preflight_problems
 
-    try:
-        resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    except UserError as exc:
-        return exc.problems
-    return []
+    chosen = problems_with(config, options) if not option_problems else []
+    return option_problems + chosen + preflight_problems(config)
+
+
+def _trial_device() -> str:
+    """Where the trials train, read as the bench reads it (nvidia-smi): the parent never starts CUDA."""
+    from lstune.bench.fingerprint import gpus
+
+    return "cuda" if gpus() else "cpu"
 
 
 def _own_argv(own: dict[str, Any]) -> list[str]:

@@ -25,7 +25,9 @@ def register(app: typer.Typer) -> None:
 def _signature() -> inspect.Signature:
     dry_run = inspect.Parameter(
         "dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
-        default=typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+        default=typer.Option(False, "--dry-run", help=(
+            "Check the config as the run does before loading anything (the model's config included: SP layout, "
+            "attention, 4-bit weights), print the resolved config and exit; loads no weights, writes nothing.")),
     )
     ctx = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
     return inspect.Signature([ctx, config_parameter(), dry_run, *section_parameters()])
@@ -44,6 +46,9 @@ def _train_command(**kwargs: Any) -> int:
     name = str(config_path) if config_path else "the recipe"
     config = build_config(recipe, flags, recipe_name=name, checks=lambda c: _data_given(c) + preflight_problems(c))
     if dry_run:
+        # The run's own refusals from the config alone (it makes them before loading anything): the dry run's
+        # verdict is the run's. Only once the cheap checks above pass: this reads the model's config.
+        refuse(model_problems(config))
         print_config(config)
         return 0
     if _needs_launch(config):
@@ -68,6 +73,69 @@ MISSING_DATA = (
     "--data is required: a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder or a hub dataset (or "
     "builtin:passkey, the bundled synthetic task: lstune train --config recipes/tiny-llama/4k-cpu-demo.yaml)."
 )
+
+
+def refuse(problems: list[str]) -> None:
+    from lstune.errors import ConfigError
+
+    if problems:
+        raise ConfigError(problems)
+
+
+def model_problems(config, *, device: str | None = None) -> list[str]:
+    """What a run refuses from the config and the model's config alone, before any weight or data loads: the model
+    resolving, the process layout (`check_parallel_layout`), attention support and --rope-scaling (train's model
+    support check), 4-bit weights a random init does not have (`load_model`'s refusal). `device` ("cuda"/"cpu") is
+    where the run will train; None: cuda when available. Reads the model's config (imports transformers): run it
+    after the cheap checks pass. The natural home is lstune.train.preflight; it is here while that module is
+    being changed elsewhere, and `lstune bench` shares it."""
+    from lstune.errors import UserError
+    from lstune.models.loading import resolve_model
+
+    try:
+        spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
+    except UserError as exc:
+        return exc.problems
+    problems = []
+    for check in (_check_layout_and_positions, _check_attention, _check_weights):
+        try:
+            check(config, spec, device)
+        except UserError as exc:
+            problems.extend(exc.problems)
+    return problems
+
+
+def _check_layout_and_positions(config, spec, device) -> None:
+    """SP must fit --gpus and the heads; --rope-scaling must fit the model's RoPE (and SP: dynamic scaling
+    cannot be sharded). On a copy of the config: the run writes the scaling into a config of its own."""
+    import copy
+
+    from lstune.models.rope import apply_rope_scaling
+    from lstune.parallel.dims import ParallelDims
+
+    parallel, model = config.parallel, config.model
+    if parallel.hostfile is None:
+        sp = ParallelDims.for_model(parallel.gpus, parallel.sp, spec.config).sp
+    else:  # the world size comes from the hostfile at launch: only a fixed degree is known here
+        sp = parallel.sp if isinstance(parallel.sp, int) else 1
+    apply_rope_scaling(copy.deepcopy(spec.config), model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,
+                       original=model.original_max_position_embeddings, sp=sp, model_name=model.name)
+
+
+def _check_attention(config, spec, device) -> None:
+    from lstune.models.attention import check_attention_support
+
+    check_attention_support(spec.config, pack=config.data.pack, seq_len=config.data.seq_len,
+                            backend=config.model.attn, device=device)
+
+
+def _check_weights(config, spec, device) -> None:
+    """load_model quantizes pretrained weights only; a preset (or --init random) has none to quantize."""
+    from lstune.models.quant import refuse_random_4bit
+
+    init, source = config.model.init, spec.source
+    if config.model.load_in_4bit and (init == "random" or (init == "auto" and source.kind == "preset")):
+        refuse_random_4bit(source.name)
 
 
 def _data_given(config) -> list[str]:

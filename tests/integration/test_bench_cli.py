@@ -4,6 +4,8 @@ memory cap, and the files it writes; bad input exits 2 with a message; `bench --
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -24,12 +26,34 @@ def test_bench_help_is_light_and_lists_the_bench_flags():
     (["--steps", "0"], ["--steps", "at least 1"]),
     (["--rungs", "sp"], ["--gpus 2"]),
     (["--model", "no-such-model-xyz"], ["no-such-model-xyz"]),
+    (["--max-host-mem", "0"], ["--max-host-mem '0'", "256 MiB", "2G"]),
+    # What `lstune train` refuses before loading anything is refused before any trial, not recorded per trial.
+    (["--data", "/nonexistent.jsonl"], ["/nonexistent.jsonl", "no such file"]),
+    (["--gpus", "2", "--sp", "3"], ["--sp 3 does not fit 2 process(es)", "use one of 1, 2"]),
+    (["--lora-r", "16", "--load-in-4bit"], ["--load-in-4bit", "initialised at random", "drop --load-in-4bit"]),
 ])
 def test_bad_input_exits_2_naming_the_problem(cli, tmp_path, args, words):
-    result = cli("bench", "--model", "tiny-llama", "--output-dir", tmp_path / "b", *args)
-    assert result.code == 2, result.err
+    result = cli("bench", "--model", "tiny-llama", "--seq-len", "512", "--output-dir", tmp_path / "b", *args)
+    assert result.code == 2, result.err + result.out
     assert all(w in result.err for w in words), result.err
-    assert "Traceback" not in result.err and not (tmp_path / "b").exists()
+    assert "Traceback" not in result.err and not (tmp_path / "b").exists()  # no trials/, nothing written
+    assert "trial" not in result.out
+
+
+@pytest.mark.parametrize("args", [["--steps", "0"], ["--lr", "fast"], ["--max-host-mem", "0"]])
+def test_a_config_error_answers_without_loading_the_model_libraries(tmp_path, args):
+    """The cheap checks come first, and the model's config (transformers: seconds to import) is read only once
+    they pass: a typo answers in about a second."""
+    argv = ["lstune", "bench", "--model", "tiny-llama", "--output-dir", str(tmp_path / "b"), *args]
+    code = (
+        f"import sys, runpy\nsys.argv = {argv!r}\n"
+        "try:\n    runpy.run_module('lstune', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert e.code == 2, e.code\nelse:\n    raise AssertionError('exit 0')\n"
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not heavy, heavy"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert args[0] in proc.stderr and not (tmp_path / "b").exists()
 
 
 def test_ablation_with_the_longest_sequence_search_under_a_host_cap(cli, tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.integration.conftest import REPO, TINY, TINY_MODEL, light_help, run_subprocess
 
 
@@ -38,6 +40,18 @@ def test_dry_run_prints_resolved_config(cli, tmp_path):
     assert "seq_len: 8192" in result.out
     assert "lr: 0.0005" in result.out
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--gpus", "2", "--sp", "3"], ["--sp 3 does not fit 2 process(es)", "use one of 1, 2"]),
+    (["--lora-r", "16", "--load-in-4bit"], ["--load-in-4bit", "initialised at random", "drop --load-in-4bit"]),
+])
+def test_dry_run_refuses_what_the_run_refuses_before_loading(cli, tmp_path, args, fragments):
+    """--dry-run's verdict is the run's: the checks the run makes from the config and the model's config alone."""
+    out = tmp_path / "o"
+    dry = cli("train", *TINY, "--output-dir", out, *args, "--dry-run")
+    _assert_user_error(dry, *fragments)
+    assert not out.exists()
 
 
 def test_data_is_required_outside_the_demo_recipe(cli, tmp_path):

@@ -26,6 +26,8 @@ def test_lengths_parse_sorted_without_repeats():
     ({"warmup": "-1"}, ["--warmup", "at least 0"]),
     ({"len_step": "8q"}, ["--len-step", "not a length"]),
     ({"max_host_mem": "lots"}, ["--max-host-mem", "64G"]),
+    ({"max_host_mem": "0"}, ["--max-host-mem '0'", "less than 256 MiB", "2G"]),
+    ({"max_host_mem": "100M"}, ["--max-host-mem '100M'", "less than 256 MiB"]),
     ({"trial_timeout": "0"}, ["--trial-timeout", "at least 1"]),
 ])
 def test_every_bad_option_is_named_with_its_fix(raw, words):
