@@ -2,7 +2,7 @@
 
 `OptimConfig` is the one description of AdamW and its schedule that `TorchEngine` (one device) and
 `DeepSpeedEngine` (ZeRO) take; neither has defaults of its own. `OptimConfig.from_section` resolves the
-config's optim section for a run of `max_steps` steps (default warmup: 3% of them).
+config's optim section for a run of `max_steps` steps (default warmup: 3% of them, never all).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class OptimConfig:
     def from_section(cls, section: OptimSection, max_steps: int) -> "OptimConfig":
         warmup = section.warmup_steps
         if warmup is None:
-            warmup = math.ceil(DEFAULT_WARMUP_SHARE * max_steps)
+            warmup = default_warmup(max_steps)
         return cls(
             lr=section.lr,
             weight_decay=section.weight_decay,
@@ -45,6 +45,13 @@ class OptimConfig:
             min_lr_ratio=section.min_lr_ratio,
             max_grad_norm=section.max_grad_norm,
         )
+
+
+def default_warmup(max_steps: int) -> int:
+    """3% of the steps, but never all of them: the warmup rises from lr 0, so a run that is all warmup (any
+    1-step run) would not change the weights at all. An explicit --warmup-steps is the user's, even if it takes
+    every step (the --warmup-steps help says so)."""
+    return max(0, min(math.ceil(DEFAULT_WARMUP_SHARE * max_steps), max_steps - 1))
 
 
 def make_adamw(params, cfg: OptimConfig, *, fused: bool | None = None):

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 HELP = (
     "Plot a run's metrics: loss and validation loss vs step and tokens, tokens/s, peak memory. Works while the "
@@ -19,7 +20,10 @@ def register(app: typer.Typer) -> None:
 
 def plot(
     output_dir: Path = typer.Argument(..., help="The run's --output-dir (holding metrics.jsonl)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="The PNG to write [default: OUTPUT_DIR/metrics.png]."),
+    # Escaped: typer renders help as rich markup, which would swallow "[default: ...]" (lstune.cli.options).
+    out: Optional[Path] = typer.Option(
+        None, "--out", help=escape("The PNG to write [default: OUTPUT_DIR/metrics.png].")
+    ),
 ) -> int:
     from lstune.train.plots import plot_run
 

@@ -7,6 +7,8 @@ data is touched, so a typo costs a second, not a model load.
 from __future__ import annotations
 
 import difflib
+import functools
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,9 +25,11 @@ MAX_RECIPE_NODES = 10_000  # YAML nodes after alias expansion
 def read_recipe(path: str | Path) -> dict[str, Any]:
     """The mapping in a YAML recipe; ConfigError when missing, unreadable, too large or not a mapping."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError([f"--config {str(path)!r} does not exist; give the path of a YAML recipe (see recipes/)."])
     where = f"--config {str(path)!r}"
+    if path.is_dir():
+        raise ConfigError([f"{where} is a folder; give the path of a YAML recipe file{_recipes_in(path)}."])
+    if not path.is_file():
+        raise ConfigError([f"{where} does not exist; give the path of a YAML recipe (see recipes/)."])
     if path.stat().st_size > MAX_RECIPE_BYTES:
         raise ConfigError([f"{where} is {path.stat().st_size:,} bytes; a recipe is at most {MAX_RECIPE_BYTES:,}."])
     try:
@@ -41,23 +45,67 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _recipes_in(folder: Path) -> str:
+    """' in it, e.g. a.yaml, b.yaml' (at most 5), or ' (see recipes/)' when it holds none."""
+    names = sorted(p.name for p in folder.glob("*.y*ml") if p.is_file())[:5]
+    return f" in it, e.g. {', '.join(names)}" if names else " (see recipes/)"
+
+
 def _load_yaml(text: str, where: str) -> Any:
-    """yaml.safe_load, refusing documents whose alias-expanded size passes MAX_RECIPE_NODES."""
+    """yaml.safe_load, refusing documents whose alias-expanded size passes MAX_RECIPE_NODES and mappings that
+    give a key twice (PyYAML keeps the last silently: the first value would be ignored without a word)."""
     import yaml
 
-    loader = yaml.SafeLoader(text)
+    loader = _recipe_loader()(text)
     try:
         node = loader.get_single_node()
         if node is not None and _expanded_size(node, {}) > MAX_RECIPE_NODES:
             raise ConfigError([f"{where} expands to more than {MAX_RECIPE_NODES:,} YAML values (nested aliases?); "
                                "a recipe is a flat mapping of settings."])
-        return loader.construct_document(node) if node is not None else None
+        data = loader.construct_document(node) if node is not None else None
+        if loader.duplicates:
+            raise ConfigError([f"{where} gives {show_value(key)} twice (lines {first} and {again}); keep one."
+                               for key, first, again in loader.duplicates])
+        return data
     except yaml.YAMLError as exc:
         raise ConfigError([f"{where} is not valid YAML: {exc}"]) from None
     except RecursionError:
         raise ConfigError([f"{where} is nested too deeply; a recipe is a flat mapping of settings."]) from None
     finally:
         loader.dispose()
+
+
+@functools.cache
+def _recipe_loader() -> type:
+    """yaml.SafeLoader that records every key a mapping gives twice, with both lines, in `duplicates`."""
+    import yaml
+
+    class RecipeLoader(yaml.SafeLoader):
+        def __init__(self, stream: str) -> None:
+            super().__init__(stream)
+            self.duplicates: list[tuple[Any, int, int]] = []
+
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                self._note_duplicates(node)
+            return super().construct_mapping(node, deep=deep)
+
+        def _note_duplicates(self, node) -> None:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *base` merges keys that the mapping's own keys may override
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        self.duplicates.append((key, seen[key], line))
+                    else:
+                        seen[key] = line
+                except TypeError:
+                    continue  # an unhashable key: SafeLoader refuses it with its own message
+
+    return RecipeLoader
 
 
 def _expanded_size(node: Any, sizes: dict[int, int]) -> int:
@@ -108,33 +156,62 @@ def build_config(
         if name not in FLAT_FIELDS:
             problems.append(_unknown_key(show_value(key).strip("'"), recipe_name))
             continue
+        if name in values:
+            problems.append(f"{values[name][1]} and {key} in {recipe_name} name the same setting; keep one.")
         values[name] = (raw, f"{key} in {recipe_name}")
     for name, raw in (flags or {}).items():
         if raw is not None:
             values[name] = (raw, flag_name(name))
 
-    parsed: dict[str, Any] = {}
-    for name, (raw, where) in values.items():
-        if raw is None:
-            parsed[name] = None
-            continue
-        f = FLAT_FIELDS[name][1]
-        if isinstance(raw, (dict, list, tuple, set)) and not f.metadata.get("accepts_list"):
-            kind = "mapping" if isinstance(raw, dict) else "list"
-            problems.append(f"{where} is a {kind}, but {name} takes a single value, e.g. {name}: {_example(f)}.")
-            continue
-        try:
-            parsed[name] = f.metadata["parser"](raw)
-        except ValueError as exc:
-            problems.append(f"{where} {show_value(raw)} {exc}.")
-
+    parsed, refused = _parse_values(values, problems)
     config = TrainConfig.from_flat(parsed)
-    problems.extend(config.problems())
-    if checks is not None:
-        problems.extend(checks(config))
+    later = config.problems() + (checks(config) if checks is not None else [])
+    # A refused value leaves its default in the config: a rule naming that key would judge the default (an
+    # unparsed --data reads as "--data is required"), so the parse error alone speaks for the key.
+    problems.extend(problem for problem in later if not _about(problem, refused))
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def _parse_values(values: dict[str, tuple[Any, str]], problems: list[str]) -> tuple[dict[str, Any], set[str]]:
+    """The typed value of each key, and the keys whose values were refused (their problems added)."""
+    parsed: dict[str, Any] = {}
+    refused: set[str] = set()
+    for name, (raw, where) in values.items():
+        problem = _value_problem(name, raw, where)
+        if problem is None:
+            try:
+                parsed[name] = _parse_value(name, raw)
+                continue
+            except ValueError as exc:
+                problem = f"{where} {show_value(raw)} {exc}."
+        problems.append(problem)
+        refused.add(name)
+    return parsed, refused
+
+
+def _value_problem(name: str, raw: Any, where: str) -> str | None:
+    """What is wrong with the shape of a value before its parser sees it: null for a setting that has a
+    value by default, or a list/mapping for a single-valued one."""
+    f = FLAT_FIELDS[name][1]
+    if raw is None and f.default is not None:
+        # Null stands for "no value" only where that is the default (a --dry-run config prints such settings as
+        # null and must read back); elsewhere it would reach the run as None and fail deep inside it.
+        return f"{where} is empty (null); give a value or remove the key (the default is {_example(f)})."
+    if isinstance(raw, (dict, list, tuple, set)) and not f.metadata.get("accepts_list"):
+        kind = "mapping" if isinstance(raw, dict) else "list"
+        return f"{where} is a {kind}, but {name} takes a single value, e.g. {name}: {_example(f)}."
+    return None
+
+
+def _parse_value(name: str, raw: Any) -> Any:
+    return None if raw is None else FLAT_FIELDS[name][1].metadata["parser"](raw)
+
+
+def _about(problem: str, keys: set[str]) -> bool:
+    """Whether `problem` names the flag of one of `keys` (`--data`, not `--eval-data` or `--data-x`)."""
+    return any(re.search(rf"(?<![\w-]){re.escape(flag_name(key))}(?![\w-])", problem) for key in keys)
 
 
 def _example(f) -> str:

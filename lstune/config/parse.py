@@ -193,21 +193,37 @@ def parse_optional_str(value: Any) -> str | None:
     return text or None
 
 
-def parse_str_list(value: Any) -> list[str] | str:
-    """A list of names (YAML list or comma-separated string), or 'auto'."""
+def parse_str_list(
+    value: Any,
+    *,
+    items: str = "names",
+    hint: str = "one or more names, comma-separated",
+    auto: bool = True,
+) -> list[str] | str:
+    """A list of names (YAML list or comma-separated string), or 'auto' when `auto`. `items` (what the names
+    are) and `hint` (what to give instead) complete the error messages, so each setting names its own values."""
     if isinstance(value, (list, tuple)):
         if not all(isinstance(v, str) for v in value):
-            raise ValueError("must be a list of module names (strings), e.g. [q_proj, v_proj]")
-        items = [v.strip() for v in value]
+            raise ValueError(f"must be a list of {items} (strings); give {hint}")
+        given = [v.strip() for v in value]
     else:
         text = str(value).strip()
-        if text.lower() == "auto":
+        if auto and text.lower() == "auto":
             return "auto"
-        items = [s.strip() for s in text.split(",")]
-    items = [s for s in items if s]
-    if not items:
-        raise ValueError("is empty; give module names like q_proj,v_proj or auto")
-    return items
+        given = [s.strip() for s in text.split(",")]
+    names = [s for s in given if s]
+    if not names:
+        raise ValueError(f"is empty; give {hint}")
+    return names
+
+
+def parse_model_name(value: Any) -> str:
+    """--model: a non-empty name (an empty one would be read as the current folder)."""
+    text = str(value).strip()
+    if not text:
+        raise ValueError("is empty; give a preset (`lstune presets`), a local model folder or a hub id like "
+                         "meta-llama/Llama-3.1-8B")
+    return text
 
 
 def format_length(n: int) -> str:

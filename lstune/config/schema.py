@@ -47,7 +47,7 @@ class ModelSection:
     name: str = _opt(
         "tiny-llama",
         "Hub id (org/name), local HF model folder, or preset name (see `lstune presets`).",
-        str,
+        p.parse_model_name,
         key="model",
         metavar="MODEL",
     )
@@ -94,7 +94,7 @@ class ModelSection:
     lora_targets: Any = _opt(
         "auto",
         "Modules LoRA adapts: comma-separated names, or 'auto' = every linear layer but the output head.",
-        p.parse_str_list,
+        partial(p.parse_str_list, items="module names", hint="module names like q_proj,v_proj or auto"),
         accepts_list=True,
     )
     merge_lora: bool = _opt(
@@ -209,9 +209,13 @@ class DataSection:
         return self.eval_data is not None or self.eval_split is not None
 
 
+_TRACKER_NAMES = ("tensorboard", "wandb", "mlflow")
+_TRACKERS_HINT = "tensorboard, wandb, mlflow or none (comma-separated)"
+
+
 def _parse_trackers(value: Any) -> Any:
     """'none' (the default, kept as written so a resolved config reads back the same) or a list of names."""
-    names = p.parse_str_list(value)
+    names = p.parse_str_list(value, items="tracker names", hint=_TRACKERS_HINT, auto=False)
     return "none" if names == ["none"] else names
 
 
@@ -416,7 +420,12 @@ class OptimSection:
         "cosine", "Learning-rate schedule after warmup: cosine, linear or constant.",
         partial(p.parse_choice, choices=("cosine", "linear", "constant")),
     )
-    warmup_steps: int | None = _opt(None, "Linear warmup steps (default: 3% of the steps).", _nonneg_int)
+    warmup_steps: int | None = _opt(
+        None,
+        "Linear warmup steps, rising from lr 0 (default: 3% of the steps, never all of them, so a 1-step run "
+        "trains at --lr; a value >= --max-steps keeps the whole run in warmup).",
+        _nonneg_int,
+    )
     weight_decay: float = _opt(0.0, "AdamW weight decay.", partial(p.parse_float, minimum=0.0))
     # Adam divides by (1 - beta^t) and by sqrt(v) + eps: beta = 1 or eps = 0 divide by zero.
     adam_beta1: float = _opt(0.9, "AdamW beta1, in [0, 1).", partial(p.parse_float, minimum=0.0, below=1.0))
@@ -509,9 +518,9 @@ class RunSection:
 
     def problems(self) -> list[str]:
         problems = []
-        unknown = [n for n in self.trackers() if n not in ("tensorboard", "wandb", "mlflow")]
+        unknown = [n for n in self.trackers() if n not in _TRACKER_NAMES]
         if unknown:
-            problems.append(f"--report-to {', '.join(unknown)}: use tensorboard, wandb, mlflow or none (comma-separated).")
+            problems.append(f"--report-to {', '.join(unknown)}: use {_TRACKERS_HINT}.")
         if self.resume and self.overwrite:
             problems.append(
                 "--resume and --overwrite contradict each other; resume keeps the run, overwrite erases it. Pick one."

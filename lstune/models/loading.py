@@ -6,6 +6,7 @@ with a config.json, then the hub (which may answer from the local cache when off
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,10 @@ def resolve_model(name: str, *, trust_remote_code: bool = False) -> ModelSpec:
 
 def resolve_source(name: str) -> ModelSource:
     """Where `name` comes from, without loading anything heavy. ModelError when it cannot be anything."""
+    if not name.strip():
+        # Path('') is the current folder: without this, an empty name reads as "a folder without config.json".
+        raise ModelError("--model is empty; give a preset (`lstune presets`), a local model folder or a hub id like "
+                         "meta-llama/Llama-3.1-8B.")
     if get_preset(name) is not None:
         return ModelSource("preset", name, name.lower().removeprefix("preset:"))
     path = Path(name).expanduser()
@@ -64,7 +69,7 @@ def resolve_source(name: str) -> ModelSource:
     if _looks_like_hub_id(name):
         return ModelSource("hub", name, name)
     raise ModelError(
-        f"--model {name!r} is not a preset, a local folder or a hub id. Presets: "
+        f"--model {name!r} is not a preset, a local folder or a hub id.{_did_you_mean(name)} Presets: "
         f"{', '.join(list_presets())}."
     )
 
@@ -82,14 +87,50 @@ def load_config(source: ModelSource, *, trust_remote_code: bool = False):
         return preset_config(source.location)
     from transformers import AutoConfig
 
+    if source.kind == "hub":
+        _check_hub_reachable(source)
     try:
         return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         where = "folder" if source.kind == "local" else "hub id"
         raise ModelError(
-            f"--model {source.name!r}: could not read its config as a {where} ({_first_line(exc)}). "
-            "Check the name, your network or HF_TOKEN for gated models; offline, use a local folder, "
-            "a cached model, or a preset (`lstune presets`)."
+            f"--model {source.name!r}: could not read its config as a {where} ({_first_line(exc)})."
+            f"{_did_you_mean(source.name)} Check the name, your network or HF_TOKEN for gated models; offline, use "
+            "a local folder, a cached model, or a preset (`lstune presets`)."
+        ) from None
+
+
+def _did_you_mean(name: str) -> str:
+    """' Did you mean PRESET?' for a name close to a preset's (a typo such as tiny-lama), else ''."""
+    close = difflib.get_close_matches(name.lower(), list_presets(), n=1, cutoff=0.75)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _check_hub_reachable(source: ModelSource) -> None:
+    """ModelError at once when the hub cannot be reached and the config is not cached.
+
+    huggingface_hub (2.x) retries a download that fails on the network five times with backoff when no cached
+    copy exists (~25 s of "Retrying in 8s" lines) and has no setting to limit that; one request without
+    retries tells the same. Anything else is left to `AutoConfig.from_pretrained`, which reports it in its own
+    words: a cached config, offline mode, the hub answering (404, 401), and a timeout (its retries wait longer,
+    which a slow link may need).
+    """
+    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    if constants.HF_HUB_OFFLINE or isinstance(try_to_load_from_cache(source.location, "config.json"), str):
+        return
+    try:
+        get_hf_file_metadata(hf_hub_url(source.location, "config.json"), retry_on_errors=False)
+    except (HfHubHTTPError, TypeError, ValueError):
+        return  # the hub answered, or an older huggingface_hub (no retry_on_errors) or a malformed id
+    except Exception as exc:  # the transport's errors (httpx or requests, by version): no common base class
+        if "timeout" in type(exc).__name__.lower():
+            return
+        raise ModelError(
+            f"--model {source.name!r}: the hub could not be reached to read its config ({_first_line(exc)}), and "
+            f"it is not cached.{_did_you_mean(source.name)} Check the name and your network; offline, use a "
+            "local folder, a cached model, or a preset (`lstune presets`)."
         ) from None
 
 

@@ -354,3 +354,55 @@ def test_an_output_folder_inside_the_data_folder_is_refused(cli, tmp_path, text_
     refused(cli("train", *TINY_MODEL, "--data", data, "--max-steps", "1", "--output-dir", data / "out"),
             "inside the --data folder")
     assert sorted(p.name for p in data.iterdir()) == ["train.jsonl"]
+
+
+# --- null and repeated recipe keys, misnamed hints, a 1-step run's warmup ------------------------------------------
+
+
+def test_null_recipe_values_are_refused_together(cli, tmp_path, user_files):
+    body = "data: builtin:passkey\nlr: null\nseq_len:\nmodel: null\ncheckpointing: null\nreport_to: null\nmax_steps: null\n"
+    result = cli("train", "--config", _recipe(tmp_path, body), "--dry-run")
+    refused(result, *(f"{key} in {tmp_path / 'recipe.yaml'} is empty (null); give a value or remove the key"
+                      for key in ("lr", "seq_len", "model", "checkpointing", "report_to")))
+    assert "max_steps" not in result.err  # null is its default: a --dry-run config says so
+
+
+def test_a_recipe_key_given_twice_is_refused(cli, tmp_path, user_files):
+    refused(cli("train", "--config", _recipe(tmp_path, "data: builtin:passkey\nlr: 1e-4\nlr: 1e-3\n"), "--dry-run"),
+            "gives 'lr' twice (lines 2 and 3); keep one.")
+
+
+def test_a_recipe_folder_is_called_a_folder(cli, tmp_path, user_files):
+    refused(cli("train", "--config", user_files, "--dry-run"), "is a folder; give the path of a YAML recipe file")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("train", *TINY, "--report-to", "", "--dry-run"), "--report-to '' is empty; give tensorboard, wandb, mlflow"),
+    (("estimate", "--model", "", "--gpu", "h100-80gb"), "--model '' is empty; give a preset"),
+])
+def test_empty_values_get_their_own_hint(cli, user_files, args, fragment):
+    result = cli(*args)
+    refused(result, fragment)
+    assert "q_proj" not in result.err and "folder without config.json" not in result.err
+
+
+def test_a_refused_data_weight_is_the_only_problem(cli, tmp_path, text_data, user_files):
+    result = cli("train", "--data", f"{text_data}:0", "--data", f"{text_data}:1", "--dry-run")
+    refused(result, "has the weight 0")
+    assert "--data is required" not in result.err
+
+
+def test_plot_help_shows_its_default(cli):
+    result = cli("plot", "--help")
+    assert result.code == 0 and "metrics.png]" in result.out and "write ." not in result.out, result.out
+
+
+def test_a_one_step_run_trains_at_its_lr(cli, tmp_path, text_data):
+    out = tmp_path / "run"
+    result = cli("train", "--model", "tiny-llama", "--seq-len", "256", "--lr", "1e-3", "--data", text_data,
+                 "--max-steps", "1", "--output-dir", out)
+    assert result.code == 0, result.err
+    from tests.integration.conftest import read_metrics
+
+    steps = [m for m in read_metrics(out) if "lr" in m]
+    assert steps and steps[0]["lr"] > 0, steps
