@@ -61,7 +61,9 @@ class BenchOptions:
         "Configurations to measure, comma-separated: hf (plain Hugging Face), tiled_loss, tiled_mlp, offload, "
         "mini_seq, lstune (the flags as given), sp (lstune on --gpus processes) [default: lstune; the ladder "
         "with --ablation].",
-        p.parse_str_list, metavar="NAMES",
+        partial(p.parse_str_list, items="rung names", auto=False,
+                hint="one or more of hf, tiled_loss, tiled_mlp, offload, mini_seq, lstune, sp, comma-separated"),
+        metavar="NAMES",
     )
     ablation: bool = _opt(
         False,

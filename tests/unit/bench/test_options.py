@@ -29,6 +29,7 @@ def test_lengths_parse_sorted_without_repeats():
     ({"max_host_mem": "0"}, ["--max-host-mem '0'", "less than 256 MiB", "2G"]),
     ({"max_host_mem": "100M"}, ["--max-host-mem '100M'", "less than 256 MiB"]),
     ({"trial_timeout": "0"}, ["--trial-timeout", "at least 1"]),
+    ({"rungs": ""}, ["--rungs", "empty", "hf, tiled_loss"]),
 ])
 def test_every_bad_option_is_named_with_its_fix(raw, words):
     _, problems = parse_options(raw)
