@@ -270,13 +270,14 @@ def estimate_summary(prediction, config, model_config) -> dict[str, Any]:
     part at its own measured rate (lstune.bench.metrics)."""
     from lstune.estimate.flops import attention_split
 
-    per_step = config.optim.grad_accum * prediction.sp
+    # The estimate's step already counts every micro-batch a rank runs (grad_accum × SP, lstune.estimate): its
+    # FLOPs are one SP group's, so the step's total is theirs times the data-parallel groups.
     flops = prediction.flops
-    samples = config.optim.grad_accum * prediction.hardware.world_size  # FLOPs' one micro-batch per rank
+    samples = prediction.hardware.world_size // prediction.sp
     attention_forward, attention_backward = attention_split(flops, model_config, config.data.seq_len)
     return {
         "device_peak_bytes": prediction.device_peak_bytes, "host_peak_bytes": prediction.host_peak_bytes,
-        "step_seconds": prediction.step_seconds * per_step, "fits": prediction.fits,
+        "step_seconds": prediction.step_seconds, "fits": prediction.fits,
         "engine": prediction.engine.describe(), "longest_seq_len": prediction.longest_seq_len,
         "model_flops": flops.model * samples, "hardware_flops": flops.hardware * samples,
         "hardware_matmul_flops": flops.hardware_matmul * samples,
@@ -310,7 +311,7 @@ def run_estimates(job: Job) -> dict[str, Any]:
         e = estimate(TrainConfig.from_flat({**job.config, "seq_len": n}), cluster, model_config=model_config,
                      suggest=False)
         points.append({"seq_len": n, "device_peak_bytes": e.device_peak_bytes, "host_peak_bytes": e.host_peak_bytes,
-                       "step_seconds": e.step_seconds * config.optim.grad_accum * e.sp})
+                       "step_seconds": e.step_seconds})  # every micro-batch of the step counted
     return {"outcome": "ok", "points": points}
 
 

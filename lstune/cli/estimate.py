@@ -11,6 +11,7 @@ import inspect
 from typing import Any, Optional
 
 import typer
+from rich.markup import escape
 
 from lstune.cli.options import config_parameter, given_flags, section_parameters
 
@@ -35,20 +36,24 @@ def _option(name: str, annotation: Any, option: Any) -> inspect.Parameter:
 
 
 def _signature() -> inspect.Signature:
+    """The command's parameters; help texts escaped, as cli.options does: typer renders them as rich markup, which
+    would swallow "[default: ...]"."""
     from lstune.estimate.hardware import GPUS  # torch-free
 
     own = [
         _option("gpu", Optional[str], typer.Option(
             None, "--gpu", metavar="NAME", rich_help_panel=_HW,
-            help=f"Estimate for this GPU: {', '.join(GPUS)} or cpu [default: this machine's CUDA device, else cpu].")),
+            help=escape(f"Estimate for this GPU: {', '.join(GPUS)} or cpu "
+                        "[default: this machine's CUDA device, else cpu]."))),
         _option("device_mem", Optional[str], typer.Option(
             None, "--device-mem", metavar="BYTES", rich_help_panel=_HW,
             help="Memory of one device, e.g. 80G (another GPU, or to override the table's).")),
         _option("host_mem", Optional[str], typer.Option(
             None, "--host-mem", metavar="BYTES", rich_help_panel=_HW,
-            help="Host memory of one node, e.g. 512G [default: this machine's RAM].")),
+            help=escape("Host memory of one node, e.g. 512G [default: this machine's RAM]."))),
         _option("nodes", Optional[str], typer.Option(
-            None, "--nodes", metavar="N", rich_help_panel=_HW, help="Nodes, each with --gpus devices [default: 1].")),
+            None, "--nodes", metavar="N", rich_help_panel=_HW,
+            help=escape("Nodes, each with --gpus devices [default: 1]."))),
         _option("trace", bool, typer.Option(
             False, "--trace", help="Measure instead: run the prepared model's real training step on fake tensors "
                                    "(no memory used; seconds to a minute).")),
@@ -161,7 +166,7 @@ def _render(e) -> None:
                   f"host per node: {human_bytes(e.host_peak_bytes)} ({hw.gpus} ranks)")
     table.add_row("capacity", human_bytes(e.device_capacity), human_bytes(e.host_capacity),
                   f"margin: device {human_bytes(e.device_capacity - e.device_peak_bytes)}, "
-                  f"host {human_bytes(e.host_capacity - e.host_peak_bytes)}")
+                  f"host {human_bytes(e.host_capacity - e.host_demand_bytes)}{_one_ram(e)}")
     con.print(table)
     colour = "green" if e.fits else "red"
     con.print(f"verdict: [{colour}]{e.verdict()}[/{colour}]")
@@ -179,6 +184,14 @@ def _render(e) -> None:
         con.print(f"[yellow]note[/yellow]: {note}")
     if e.suggestions:
         _render_suggestions(con, e, human_bytes)
+
+
+def _one_ram(e) -> str:
+    from lstune.cli.render import human_bytes
+
+    if e.hardware.on_cuda:
+        return ""
+    return f" (a CPU's device and host are one RAM: {human_bytes(e.host_demand_bytes)} of it per node)"
 
 
 def _render_suggestions(con, e, human_bytes) -> None:

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator
 
-from lstune.config.schema import TrainConfig, zero_problems
+from lstune.config.schema import FLAT_FIELDS, TrainConfig, flag_name, zero_problems
 from lstune.errors import ConfigError
 from lstune.estimate.copies import StepCopies, step_copies
 from lstune.estimate.flops import StepFlops, step_flops
@@ -62,12 +62,17 @@ class Estimate:
         return self.breakdown.host_peak * self.hardware.gpus
 
     @property
+    def host_demand_bytes(self) -> int:
+        """Per node: what the ranks need of the host's usable RAM (`host_demand`: on a CPU, device bytes too)."""
+        return host_demand(self.device_peak_bytes, self.breakdown.host_peak, self.hardware)
+
+    @property
     def fits_device(self) -> bool:
         return self.device_peak_bytes <= self.device_capacity
 
     @property
     def fits_host(self) -> bool:
-        return self.host_peak_bytes <= self.host_capacity
+        return self.host_demand_bytes <= self.host_capacity
 
     @property
     def fits(self) -> bool:
@@ -82,8 +87,9 @@ class Estimate:
         if self.fits:
             margin = self.device_capacity - self.device_peak_bytes
             return f"fits: {margin / 2**30:,.1f} GiB to spare per device"
-        where = [w for w, ok in (("device", self.fits_device), ("host", self.fits_host)) if not ok]
-        return f"does not fit ({' and '.join(where)} memory)"
+        host = "host memory" if self.hardware.on_cuda else "RAM: a CPU's device and host bytes are one RAM"
+        where = [w for w, ok in (("device memory", self.fits_device), (host, self.fits_host)) if not ok]
+        return f"does not fit ({' and '.join(where)})"
 
     def to_dict(self) -> dict:
         return {
@@ -94,7 +100,8 @@ class Estimate:
             "peak_phase": self.breakdown.phase,
             "checkpoint_bytes_per_token_layer": self.breakdown.checkpoint_bytes_per_token_layer,
             "device_peak_bytes": self.device_peak_bytes, "device_capacity_bytes": self.device_capacity,
-            "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity,
+            "host_peak_bytes": self.host_peak_bytes, "host_demand_bytes": self.host_demand_bytes,
+            "host_capacity_bytes": self.host_capacity,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
             "checkpoint_placement": placement_summary(self.breakdown.placement, self.flops),
@@ -321,7 +328,8 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     peaks = [breakdown(shape, params, s) for s, _ in placed]
     fitting = [i for i, b in enumerate(peaks) if _fits(b, hardware)]
     # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
-    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_capacity(hardware)] or [0]
+    host_ok = [i for i, b in enumerate(peaks)
+               if host_demand(b.device_peak, b.host_peak, hardware) <= host_capacity(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
     (offload, chunks, mini), (base, budgets) = options[pick], placed[pick]
     mlp, loss, settled = _choose_tiles(_resolved(config, chunks, mini), hardware, shape, params, base)
@@ -480,7 +488,16 @@ def _tile_setting(value):
 
 
 def _fits(b: Breakdown, hardware: Cluster) -> bool:
-    return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= host_capacity(hardware)
+    return (b.device_peak <= device_capacity(hardware)
+            and host_demand(b.device_peak, b.host_peak, hardware) <= host_capacity(hardware))
+
+
+def host_demand(device_peak: int, host_peak: int, hardware: Cluster) -> int:
+    """What a node's ranks need of its usable RAM (`host_capacity`), from one rank's peaks: their host bytes, and on
+    a CPU their "device" bytes too — the same RAM, which the device capacity (RAM / processes, no OS reserve)
+    would otherwise count a second time."""
+    per_rank = host_peak if hardware.on_cuda else host_peak + device_peak
+    return per_rank * hardware.gpus
 
 
 def device_capacity(hardware: Cluster) -> int:
@@ -502,7 +519,9 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
                        extra_layer_forwards=extra_layer_forwards(b.placement),  # issue 14: recomputed checkpoints
                        attn_chunked=chunks > 1)
     flops = _scaled(flops, config.optim.micro_batch_size)
-    copies = step_copies(shape, s, b, flops, hardware, chunks)
+    rounds = micro_batches_per_step(config, sp)
+    copies = _repeated(step_copies(shape, s, b, flops, hardware, chunks), rounds)
+    flops = _scaled(flops, rounds)
     return Estimate(
         model=config.model.name, seq_len=config.data.seq_len, hardware=hardware, engine=engine, sp=sp, breakdown=b,
         params=params, flops=flops, copies=copies,
@@ -512,18 +531,35 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
     )
 
 
-def _scaled(flops: StepFlops, micro_batch: int) -> StepFlops:
-    if micro_batch == 1:
+def micro_batches_per_step(config: TrainConfig, sp: int) -> int:
+    """The micro-batches an SP group runs one after the other in one optimizer step, as `lstune train` steps
+    (lstune.train.step.Stepper: grad-accum rounds, each of one micro-batch from every rank of the group; docs/bench.md:
+    a step is one sequence × micro-batch × grad-accum × processes). Memory is one micro-batch's; FLOPs, copies and
+    time are the step's."""
+    return config.optim.grad_accum * sp
+
+
+def _scaled(flops: StepFlops, times: int) -> StepFlops:
+    """`flops` of `times` sequences (a micro-batch's, or a step's micro-batches)."""
+    if times == 1:
         return flops
-    return StepFlops(*(x * micro_batch for x in (flops.model, flops.hardware, flops.hardware_matmul,
-                                                 flops.hardware_attention)), flops.tokens * micro_batch,
-                     flops.recompute_extra * micro_batch)
+    return StepFlops(*(x * times for x in (flops.model, flops.hardware, flops.hardware_matmul,
+                                           flops.hardware_attention)), flops.tokens * times,
+                     flops.recompute_extra * times)
+
+
+def _repeated(copies: StepCopies, times: int) -> StepCopies:
+    """One micro-batch's copies `times` over: each micro-batch offloads and fetches its own checkpoints."""
+    if times == 1:
+        return copies
+    return StepCopies(copies.checkpoint_bytes * times, copies.chunk_out_bytes * times, copies.chunk_in_bytes * times,
+                      copies.exposed_seconds * times)
 
 
 def step_seconds(flops: StepFlops, hardware: Cluster, sp: int, engine: Engine, params: ParamCounts) -> float:
-    """One optimizer step of one micro-batch: the SP group shares the sequence's FLOPs; matmuls and attention at
-    the device's sustained rates; with the optimizer on the host, ~2 ns per parameter of the rank's shard for
-    DeepSpeed's CPU Adam (an order of magnitude, not measured here)."""
+    """One optimizer step (`flops`: every micro-batch of it): the SP group shares the sequence's FLOPs; matmuls and
+    attention at the device's sustained rates; with the optimizer on the host, once a step, ~2 ns per parameter of
+    the rank's shard for DeepSpeed's CPU Adam (an order of magnitude, not measured here)."""
     d = hardware.device
     compute = (flops.hardware_matmul / (d.matmul_tflops * 1e12) + flops.hardware_attention / (d.attention_tflops * 1e12)) / sp
     host_adam = params.trainable / hardware.world_size * 2e-9 * engine.offload_ratio if engine.offload_optimizer else 0.0
@@ -555,62 +591,81 @@ def _with(config: TrainConfig, **flat: Any) -> TrainConfig:
     return TrainConfig.from_flat(values)
 
 
-def _partial_change(ratio: float) -> tuple[str, dict]:
-    return (f"--zero-stage 3 --offload-optimizer --offload-params --offload-ratio {ratio:g}",
-            {"zero_stage": "3", "offload_optimizer": True, "offload_params": True, "offload_ratio": ratio})
+def _partial_change(ratio: float) -> dict:
+    return {"zero_stage": "3", "offload_optimizer": True, "offload_params": True, "offload_ratio": ratio}
 
 
-# Changes tried, in order of cost: memory techniques first (no extra hardware), then more sharding/offload.
-_CHANGES: list[tuple[str, dict]] = [
-    ("--tiled-loss auto", {"tiled_loss": "auto"}),
-    ("--tiled-mlp auto", {"tiled_mlp": "auto"}),
-    ("--checkpointing on", {"checkpointing": True}),
-    ("--offload-checkpoints", {"checkpointing": True, "offload_checkpoints": True}),
-    ("--mini-sequence --offload-checkpoints", {"checkpointing": True, "offload_checkpoints": True,
-                                               "mini_sequence": True, "tiled_mlp": "auto"}),
-    ("--attn-chunks auto", {"attn_chunks": "auto"}),
-    ("--zero-stage 3 --offload-optimizer", {"zero_stage": "3", "offload_optimizer": True}),
-    ("--zero-stage 3 --offload-optimizer --offload-params", {"zero_stage": "3", "offload_optimizer": True,
-                                                             "offload_params": True}),
+# Changes tried, in order of cost: memory techniques first (no extra hardware), then more sharding/offload. Each is
+# the flat config keys it sets, the one it is named for first: the flags a suggestion shows are made from it
+# (`change_flags`), so that they are exactly what was estimated.
+_OFFLOAD = {"offload_checkpoints": True, "checkpointing": True}
+_MINI_OFFLOAD = {"mini_sequence": True, **_OFFLOAD, "tiled_mlp": "auto"}  # mini-sequence tiles the MLP
+_CHANGES: list[dict] = [
+    {"tiled_loss": "auto"},
+    {"tiled_mlp": "auto"},
+    {"checkpointing": True},
+    _OFFLOAD,
+    _MINI_OFFLOAD,
+    {"attn_chunks": "auto"},
+    {"zero_stage": "3", "offload_optimizer": True},
+    {"zero_stage": "3", "offload_optimizer": True, "offload_params": True},
     *(_partial_change(r) for r in AUTO_OFFLOAD_RATIOS),
 ]
+
+
+def change_flags(change: dict, config: TrainConfig) -> str:
+    """The flags that make `change` to `config`, leaving out the values it has already: given after the user's
+    own flags (the last of a repeated flag wins), they give the configuration the suggestion was estimated for.
+    Switches as `--x` / `--no-x`, on/off fields (`--checkpointing`) with a value, as lstune.cli.options parses them."""
+    current = config.to_dict()
+    return " ".join(_flag(key, value) for key, value in change.items() if current.get(key) != value)
+
+
+def _flag(key: str, value: Any) -> str:
+    flag = flag_name(key)
+    if isinstance(value, bool):
+        if FLAT_FIELDS[key][1].metadata.get("style") == "value":
+            return f"{flag} {'on' if value else 'off'}"
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
 
 
 def cheapest_changes(config: TrainConfig, hardware: Cluster, model_config, params: ParamCounts,
                      limit: int = 5) -> list[Suggestion]:
     """Changes that would fit the requested length (each with its peaks and step time), cheapest first; more
-    GPUs for sequence parallelism when no single-node change does."""
+    GPUs for sequence parallelism when no single-node change does. On a CPU none that only moves bytes to the host
+    (the same RAM) and no more processes (each holds its own weights in the same RAM)."""
     found: list[Suggestion] = []
     current = config.to_dict()
-    for flags, change in _changes(config, hardware, model_config, params):
+    for change in _changes(config, hardware, model_config, params):
         if all(current.get(k) == v for k, v in change.items()):
             continue
-        found += _try(config, hardware, model_config, params, flags, change)
+        found += _try(config, hardware, model_config, params, change)
         if sum(s.fits for s in found) >= limit:
             break
-    combined = {k: v for _, change in _CHANGES[3:5] for k, v in change.items()}
-    if not any(s.fits for s in found):
-        for gpus in (2, 4, 8):
-            if gpus > hardware.gpus:
-                more = replace(hardware, gpus=gpus)
-                found += _try(config, more, model_config, params, f"--gpus {gpus} --offload-checkpoints --mini-sequence",
-                              {**combined, "sp": "auto", "gpus": gpus})
-                if found and found[-1].fits:
-                    break
+    if hardware.on_cuda and not any(s.fits for s in found):
+        for gpus in (g for g in (2, 4, 8) if g > hardware.gpus):
+            found += _try(config, replace(hardware, gpus=gpus), model_config, params,
+                          {"gpus": gpus, "sp": "auto", **_MINI_OFFLOAD})
+            if found and found[-1].fits:
+                break
     fitting = [s for s in found if s.fits]
     return (fitting or found)[:limit]
 
 
-def _changes(config: TrainConfig, hardware: Cluster, model_config, params: ParamCounts) -> Iterator[tuple[str, dict]]:
-    """_CHANGES, then — only when the search gets that far — the partial offload `--zero-stage auto` would take
-    beyond AUTO_OFFLOAD_RATIOS (`partial_offload_ratios`), when one fits: the first ratio whose byte model fits
-    (one byte model a ratio, not an estimate)."""
-    yield from _CHANGES
+def _changes(config: TrainConfig, hardware: Cluster, model_config, params: ParamCounts) -> Iterator[dict]:
+    """_CHANGES (on a CPU: less what only moves bytes to the host), then — only when the search gets that far — the
+    partial offload `--zero-stage auto` would take beyond AUTO_OFFLOAD_RATIOS (`partial_offload_ratios`), when one
+    fits: the first ratio whose byte model fits (one byte model a ratio, not an estimate)."""
     if not hardware.on_cuda:
+        on_cpu = [{k: v for k, v in c.items() if k != "offload_checkpoints"} for c in _CHANGES
+                  if not (c.get("offload_optimizer") or c.get("offload_params"))]
+        yield from (c for i, c in enumerate(on_cpu) if c not in on_cpu[:i])
         return
+    yield from _CHANGES
     fine = partial_offload_ratios()[len(AUTO_OFFLOAD_RATIOS):]
     try:  # the ratio changes neither the config's problems nor the SP degree: checked once
-        changed = _with(config, **_partial_change(fine[0])[1])
+        changed = _with(config, **_partial_change(fine[0]))
         if changed.problems():
             return
         sp = resolve_sp(changed, hardware, model_config)
@@ -618,14 +673,15 @@ def _changes(config: TrainConfig, hardware: Cluster, model_config, params: Param
         return
     shape = ModelShape.from_config(model_config)
     for ratio in fine:
-        flags, change = _partial_change(ratio)
+        change = _partial_change(ratio)
         engine = Engine("deepspeed", 3, True, True, ratio)
         if _fits_some_choice(_with(config, **change), hardware, shape, params, sp, engine):
-            yield flags, change
+            yield change
             return
 
 
-def _try(config, hardware, model_config, params, flags, change) -> list[Suggestion]:
+def _try(config, hardware, model_config, params, change) -> list[Suggestion]:
+    """`change` estimated on `hardware` (whose `gpus` is the change's, if it has one), as a Suggestion."""
     try:
         changed = _with(config, **change)
         if changed.problems():
@@ -633,7 +689,8 @@ def _try(config, hardware, model_config, params, flags, change) -> list[Suggesti
         e = estimate(changed, hardware, model_config=model_config, params=params, suggest=False, reach=False)
     except ConfigError:
         return []
-    return [Suggestion(flags, e.device_peak_bytes, e.host_peak_bytes, e.step_seconds, e.fits)]
+    return [Suggestion(change_flags(change, config), e.device_peak_bytes, e.host_peak_bytes, e.step_seconds,
+                       e.fits)]
 
 
 def _notes(config: TrainConfig, shape: ModelShape, sp: int) -> list[str]:

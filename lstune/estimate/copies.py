@@ -32,7 +32,8 @@ class StepCopies:
 
 def step_copies(shape: ModelShape, s: Settings, b: Breakdown, flops: StepFlops, hardware: Cluster,
                 chunks: int) -> StepCopies:
-    """The copies of one step of one rank (module doc); `flops` of one micro-batch, `chunks` the attention chunks."""
+    """The copies of one micro-batch of one rank (module doc; the estimate counts them for each micro-batch of a
+    step); `flops` of one micro-batch, `chunks` the attention chunks."""
     checkpoint = 2 * b.placement.host_bytes() if b.placement is not None else 0
     if chunks <= 1 or not s.offload_checkpoints:
         return StepCopies(checkpoint)

@@ -27,7 +27,8 @@ ATTENTION_BACKWARD_KERNEL = 2.5  # what a FlashAttention-class backward computes
 
 @dataclass(frozen=True)
 class StepFlops:
-    """FLOPs of one step of `tokens` tokens (one micro-batch of one sequence, all layers, all ranks together)."""
+    """FLOPs of `tokens` tokens, all layers, all ranks of an SP group together: `step_flops`' of one sequence, the
+    estimate's of one optimizer step (its micro-batches, lstune.estimate.micro_batches_per_step)."""
 
     model: float  # MFU numerator
     hardware: float  # with recompute
@@ -83,7 +84,7 @@ def attention_split(flops: StepFlops, model_config: Any, seq_len: int) -> tuple[
     rate (lstune.bench's ideal step). step_flops counts attention in forwards A of one sequence: the forward, the
     kernel's backward (ATTENTION_BACKWARD_KERNEL·A), checkpointing's second forward, the placement's share of one
     more; all but the backward run the forward kernel. `flops` holds `flops.tokens / seq_len` sequences (the
-    estimate scales it by the micro-batch)."""
+    estimate's: those of one optimizer step)."""
     sequences = flops.tokens / seq_len
     backward = ATTENTION_BACKWARD_KERNEL * _attention_forward(ModelShape.from_config(model_config), seq_len) * sequences
     return flops.hardware_attention - backward, backward

@@ -97,8 +97,9 @@ def resolve_hardware(
         problems.append(f"--nodes {nodes}: give at least 1 node.")
     if gpus < 1:
         problems.append(f"--gpus {gpus}: give at least 1 process per node.")
-    if device_mem is not None and device_mem < GIB:
-        problems.append(f"--device-mem {device_mem} bytes is less than 1 GiB; give e.g. --device-mem 80G.")
+    for flag, value, example in (("--device-mem", device_mem, "80G"), ("--host-mem", host_mem, "128G")):
+        if value is not None and value < GIB:
+            problems.append(f"{flag} {value} bytes is less than 1 GiB; give e.g. {flag} {example}.")
     if problems:
         raise ConfigError(problems)
     device, source = _device(gpu, device_mem, detect)

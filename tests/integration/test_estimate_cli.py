@@ -60,6 +60,8 @@ def _assert_user_error(result, *fragments):
     (["--device-mem", "80X"], ["--device-mem '80X' is not a size"]),
     (["--device-mem", "512M"], ["--device-mem", "less than 1 GiB"]),
     (["--host-mem", "lots"], ["--host-mem 'lots' is not a size"]),
+    (["--host-mem", "0"], ["--host-mem 0 bytes is less than 1 GiB"]),
+    (["--host-mem", "1"], ["--host-mem 1 bytes is less than 1 GiB"]),
     (["--nodes", "0"], ["--nodes '0'"]),
     (["--seq-len", "500q"], ["--seq-len '500q' is not a length"]),
     (["--gpus", "4", "--sp", "3"], ["--sp 3"]),
@@ -74,6 +76,32 @@ def test_help_stays_light():
     shown = light_help("estimate")
     for flag in ("--gpu", "--device-mem", "--host-mem", "--nodes", "--trace", "--json", "--seq-len", "--lora-r"):
         assert flag in shown, flag
+    # The hardware flags' defaults had been taken for rich markup ("... l40s or cpu .", "e.g. 512G .").
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", shown).split())
+    for shown_default in ("or cpu [default: this machine's CUDA device, else cpu].",
+                          "e.g. 512G [default: this machine's RAM].", "--gpus devices [default: 1]."):
+        assert shown_default in text, shown_default
+
+
+@pytest.mark.parametrize("args", [
+    ["--gpu", "cpu", "--host-mem", "16G", "--seq-len", "1M", "--checkpointing", "off", "--tiled-mlp", "off"],
+    [*H100, "--model", "llama-3.1-8b", "--lora-r", "16", "--seq-len", "128k", "--checkpointing", "off"],
+    [*H100, "--model", "llama-3.1-8b", "--lora-r", "16", "--seq-len", "400k", "--tiled-mlp", "off"],
+    [*H100, "--model", "llama-3.1-8b", "--lora-r", "16", "--seq-len", "2M", "--sp", "1"],
+])
+def test_each_suggestion_applied_to_the_command_is_what_it_said(cli, args):
+    """Each change's flags, added to the user's command, give its peaks, step time and verdict. They had left out
+    part of the change (--checkpointing on, --tiled-mlp auto, --sp auto), and on a CPU --gpus N kept the one
+    process's share of the RAM as each process's."""
+    data = json.loads(cli("estimate", *args, "--json").out)
+    assert not data["fits"] and data["suggestions"], data["suggestions"]
+    for s in data["suggestions"]:
+        result = cli("estimate", *args, *s["flags"].split(), "--json")
+        assert result.code == 0, (s["flags"], result.err)
+        applied = json.loads(result.out)
+        said = (s["fits"], s["device_peak_bytes"], s["host_peak_bytes"], s["step_seconds"])
+        assert (applied["fits"], applied["device_peak_bytes"], applied["host_peak_bytes"],
+                applied["step_seconds"]) == said, s["flags"]
 
 
 def test_trace_reports_the_measured_step_beside_the_analytic_one(cli):

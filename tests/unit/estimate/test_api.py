@@ -45,6 +45,7 @@ def test_unknown_gpu_names_the_known_ones():
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"nodes": 0}, "--nodes"), ({"gpus": 0}, "--gpus"), ({"device_mem": 1000}, "--device-mem"),
+    ({"host_mem": 0}, "--host-mem 0 bytes is less than 1 GiB"), ({"host_mem": 1}, "--host-mem 1 bytes"),
 ])
 def test_impossible_hardware_is_refused(kwargs, words):
     with pytest.raises(ConfigError, match=words):
@@ -211,3 +212,38 @@ def test_a_config_whose_heads_vary_per_layer_is_sized_by_its_widest_layer():
     shape = ModelShape.from_config(config)
     widest = max(layer.num_attention_heads * layer.head_dim for layer in config.get_text_config().per_layer_config)
     assert shape.q_width == widest
+
+
+def test_a_step_counts_every_micro_batch_train_runs_in_it():
+    """lstune train's step (step_time_s, docs/bench.md) is micro-batch × grad-accum samples per rank, an SP group
+    running one micro-batch of each of its ranks per round: the FLOPs, tokens and time of all of them; memory stays
+    one micro-batch's. --grad-accum 4 had given one micro-batch's 1.06e15 FLOPs and ~2.8 s."""
+    hw = resolve_hardware(gpu="h100-80gb", host_mem=128 * GiB)
+    lora = dict(model="llama-3.1-8b", seq_len=16384, lora_r=16)
+    one = estimate(_config(**lora), hw, suggest=False, reach=False)
+    for flat in ({"grad_accum": 4}, {"micro_batch_size": 4}):
+        step = estimate(_config(**lora, **flat), hw, suggest=False, reach=False)
+        assert step.flops.model == pytest.approx(4 * one.flops.model) and step.flops.tokens == 4 * 16384, flat
+        assert step.step_seconds == pytest.approx(4 * one.step_seconds, rel=0.01), flat
+        assert step.tokens_per_second == pytest.approx(one.tokens_per_second, rel=0.01), flat
+    accum = estimate(_config(**lora, grad_accum=4), hw, suggest=False, reach=False)
+    assert accum.device_peak_bytes - one.device_peak_bytes < 2 * GiB  # + the gradients kept between micro-batches
+    two = resolve_hardware(gpu="h100-80gb", gpus=2, host_mem=128 * GiB)
+    sp = estimate(_config(**lora, gpus=2), two, suggest=False, reach=False)
+    assert sp.sp == 2 and sp.flops.tokens == 2 * 16384  # a round: both ranks' micro-batches, each split over both
+    assert sp.step_seconds == pytest.approx(one.step_seconds, rel=0.05)
+
+
+def test_on_a_cpu_device_and_host_bytes_share_the_ram_once():
+    """A CPU's "device" is its RAM / processes; the host is the same RAM, less the OS's reserve. 3943K tokens of
+    tiny-llama on 24 GiB had fitted with 25.76e9 B "device" + 2.15e9 B host on a 25.77e9 B machine."""
+    from lstune.estimate import host_capacity
+
+    hw = resolve_hardware(gpu="cpu", host_mem=24 * GiB)
+    over = estimate(_config(seq_len=3943 * 1024), hw, suggest=False, reach=False)
+    assert not over.fits and not over.fits_host and "one RAM" in over.verdict()
+    assert over.host_demand_bytes == over.device_peak_bytes + over.host_peak_bytes
+    longest = estimate(_config(seq_len=2048 * 1024), hw, suggest=False).longest_seq_len
+    at = estimate(_config(seq_len=longest), hw, suggest=False, reach=False)
+    assert at.fits and at.device_peak_bytes + at.host_peak_bytes <= host_capacity(hw)
+    assert not estimate(_config(seq_len=longest + 1024), hw, suggest=False, reach=False).fits
