@@ -69,12 +69,20 @@ TINY = [*TINY_MODEL, "--data", "builtin:passkey"]
 def light_help(command: str) -> str:
     """`lstune COMMAND --help`'s output, asserting it exits 0 having imported no torch, transformers, deepspeed
     or datasets (so it answers fast)."""
-    code = (
-        f"import sys, runpy; sys.argv = ['lstune', {command!r}, '--help'];"
-        "\ntry:\n    runpy.run_module('lstune', run_name='__main__')\nexcept SystemExit as e:\n    assert e.code == 0, e.code"
+    return light_run([command, "--help"], code=0).stdout
+
+
+def light_run(args: list[str], *, code: int) -> subprocess.CompletedProcess:
+    """`lstune ARGS` in a fresh interpreter, asserting its exit code and that it imported none of torch,
+    transformers, deepspeed or datasets (what makes an answer take seconds)."""
+    argv = ["lstune", *map(str, args)]
+    script = (
+        f"import sys, runpy; sys.argv = {argv!r}"
+        "\ntry:\n    runpy.run_module('lstune', run_name='__main__')\nexcept SystemExit as e:"
+        f"\n    assert (e.code or 0) == {code}, e.code\nelse:\n    assert {code} == 0, 'exit 0'"
         "\nheavy = [m for m in ('torch', 'transformers', 'deepspeed', 'datasets') if m in sys.modules]"
         "\nassert not heavy, heavy"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return proc

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import light_help
+from tests.integration.conftest import light_help, light_run
 
 MiB = 2**20
 
@@ -44,15 +44,7 @@ def test_bad_input_exits_2_naming_the_problem(cli, tmp_path, args, words):
 def test_a_config_error_answers_without_loading_the_model_libraries(tmp_path, args):
     """The cheap checks come first, and the model's config (transformers: seconds to import) is read only once
     they pass: a typo answers in about a second."""
-    argv = ["lstune", "bench", "--model", "tiny-llama", "--output-dir", str(tmp_path / "b"), *args]
-    code = (
-        f"import sys, runpy\nsys.argv = {argv!r}\n"
-        "try:\n    runpy.run_module('lstune', run_name='__main__')\n"
-        "except SystemExit as e:\n    assert e.code == 2, e.code\nelse:\n    raise AssertionError('exit 0')\n"
-        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not heavy, heavy"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
+    proc = light_run(["bench", "--model", "tiny-llama", "--output-dir", tmp_path / "b", *args], code=2)
     assert args[0] in proc.stderr and not (tmp_path / "b").exists()
 
 
