@@ -166,7 +166,7 @@ def _render(e) -> None:
                   f"host per node: {human_bytes(e.host_peak_bytes)} ({hw.gpus} ranks)")
     table.add_row("capacity", human_bytes(e.device_capacity), human_bytes(e.host_capacity),
                   f"margin: device {human_bytes(e.device_capacity - e.device_peak_bytes)}, "
-                  f"host {human_bytes(e.host_capacity - e.host_demand_bytes)}{_one_ram(e)}")
+                  f"host {human_bytes(e.host_capacity - e.host_peak_bytes)}")
     con.print(table)
     colour = "green" if e.fits else "red"
     con.print(f"verdict: [{colour}]{e.verdict()}[/{colour}]")
@@ -184,14 +184,6 @@ def _render(e) -> None:
         con.print(f"[yellow]note[/yellow]: {note}")
     if e.suggestions:
         _render_suggestions(con, e, human_bytes)
-
-
-def _one_ram(e) -> str:
-    from lstune.cli.render import human_bytes
-
-    if e.hardware.on_cuda:
-        return ""
-    return f" (a CPU's device and host are one RAM: {human_bytes(e.host_demand_bytes)} of it per node)"
 
 
 def _render_suggestions(con, e, human_bytes) -> None:

@@ -62,17 +62,12 @@ class Estimate:
         return self.breakdown.host_peak * self.hardware.gpus
 
     @property
-    def host_demand_bytes(self) -> int:
-        """Per node: what the ranks need of the host's usable RAM (`host_demand`: on a CPU, device bytes too)."""
-        return host_demand(self.device_peak_bytes, self.breakdown.host_peak, self.hardware)
-
-    @property
     def fits_device(self) -> bool:
         return self.device_peak_bytes <= self.device_capacity
 
     @property
     def fits_host(self) -> bool:
-        return self.host_demand_bytes <= self.host_capacity
+        return self.host_peak_bytes <= self.host_capacity
 
     @property
     def fits(self) -> bool:
@@ -87,9 +82,8 @@ class Estimate:
         if self.fits:
             margin = self.device_capacity - self.device_peak_bytes
             return f"fits: {margin / 2**30:,.1f} GiB to spare per device"
-        host = "host memory" if self.hardware.on_cuda else "RAM: a CPU's device and host bytes are one RAM"
-        where = [w for w, ok in (("device memory", self.fits_device), (host, self.fits_host)) if not ok]
-        return f"does not fit ({' and '.join(where)})"
+        where = [w for w, ok in (("device", self.fits_device), ("host", self.fits_host)) if not ok]
+        return f"does not fit ({' and '.join(where)} memory)"
 
     def to_dict(self) -> dict:
         return {
@@ -100,8 +94,7 @@ class Estimate:
             "peak_phase": self.breakdown.phase,
             "checkpoint_bytes_per_token_layer": self.breakdown.checkpoint_bytes_per_token_layer,
             "device_peak_bytes": self.device_peak_bytes, "device_capacity_bytes": self.device_capacity,
-            "host_peak_bytes": self.host_peak_bytes, "host_demand_bytes": self.host_demand_bytes,
-            "host_capacity_bytes": self.host_capacity,
+            "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
             "checkpoint_placement": placement_summary(self.breakdown.placement, self.flops),
@@ -328,8 +321,7 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     peaks = [breakdown(shape, params, s) for s, _ in placed]
     fitting = [i for i, b in enumerate(peaks) if _fits(b, hardware)]
     # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
-    host_ok = [i for i, b in enumerate(peaks)
-               if host_demand(b.device_peak, b.host_peak, hardware) <= host_capacity(hardware)] or [0]
+    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_capacity(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
     (offload, chunks, mini), (base, budgets) = options[pick], placed[pick]
     mlp, loss, settled = _choose_tiles(_resolved(config, chunks, mini), hardware, shape, params, base)
@@ -488,16 +480,7 @@ def _tile_setting(value):
 
 
 def _fits(b: Breakdown, hardware: Cluster) -> bool:
-    return (b.device_peak <= device_capacity(hardware)
-            and host_demand(b.device_peak, b.host_peak, hardware) <= host_capacity(hardware))
-
-
-def host_demand(device_peak: int, host_peak: int, hardware: Cluster) -> int:
-    """What a node's ranks need of its usable RAM (`host_capacity`), from one rank's peaks: their host bytes, and on
-    a CPU their "device" bytes too — the same RAM, which the device capacity (RAM / processes, no OS reserve)
-    would otherwise count a second time."""
-    per_rank = host_peak if hardware.on_cuda else host_peak + device_peak
-    return per_rank * hardware.gpus
+    return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= host_capacity(hardware)
 
 
 def device_capacity(hardware: Cluster) -> int:

@@ -232,18 +232,3 @@ def test_a_step_counts_every_micro_batch_train_runs_in_it():
     sp = estimate(_config(**lora, gpus=2), two, suggest=False, reach=False)
     assert sp.sp == 2 and sp.flops.tokens == 2 * 16384  # a round: both ranks' micro-batches, each split over both
     assert sp.step_seconds == pytest.approx(one.step_seconds, rel=0.05)
-
-
-def test_on_a_cpu_device_and_host_bytes_share_the_ram_once():
-    """A CPU's "device" is its RAM / processes; the host is the same RAM, less the OS's reserve. 3943K tokens of
-    tiny-llama on 24 GiB had fitted with 25.76e9 B "device" + 2.15e9 B host on a 25.77e9 B machine."""
-    from lstune.estimate import host_capacity
-
-    hw = resolve_hardware(gpu="cpu", host_mem=24 * GiB)
-    over = estimate(_config(seq_len=3943 * 1024), hw, suggest=False, reach=False)
-    assert not over.fits and not over.fits_host and "one RAM" in over.verdict()
-    assert over.host_demand_bytes == over.device_peak_bytes + over.host_peak_bytes
-    longest = estimate(_config(seq_len=2048 * 1024), hw, suggest=False).longest_seq_len
-    at = estimate(_config(seq_len=longest), hw, suggest=False, reach=False)
-    assert at.fits and at.device_peak_bytes + at.host_peak_bytes <= host_capacity(hw)
-    assert not estimate(_config(seq_len=longest + 1024), hw, suggest=False, reach=False).fits
