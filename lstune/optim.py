@@ -63,6 +63,18 @@ def make_adamw(params, cfg: OptimConfig, *, fused: bool | None = None):
     )
 
 
+def advance_schedule(scheduler) -> float:
+    """Advance `scheduler` by one step without an optimizer update (a skipped step: the run keeps its planned
+    schedule); returns the learning rate of the step skipped."""
+    import warnings
+
+    lr = float(scheduler.get_last_lr()[0])
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()
+    return lr
+
+
 def make_scheduler(optimizer, cfg: OptimConfig):
     """Linear warmup, then cosine (to min_lr_ratio·lr), linear (to 0) or constant — transformers' schedules."""
     from transformers import get_scheduler

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from lstune.config.schema import zero_problems
 from lstune.errors import CheckpointError, ConfigError
-from lstune.optim import OptimConfig, apply_optim_settings, make_adamw, make_scheduler
+from lstune.optim import OptimConfig, advance_schedule, apply_optim_settings, make_adamw, make_scheduler
 
 if TYPE_CHECKING:
     import torch
@@ -287,17 +287,13 @@ class DeepSpeedEngine:
         and, when they are not finite, drops them and leaves the weights and the schedule as they were, counting
         the step in `skipped_steps`. The step is then reported skipped and the schedule advanced as the
         single-device engine's `skip_step` advances it, so a skipped step leaves both engines on one schedule."""
-        import warnings
-
         lr = float(self.scheduler.get_last_lr()[0])
         _sync_gpu_optimizer_settings(self._ds.optimizer)
         skipped_before = self._ds.skipped_steps
         self._ds.step()
         skipped = self._ds.skipped_steps > skipped_before
         if skipped:
-            with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
-                warnings.simplefilter("ignore", UserWarning)
-                self.scheduler.step()
+            advance_schedule(self.scheduler)
         norm = self._ds.get_global_grad_norm()
         return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr, "update_skipped": skipped}
 

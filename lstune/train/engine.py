@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lstune.errors import CheckpointError
-from lstune.optim import OptimConfig, apply_optim_settings, make_adamw, make_scheduler
+from lstune.optim import OptimConfig, advance_schedule, apply_optim_settings, make_adamw, make_scheduler
 
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
@@ -21,6 +21,7 @@ MODEL_DIR = "model"
 
 class Engine(Protocol):
     model: Any
+    scheduler: Any  # the learning-rate schedule the engine steps (a step without an update advances it too)
 
     def backward(self, loss) -> None: ...
 
@@ -72,14 +73,8 @@ class TorchEngine:
 
     def skip_step(self) -> dict[str, float]:
         """Drop this step's gradients, keep the weights; the schedule advances as if the step ran."""
-        import warnings
-
-        lr = self.scheduler.get_last_lr()[0]
         self.optimizer.zero_grad(set_to_none=True)
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
-            warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.step()
-        return {"grad_norm": float("nan"), "lr": float(lr), "update_skipped": True}
+        return {"grad_norm": float("nan"), "lr": advance_schedule(self.scheduler), "update_skipped": True}
 
     def weights_finite(self) -> bool:
         import torch

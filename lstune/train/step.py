@@ -120,14 +120,9 @@ class Stepper:
         neither engine method is called; only the learning-rate schedule advances, as for any skipped step
         (lstune.train.engine.TorchEngine.skip_step), so the run keeps its planned length and schedule. No
         backward ran, and the previous step left no gradients (both engines zero them when they step)."""
-        import warnings
+        from lstune.optim import advance_schedule
 
-        scheduler = self.engine.scheduler  # both engines expose theirs (DeepSpeed's is the one it steps)
-        lr = float(scheduler.get_last_lr()[0])
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended here
-            warnings.simplefilter("ignore", UserWarning)
-            scheduler.step()
-        return {"grad_norm": 0.0, "lr": lr, "update_skipped": True}
+        return {"grad_norm": 0.0, "lr": advance_schedule(self.engine.scheduler), "update_skipped": True}
 
     def _autocast(self):
         import torch
