@@ -21,11 +21,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable
 
 from lstune.errors import ConfigError, UserError
+from lstune.train.atomic import write_text_new
 
 RECORD_NAME = "lstune-bench-files.json"
 RECORD_FORMAT = "lstune-bench-files"
@@ -145,29 +144,6 @@ def _is_bench_name(name: str) -> bool:
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:_SHOWN])
     return shown if len(names) <= _SHOWN else f"{shown} and {len(names) - _SHOWN} more"
-
-
-def write_new(path: Path, write: Callable[[BinaryIO], None]) -> Path:
-    """Write `path` through a temporary file beside it, created exclusively (it can be no one else's), then a rename,
-    which replaces a link at `path` instead of writing through it: `path` is complete or absent."""
-    from lstune.train.atomic import current_umask
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's files are private (0600); the outputs are not
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-def write_text_new(path: Path, text: str) -> Path:
-    return write_new(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def open_new_log(path: Path) -> int:

@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lstune.bench.outputs import BenchFolder, write_new
+from lstune.bench.outputs import BenchFolder
 from lstune.config.parse import format_length
+from lstune.train.atomic import write_new
 
 GIB, MIB = 2**30, 2**20
 COLOURS = ["#7f7f7f", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]

@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from lstune.bench.fingerprint import describe
-from lstune.bench.outputs import BenchFolder, write_text_new
+from lstune.bench.outputs import BenchFolder
 from lstune.bench.plots import GIB, MIB, labels, write_plots
 from lstune.config.parse import format_length
+from lstune.train.atomic import write_text_new
 
 
 def write_outputs(result, folder: BenchFolder) -> list[Path]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from lstune.bench.outputs import open_new_log, write_text_new
+from lstune.bench.outputs import open_new_log
+from lstune.train.atomic import write_text_new
 
 # lstune.bench.trial first: it quiets a warning peft's import of bitsandbytes would print (models.quant).
 PRELOAD = ["lstune.bench.trial", "torch", "transformers", "peft", "lstune.train.run", "lstune.train.prepare",

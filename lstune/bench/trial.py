@@ -341,7 +341,7 @@ def run_to_file(job: Job, result_path: str) -> None:
     except Exception as exc:
         record = failure(exc)
     if int(os.environ.get("RANK", "0")) == 0:
-        from lstune.bench.outputs import write_text_new
+        from lstune.train.atomic import write_text_new
 
         write_text_new(Path(result_path), json.dumps(record, default=str))
     # Only after a trial that went well on this rank: after a failure another rank may be stuck in a collective and

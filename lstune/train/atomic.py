@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import BinaryIO, Callable, Iterator
 
 
 @contextmanager
@@ -65,3 +65,24 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_new(path: Path, write: Callable[[BinaryIO], None]) -> Path:
+    """Write `path` through a temporary file beside it, created exclusively (it can be no one else's), then a rename,
+    which replaces a link at `path` instead of writing through it: `path` is complete or absent."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())  # mkstemp's files are private (0600); the outputs are not
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text_new(path: Path, text: str) -> Path:
+    return write_new(path, lambda f: f.write(text.encode("utf-8")))

@@ -27,6 +27,7 @@ from pathlib import Path
 from lstune.config.record import LOCK_NAME, LOG_FILE, RECORD_FORMAT, RECORD_NAME, holds_a_run, read_record
 from lstune.config.schema import RunSection
 from lstune.errors import UserError
+from lstune.train.atomic import write_text_new
 from lstune.train.lock import OutputLock
 
 FINAL_DIR = "final"
@@ -254,23 +255,7 @@ def _manifest_checkpoints(output_dir: Path) -> set[str]:
 def _write_record(output_dir: Path, names: set[str]) -> None:
     """Replace the record atomically (temp file + rename, which replaces a link instead of following it)."""
     body = json.dumps({"format": RECORD_FORMAT, "version": 1, "entries": sorted(names)}, indent=1)
-    write_file_atomic(output_dir / RECORD_NAME, body)
-
-
-def write_file_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` via a temp file beside it and a rename: complete or absent, never through a
-    link at `path`."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_text_new(output_dir / RECORD_NAME, body)
 
 
 def write_config_snapshot(folder: OutputFolder, view: dict) -> None:
@@ -279,7 +264,7 @@ def write_config_snapshot(folder: OutputFolder, view: dict) -> None:
     from lstune import __version__
 
     header = f"# resolved config written by lstune {__version__}; rerun with: lstune train --config {CONFIG_FILE}\n"
-    write_file_atomic(folder.claim(CONFIG_FILE), header + yaml.safe_dump(view, sort_keys=False))
+    write_text_new(folder.claim(CONFIG_FILE), header + yaml.safe_dump(view, sort_keys=False))
 
 
 _WRITE_FAILURES = ("No space left", "os error 28", "Disk quota exceeded", "os error 122", "File too large",

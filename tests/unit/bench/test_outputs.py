@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lstune.bench.outputs import RECORD_NAME, BenchFolder, check_folder, open_new_log, write_text_new
+from lstune.bench.outputs import RECORD_NAME, BenchFolder, check_folder, open_new_log
+from lstune.train.atomic import write_text_new
 from lstune.errors import ConfigError, UserError
 
 
