@@ -248,10 +248,10 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
     optim = p.trainable * DS_OPTIM_BYTES // world
     where = "host" if e.offload_optimizer else "device"
     if e.offload_optimizer and shard and e.offload_ratio < 1:
-        _partial_offload(b, p.trainable // world, e.offload_ratio, pinned)
+        _partial_offload(b, p, world, e.offload_ratio, pinned)
         return
     if e.offload_optimizer and shard:
-        b.add("gradients", 0, zero3_host_gradient_bytes(p.trainable // world, pinned),
+        b.add("gradients", 0, zero3_host_gradient_bytes(p, world, pinned),
               "fp32, sharded, on the host twice: the flat buffer and one per optimizer sub-group"
               + (" (pinned: each a power of two)" if pinned else ""))
     else:
@@ -261,42 +261,81 @@ def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
           f"fp32 master + m + v / {world} ranks, on the {where}")
 
 
-def _partial_offload(b: Breakdown, numel: int, ratio: float, pinned: bool) -> None:
+def _partial_offload(b: Breakdown, p: ParamCounts, world: int, ratio: float, pinned: bool) -> None:
     """ZeRO-3 with part of the optimizer on the device (--offload-ratio, deepspeed 0.19 stage3.py): one rank's
-    `numel` parameters in PARTIAL_SUB_GROUPS optimizer sub-groups (lstune.parallel.engine_ds sets the size), the
-    first int((1 - ratio) · n) on the device — their fp32 master, m, v and gradient, and the temporaries of the
-    torch AdamW that steps them one at a time (two fp32 copies of a sub-group) — the rest on the host with CPU Adam. The flat gradient
-    buffer stays on the host whole, and one pinned host buffer of a device sub-group's gradient stays cached.
-    DeepSpeed ends each sub-group at the parameter that reaches the size (a larger tensor, such as Llama-3.1-8B's
-    525M-element embedding, is one of its own), so the split it makes is the ratio's to about one sub-group (~3 %);
-    counted as n equal ones."""
+    parameters in optimizer sub-groups of about 1/PARTIAL_SUB_GROUPS of them each (lstune.parallel.engine_ds sets the
+    size; `ds_sub_groups` cuts them as DeepSpeed does), the first int((1 - ratio) · n) on the device — their fp32
+    master, m, v and gradient, and the temporaries of the torch AdamW that steps them one at a time (two fp32 copies
+    of the largest) — the rest on the host with CPU Adam. The flat gradient buffer stays on the host whole; each
+    device sub-group's gradient passes through a pinned host buffer first, which torch keeps cached unless a host
+    sub-group's buffer of its power of two reuses it (`_cached_device_group_buffers`).
+
+    Counted as equal sub-groups until the H200 of 2026-11-26 ran Llama-3.1-8B with --offload-ratio 0.5: host RSS
+    122.1 GiB against 111.9 predicted. DeepSpeed made 27 sub-groups, not 32 (the 525M-element embedding is one of
+    its own, the last holds the 525M head), 14 of them on the host (52.7 % of the parameters), and most of them
+    run past 2^30 B of fp32 gradient, so each pinned buffer was 2 GiB, not 1: this model says 123.3 GiB for that cut.
+    lstune sizes the sub-groups to stay within their power of two since (`partial_sub_group_size`)."""
     from lstune.parallel.engine_ds import PARTIAL_SUB_GROUPS, partial_sub_group_size
 
-    size = partial_sub_group_size(numel)
-    groups = -(-numel // size)
-    on_device = min(groups, int((1 - ratio) * groups))
-    device_elements = on_device * size
-    host_elements = max(0, numel - device_elements)
-    host_grads = _pinned(DS_GRAD_BYTES * numel, pinned) + sum(
-        _pinned(DS_GRAD_BYTES * size, pinned) for _ in range(groups - on_device + (1 if on_device else 0)))
-    b.add("gradients", DS_GRAD_BYTES * device_elements, host_grads,
-          f"fp32, sharded: {on_device} of {groups} sub-groups on the device; on the host the flat buffer and one per "
-          "host sub-group" + (" (pinned: each a power of two)" if pinned else ""))
-    b.add("optimizer state", DS_OPTIM_BYTES * device_elements + (2 * 4 * size if on_device else 0),
-          DS_OPTIM_BYTES * host_elements,
-          f"fp32 master + m + v: {on_device} of {groups} sub-groups on the device (+ AdamW's step temporaries), "
-          f"the rest on the host (--offload-ratio {ratio:g}; PARTIAL_SUB_GROUPS = {PARTIAL_SUB_GROUPS})")
+    numel = p.trainable // world
+    groups = ds_sub_groups(p, world, partial_sub_group_size(_shards(p, world)))
+    on_device = min(len(groups), int((1 - ratio) * len(groups)))
+    device, host = groups[:on_device], groups[on_device:]
+    host_grads = _pinned(DS_GRAD_BYTES * numel, pinned) + sum(_pinned(DS_GRAD_BYTES * n, pinned) for n in host)
+    host_grads += _cached_device_group_buffers(device, host, pinned)
+    b.add("gradients", DS_GRAD_BYTES * sum(device), host_grads,
+          f"fp32, sharded: {on_device} of {len(groups)} sub-groups on the device; on the host the flat buffer and one "
+          "per host sub-group" + (" (pinned: each a power of two)" if pinned else ""))
+    b.add("optimizer state", DS_OPTIM_BYTES * sum(device) + (2 * 4 * max(device) if device else 0),
+          DS_OPTIM_BYTES * sum(host),
+          f"fp32 master + m + v: {on_device} of {len(groups)} sub-groups on the device (+ AdamW's step temporaries), "
+          f"the rest on the host (--offload-ratio {ratio:g}; sub-groups of ~1/{PARTIAL_SUB_GROUPS} of the parameters)")
 
 
-def zero3_host_gradient_bytes(numel: int, pinned: bool) -> int:
-    """ZeRO-3's fp32 gradients of `numel` parameters (one rank's shard) under optimizer offload (DeepSpeed 0.19,
-    stage3.py): the flat buffer the partitions accumulate into, and one buffer per optimizer sub-group (its
-    parameters up to sub_group_size elements) that CPU Adam reads — 8 B per parameter, each buffer rounded up to a
-    power of two when pinned. Sub-groups end at the parameter that reaches the size, so they run a few parameters
-    over it; counted as exactly the size (under 0.5 % off for Llama-3.1-8B's 291 tensors)."""
-    full, rest = divmod(numel, DS_SUB_GROUP_ELEMENTS)
-    groups = [DS_SUB_GROUP_ELEMENTS] * full + ([rest] if rest else [])
-    return _pinned(DS_GRAD_BYTES * numel, pinned) + sum(_pinned(DS_GRAD_BYTES * n, pinned) for n in groups)
+def _cached_device_group_buffers(device: list[int], host: list[int], pinned: bool) -> int:
+    """Pinned host bytes left cached by the device sub-groups' gradient buffers (stage3.py makes each on the host,
+    pinned, then moves it to the device): torch's caching host allocator keeps one freed block per power of two, and
+    the host sub-groups, allocated after every device one, take back those of their sizes."""
+    if not pinned:
+        return 0
+    taken = {_pinned(DS_GRAD_BYTES * n, True) for n in host}
+    return sum({_pinned(DS_GRAD_BYTES * n, True) for n in device} - taken)
+
+
+def _shards(p: ParamCounts, world: int) -> list[int]:
+    """One rank's trainable shards, or without the tensors' sizes the whole as one."""
+    return [ceil_div(n, world) for n in p.trainable_tensors] or [p.trainable // world]
+
+
+def ds_sub_groups(p: ParamCounts, world: int, size: int) -> list[int]:
+    """One rank's optimizer sub-groups, in elements, as DeepSpeed 0.19 cuts them (stage3.py,
+    `_create_fp16_sub_groups`): the trainable tensors' shards (each ceil(n / world) elements) in order, a sub-group
+    ending at the tensor that brings it to `size` or more. Without the tensors' sizes (ParamCounts from elsewhere
+    than `count_parameters`), equal sub-groups of `size`."""
+    numel = p.trainable // world
+    if not p.trainable_tensors:
+        full, rest = divmod(numel, size)
+        return [size] * full + ([rest] if rest else [])
+    shards = _shards(p, world)
+    if size >= sum(shards):
+        return [sum(shards)]
+    groups, current = [], 0
+    for n in shards:
+        current += n
+        if current >= size:
+            groups.append(current)
+            current = 0
+    return groups + ([current] if current else [])
+
+
+def zero3_host_gradient_bytes(p: ParamCounts, world: int, pinned: bool) -> int:
+    """ZeRO-3's fp32 gradients of one rank's shard under optimizer offload (DeepSpeed 0.19, stage3.py): the flat
+    buffer the partitions accumulate into, and one buffer per optimizer sub-group (`ds_sub_groups` of
+    sub_group_size elements) that CPU Adam reads — 8 B per parameter, each buffer rounded up to a power of two when
+    pinned."""
+    groups = ds_sub_groups(p, world, DS_SUB_GROUP_ELEMENTS)
+    return _pinned(DS_GRAD_BYTES * (p.trainable // world), pinned) + sum(
+        _pinned(DS_GRAD_BYTES * n, pinned) for n in groups)
 
 
 def _pinned(nbytes: int, pinned: bool) -> int:

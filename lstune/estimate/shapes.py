@@ -133,6 +133,9 @@ class ParamCounts:
     embeddings: int  # input embedding (+ output head when not tied)
     lora_wrapped: int = 0  # parameters peft adapts directly (MoE's 3-D expert weights): it materialises B·A for them
     lora_wrapped_largest: int = 0  # the largest of those parameters
+    # The trainable tensors' sizes in the order model.parameters() yields them (each once), which is the order
+    # DeepSpeed cuts its optimizer sub-groups in (lstune.estimate.memory.ds_sub_groups); () where not known.
+    trainable_tensors: tuple[int, ...] = ()
 
     @property
     def frozen(self) -> int:
@@ -163,7 +166,7 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     norms = sum(1 for m in layers[0].modules() if m is not layers[0] and is_norm(m))
     embeddings = _unique_numel([*model.get_input_embeddings().parameters(), *model.get_output_embeddings().parameters()])
     if not lora_r:
-        return ParamCounts(base, base, 0, 0, largest, norms, embeddings)
+        return ParamCounts(base, base, 0, 0, largest, norms, embeddings, trainable_tensors=_numels(model.parameters()))
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecations peft trips; noise here
         peft_model = apply_lora(model, r=lora_r, alpha=None, dropout=0.0, targets=lora_targets)
@@ -171,7 +174,8 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     adapted = sum(1 for m in peft_model.modules() if hasattr(m, "lora_A") and len(getattr(m, "lora_A")) > 0)
     wrapped = _wrapped(peft_model)
     return ParamCounts(base + adapters, adapters, adapters, adapted, largest, norms, embeddings,
-                       _unique_numel(wrapped), max((p.numel() for p in wrapped), default=0))
+                       _unique_numel(wrapped), max((p.numel() for p in wrapped), default=0),
+                       _numels(p for p in peft_model.parameters() if p.requires_grad))
 
 
 def _wrapped(peft_model) -> list:
@@ -182,10 +186,15 @@ def _wrapped(peft_model) -> list:
 
 
 def _unique_numel(params) -> int:
+    return sum(_numels(params))
+
+
+def _numels(params) -> tuple[int, ...]:
+    """Each parameter's size once (a tied weight at its first place), in order."""
     seen: dict[int, int] = {}
     for p in params:
-        seen[id(p)] = p.numel()
-    return sum(seen.values())
+        seen.setdefault(id(p), p.numel())
+    return tuple(seen.values())
 
 
 def ceil_div(a: int, b: int) -> int:

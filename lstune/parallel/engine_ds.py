@@ -40,6 +40,8 @@ from lstune.errors import CheckpointError, ConfigError
 from lstune.optim import OptimConfig, advance_schedule, apply_optim_settings, make_adamw, make_scheduler
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from lstune.parallel.dims import ParallelDims
@@ -66,9 +68,21 @@ class ZeroPlan:
     offload_ratio: float = 1.0  # of the offloaded optimizer state, the fraction on the host (the rest on the GPU)
 
 
-def partial_sub_group_size(numel_per_rank: int) -> int:
-    """DeepSpeed's sub_group_size that cuts a rank's parameters into PARTIAL_SUB_GROUPS optimizer sub-groups."""
-    return max(1, -(-numel_per_rank // PARTIAL_SUB_GROUPS))
+def partial_sub_group_size(shards: Sequence[int]) -> int:
+    """DeepSpeed's sub_group_size under partial optimizer offload, from one rank's trainable shards in the optimizer's
+    order (each ceil(numel / ranks)): about 1/PARTIAL_SUB_GROUPS of them per sub-group.
+
+    DeepSpeed closes a sub-group at the tensor that brings it to the size (stage3.py), so one runs past the size by
+    up to a tensor, and its fp32 gradient's pinned host buffer is rounded up to a power of two (torch's caching host
+    allocator). A size of exactly 1/32 let most of Llama-3.1-8B's run past 2^30 B, each taking 2 GiB of host for
+    1.1 GB (the H200 of 2026-11-26); the size is set one tensor below the power of two at or above the share, so
+    every sub-group of tensors smaller than that power fits in it (a larger tensor, an embedding, is one of its own).
+    Where that would halve the sub-groups, the share itself."""
+    numel = sum(shards)
+    share = max(1, -(-numel // PARTIAL_SUB_GROUPS))
+    power = 1 << (share - 1).bit_length()
+    overshoot = max((n for n in shards if n < power), default=0)
+    return power - overshoot if power - overshoot >= power // 2 else share
 
 
 def deepspeed_config(
@@ -169,7 +183,8 @@ def _load_gpu_optimizer_states(optimizer, path: Path) -> None:
         raise CheckpointError(f"{path} (--offload-ratio {saved['ratio']:g}, {saved['sub_groups']} sub-groups) does "
                               f"not match this run's optimizer (--offload-ratio {optimizer.partial_offload:g}, "
                               f"{len(groups)} sub-groups): resume with the model, processes and --offload-ratio "
-                              "that wrote it.")
+                              "that wrote it (and an lstune of before 2026-11-26 for a checkpoint it wrote: the "
+                              "sub-groups' size changed then).")
     backup = optimizer.backup_optimizer
     for i, state in saved["states"].items():
         backup.state[groups[i]] = {k: v if k == "step" else v.to(groups[i].device) for k, v in state.items()}
@@ -248,7 +263,7 @@ class DeepSpeedEngine:
         config = deepspeed_config(
             zero_stage=zero_stage, offload_optimizer=zero.offload_optimizer, offload_params=zero.offload_params,
             bf16=bf16, max_grad_norm=optim.max_grad_norm, pin_memory=on_cuda, offload_ratio=zero.offload_ratio,
-            sub_group_size=partial_sub_group_size(sum(p.numel() for p in params) // dims.world_size),
+            sub_group_size=partial_sub_group_size([-(-p.numel() // dims.world_size) for p in params]),
         )
         optimizer = _adamw(params, optim, on_host=zero.offload_optimizer)
         scheduler = make_scheduler(optimizer, optim)

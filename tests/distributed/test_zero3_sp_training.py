@@ -84,7 +84,19 @@ def _train_worker(
     handle.undo()
     backup = getattr(engine._ds.optimizer, "backup_optimizer", None)  # partial offload: the GPU sub-groups' AdamW
     return {"losses": losses, "reference": reference, "final_norm_fused": fused,
-            "gpu_sub_groups": len(backup.state) if backup is not None else 0}
+            "gpu_sub_groups": len(backup.state) if backup is not None else 0,
+            "sub_groups": [int(t.numel()) for t in getattr(engine._ds.optimizer, "fp32_partitioned_groups_flat", [])],
+            "estimated_sub_groups": _estimated_sub_groups(model.config, world) if offload_ratio < 1 else None}
+
+
+def _estimated_sub_groups(config, world: int) -> list[int]:
+    """The optimizer sub-groups lstune.estimate counts for one rank under partial offload."""
+    from lstune.estimate.memory import ds_sub_groups
+    from lstune.estimate.shapes import count_parameters
+    from lstune.parallel.engine_ds import partial_sub_group_size
+
+    counts = count_parameters(config)
+    return ds_sub_groups(counts, world, partial_sub_group_size([-(-n // world) for n in counts.trainable_tensors]))
 
 
 def _global_order(samples: list[dict], world: int, sp: int) -> list[dict]:
@@ -116,9 +128,12 @@ def test_zero3_sp_with_optimizer_and_weights_on_the_host_matches_single_process(
 
 def test_zero3_sp_with_part_of_the_optimizer_on_the_host_matches_single_process(pools):
     """--offload-ratio 0.5: DeepSpeed keeps half of the optimizer sub-groups on the (here CPU) device, stepped by a
-    torch AdamW, the other half in DeepSpeedCPUAdam on the host — still the single-process losses and norms."""
+    torch AdamW, the other half in DeepSpeedCPUAdam on the host — still the single-process losses and norms; and the
+    sub-groups are the ones lstune.estimate counts."""
     result = pools[2].run(_train_worker, 2, 3, "tiny-llama", None, (True, True), 0.5, timeout=600)[0]
     assert result["gpu_sub_groups"] > 0  # the device's sub-groups took their steps in the torch AdamW
+    # DeepSpeed cut its sub-groups where the estimate says it does (the host and device bytes follow from the cut)
+    assert len(result["sub_groups"]) > 4 and result["sub_groups"] == result["estimated_sub_groups"]
     _check(result)
 
 

@@ -101,12 +101,17 @@ def test_zero3_host_gradients_are_two_fp32_buffers_each_a_power_of_two_when_pinn
     """DeepSpeed 0.19's ZeRO-3 under optimizer offload keeps the fp32 gradient twice on the host: the flat buffer and
     one per optimizer sub-group of 1e9 elements; pinned (on CUDA) each is rounded up to a power of two."""
     from lstune.estimate.memory import zero3_host_gradient_bytes
+    from lstune.estimate.shapes import ParamCounts
     from lstune.memory.host_copies import pinned_bytes
 
+    def counts(n):  # without the tensors' sizes: equal sub-groups
+        return ParamCounts(n, n, 0, 0, 0, 0, 0)
+
     n = 3_212_749_824  # Llama-3.2-3B: sub-groups of 1e9, 1e9, 1e9 and 212,749,824 elements
-    assert zero3_host_gradient_bytes(n, pinned=False) == 8 * n
-    assert zero3_host_gradient_bytes(n, pinned=True) == (16 + 3 * 4 + 1) * GiB
-    assert zero3_host_gradient_bytes(10**8, pinned=True) == 2 * 512 * 2**20  # one sub-group: the same size twice
+    assert zero3_host_gradient_bytes(counts(n), 1, pinned=False) == 8 * n
+    assert zero3_host_gradient_bytes(counts(n), 1, pinned=True) == (16 + 3 * 4 + 1) * GiB
+    # one sub-group: the same size twice
+    assert zero3_host_gradient_bytes(counts(10**8), 1, pinned=True) == 2 * 512 * 2**20
     assert pinned_bytes(2**30, True) == 2**30 and pinned_bytes(2**30 + 1, True) == 2**31
     assert pinned_bytes(2**30 + 1, False) == 2**30 + 1 and pinned_bytes(0, True) == 0
 
@@ -232,3 +237,44 @@ def test_a_step_counts_every_micro_batch_train_runs_in_it():
     sp = estimate(_config(**lora, gpus=2), two, suggest=False, reach=False)
     assert sp.sp == 2 and sp.flops.tokens == 2 * 16384  # a round: both ranks' micro-batches, each split over both
     assert sp.step_seconds == pytest.approx(one.step_seconds, rel=0.05)
+
+
+def test_optimizer_sub_groups_are_cut_as_deepspeed_cuts_them():
+    """DeepSpeed 0.19 (stage3.py `_create_fp16_sub_groups`) ends a sub-group at the tensor that brings it to the
+    size or past it, over each tensor's shard of ceil(n / world) elements: never inside a tensor."""
+    from lstune.estimate.memory import ds_sub_groups
+    from lstune.estimate.shapes import ParamCounts
+
+    p = ParamCounts(29, 29, 0, 0, 0, 0, 0, trainable_tensors=(12, 3, 3, 3, 8))
+    assert ds_sub_groups(p, 1, 5) == [12, 6, 11]
+    assert ds_sub_groups(p, 1, 6) == [12, 6, 11]
+    assert ds_sub_groups(p, 1, 29) == [29] and ds_sub_groups(p, 1, 40) == [29]
+    assert ds_sub_groups(p, 2, 5) == [6, 6, 4]  # shards of 6, 2, 2, 2, 4
+    assert ds_sub_groups(p, 1, 7) == [12, 9, 8]
+
+
+def test_partial_offload_host_peak_matches_the_h200_measurement():
+    """docs/benchmarks/2026-11-26-h200-c: Llama-3.1-8B full fine-tune, ZeRO-3 with parameter and optimizer offload,
+    --offload-ratio 0.5, 16K, one H200: host RSS 122.1 GiB at the step. DeepSpeed cut 27 sub-groups (the embedding
+    one of its own, the head in the last), 14 on the host, most of them 2 GiB pinned gradient buffers; counted as 32
+    equal ones the estimate said 111.9 GiB and called the run fitting."""
+    from lstune.parallel import engine_ds
+
+    config = _config(model="llama-3.1-8b", seq_len=16384, lora_r=0, zero_stage="3", offload_optimizer=True,
+                     offload_params=True, offload_ratio=0.5)
+    hardware = resolve_hardware(gpu="h200", host_mem=125 * GiB)
+    sized = engine_ds.partial_sub_group_size
+    engine_ds.partial_sub_group_size = lambda shards: -(-sum(shards) // 32)  # the size that run had: 1/32 exactly
+    try:
+        e = estimate(config, hardware)
+    finally:
+        engine_ds.partial_sub_group_size = sized
+    parts = {i.name: i for i in e.breakdown.items}
+    assert "13 of 27 sub-groups on the device" in parts["gradients"].detail
+    # the flat buffer; 9 host sub-groups of 277M elements (2 GiB each pinned), 4 of 260M (1 GiB), the head's of 702M
+    assert parts["gradients"].host == (32 + 9 * 2 + 4 * 1 + 4) * GiB
+    assert e.host_peak_bytes / GiB == pytest.approx(122.1, rel=0.015)
+    assert not e.fits  # 123.3 GiB of the 119.75 GiB a 125 GiB host leaves usable
+    # lstune's sub-groups since: each within its power of two, 17 of 34 on the host, 10.4 GiB less
+    e = estimate(config, hardware)
+    assert e.fits and e.host_peak_bytes / GiB == pytest.approx(112.9, abs=0.05)

@@ -57,16 +57,26 @@ def test_deepspeeds_comm_backend_starts_without_compiling_its_inference_shm_op()
 
 
 def test_partial_offload_keeps_part_of_the_optimizer_on_the_gpu_in_fine_sub_groups():
-    """--offload-ratio: DeepSpeed's `ratio` of the optimizer sub-groups on the host, which lstune cuts into
-    PARTIAL_SUB_GROUPS per rank so the ratio holds to 1/32 (DeepSpeed's default sub-group is 1e9 parameters)."""
-    from lstune.parallel.engine_ds import PARTIAL_SUB_GROUPS, partial_sub_group_size
+    """--offload-ratio: DeepSpeed's `ratio` of the optimizer sub-groups on the host, which lstune cuts into about
+    PARTIAL_SUB_GROUPS per rank so the ratio holds to ~1/32 (DeepSpeed's default sub-group is 1e9 parameters), each
+    within the power of two its pinned fp32 gradient buffer takes (a tensor below the share's power of two)."""
+    from lstune.estimate.memory import ds_sub_groups
+    from lstune.estimate.shapes import count_parameters
+    from lstune.models.presets import preset_config
+    from lstune.parallel.engine_ds import partial_sub_group_size
 
-    size = partial_sub_group_size(8_030_261_248)
+    counts = count_parameters(preset_config("llama-3.1-8b"))
+    size = partial_sub_group_size(counts.trainable_tensors)
+    assert size == 2**28 - 4096 * 14336  # the share (250,945,664) rounds up to 2^28; less one MLP matrix
+    groups = ds_sub_groups(counts, 1, size)
+    # the embedding one of its own, the head (as large) in the last; every other within 2^28 (1 GiB of fp32)
+    assert len(groups) == 34 and groups[0] == 525_336_576 and groups[-1] > 525_336_576
+    assert all(n <= 2**28 for n in groups[1:-1])
+    assert partial_sub_group_size([10, 10]) == 1  # a share of 1: its own power of two, nothing below it
     cfg = deepspeed_config(zero_stage=3, offload_optimizer=True, offload_params=True, bf16=True, max_grad_norm=1.0,
                            pin_memory=True, offload_ratio=0.5, sub_group_size=size)
     zero = cfg["zero_optimization"]
     assert zero["offload_optimizer"]["ratio"] == 0.5 and zero["sub_group_size"] == size
-    assert -(-8_030_261_248 // size) == PARTIAL_SUB_GROUPS
     full = deepspeed_config(zero_stage=3, offload_optimizer=True, offload_params=True, bf16=True, max_grad_norm=1.0,
                             pin_memory=True, sub_group_size=size)["zero_optimization"]
     assert "ratio" not in full["offload_optimizer"] and "sub_group_size" not in full  # all on the host: as before
