@@ -2,10 +2,10 @@
 a crash or a hang in one trial cannot poison the next.
 
 One process: forked from a `multiprocessing` forkserver that imported torch, transformers and lstune once
-(a trial then starts in a fraction of a second instead of the ~10 s those imports take; a few seconds where
-bitsandbytes is installed, `preload_modules`); the forkserver never initialises CUDA (PYTORCH_NVML_BASED_CUDA_CHECK=1
-keeps import-time availability checks from doing it, and bitsandbytes, which does it anyway, is left out),
-so each trial gets a clean device and its own CUDA context. Several processes
+(a trial then starts in a fraction of a second instead of the ~10 s those imports take; a few seconds on CUDA
+where bitsandbytes is installed, `preload_modules`); the forkserver never initialises CUDA
+(PYTORCH_NVML_BASED_CUDA_CHECK=1 keeps import-time availability checks from doing it, and bitsandbytes, which does
+it anyway, is left out), so each trial gets a clean device and its own CUDA context. Several processes
 (`--gpus N`): `python -m lstune.bench.trial` under the launcher `lstune train` uses (lstune.parallel.launch).
 
 While a trial runs, the parent samples the resident memory of the trial's process tree (Linux /proc) every
@@ -37,14 +37,14 @@ PRELOAD = ["lstune.bench.trial", "torch", "transformers", "peft", "lstune.train.
            "lstune.train.step", "lstune.memory.apply", "lstune.models.attention", "lstune.estimate"]
 
 
-def preload_modules() -> list[str]:
-    """PRELOAD without peft where bitsandbytes is installed: peft imports it, and its import asks every GPU's compute
-    capability, which initialises CUDA in the forkserver whatever PYTORCH_NVML_BASED_CUDA_CHECK says; every forked
-    trial then failed with "Cannot re-initialize CUDA in forked subprocess" (the H200 of 2026-11-26). Each trial
-    imports peft itself then (~3 s on a CPU)."""
+def preload_modules(cuda: bool) -> list[str]:
+    """PRELOAD, without peft for trials on CUDA where bitsandbytes is installed: peft imports it, and its import asks
+    every GPU's compute capability, which initialises CUDA in the forkserver whatever PYTORCH_NVML_BASED_CUDA_CHECK
+    says; every forked trial then failed with "Cannot re-initialize CUDA in forked subprocess" (the H200 of
+    2026-11-26). Each trial imports peft itself then (a second or few)."""
     import importlib.util
 
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if not cuda or importlib.util.find_spec("bitsandbytes") is None:
         return list(PRELOAD)
     return [name for name in PRELOAD if name != "peft"]
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -117,7 +117,7 @@ class TrialRunner:
             # check answers without initialising it. The forkserver and the trials inherit this environment.
             os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
             self._context = multiprocessing.get_context("forkserver")
-            self._context.set_forkserver_preload(preload_modules())
+            self._context.set_forkserver_preload(preload_modules(self.cuda))
         process = self._context.Process(target=_child, args=(job, str(result_path), str(log_path)), daemon=False)
         process.start()
         return _Forked(process)

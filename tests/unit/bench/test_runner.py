@@ -79,11 +79,12 @@ def test_a_process_that_is_gone_has_no_memory_and_no_children():
 
 def test_the_forkserver_preload_never_imports_bitsandbytes():
     """bitsandbytes' import initialises CUDA (it reads each GPU's compute capability), after which no forked trial
-    can use the device: the forkserver's preload must not reach it (peft does, where it is installed)."""
+    can use the device: for trials on CUDA the forkserver's preload must not reach it (peft does, where it is
+    installed)."""
     pytest.importorskip("bitsandbytes")
     from lstune.bench.runner import preload_modules
 
-    modules = preload_modules()
+    modules = preload_modules(cuda=True)
     assert "peft" not in modules and "torch" in modules
     code = f"import importlib, sys\nfor m in {modules!r}: importlib.import_module(m)\nprint('bitsandbytes' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -91,11 +92,12 @@ def test_the_forkserver_preload_never_imports_bitsandbytes():
     assert out.stdout.strip() == "False"
 
 
-def test_the_forkserver_preloads_peft_without_bitsandbytes(monkeypatch):
+def test_the_forkserver_preloads_peft_without_bitsandbytes_or_cuda(monkeypatch):
     import importlib.util
 
     from lstune.bench.runner import PRELOAD, preload_modules
 
+    assert preload_modules(cuda=False) == PRELOAD  # no device to initialise: the fast start stays
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
-    assert preload_modules() == PRELOAD
+    assert preload_modules(cuda=True) == PRELOAD
