@@ -36,6 +36,8 @@ from lstune.train.atomic import write_text_new
 PRELOAD = ["lstune.bench.trial", "torch", "transformers", "peft", "lstune.train.run", "lstune.train.prepare",
            "lstune.train.step", "lstune.memory.apply", "lstune.models.attention", "lstune.estimate"]
 
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
 
 def preload_modules(cuda: bool) -> list[str]:
     """PRELOAD, without peft for trials on CUDA where bitsandbytes is installed: peft imports it, and its import asks
@@ -47,7 +49,6 @@ def preload_modules(cuda: bool) -> list[str]:
     if not cuda or importlib.util.find_spec("bitsandbytes") is None:
         return list(PRELOAD)
     return [name for name in PRELOAD if name != "peft"]
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)

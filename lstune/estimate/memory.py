@@ -312,15 +312,11 @@ def ds_sub_groups(p: ParamCounts, world: int, size: int) -> list[int]:
     `_create_fp16_sub_groups`): the trainable tensors' shards (each ceil(n / world) elements) in order, a sub-group
     ending at the tensor that brings it to `size` or more. Without the tensors' sizes (ParamCounts from elsewhere
     than `count_parameters`), equal sub-groups of `size`."""
-    numel = p.trainable // world
     if not p.trainable_tensors:
-        full, rest = divmod(numel, size)
+        full, rest = divmod(p.trainable // world, size)
         return [size] * full + ([rest] if rest else [])
-    shards = _shards(p, world)
-    if size >= sum(shards):
-        return [sum(shards)]
     groups, current = [], 0
-    for n in shards:
+    for n in _shards(p, world):
         current += n
         if current >= size:
             groups.append(current)

@@ -253,7 +253,7 @@ def test_optimizer_sub_groups_are_cut_as_deepspeed_cuts_them():
     assert ds_sub_groups(p, 1, 7) == [12, 9, 8]
 
 
-def test_partial_offload_host_peak_matches_the_h200_measurement():
+def test_partial_offload_host_peak_matches_the_h200_measurement(monkeypatch):
     """docs/benchmarks/2026-11-26-h200-c: Llama-3.1-8B full fine-tune, ZeRO-3 with parameter and optimizer offload,
     --offload-ratio 0.5, 16K, one H200: host RSS 122.1 GiB at the step. DeepSpeed cut 27 sub-groups (the embedding
     one of its own, the head in the last), 14 on the host, most of them 2 GiB pinned gradient buffers; counted as 32
@@ -263,12 +263,9 @@ def test_partial_offload_host_peak_matches_the_h200_measurement():
     config = _config(model="llama-3.1-8b", seq_len=16384, lora_r=0, zero_stage="3", offload_optimizer=True,
                      offload_params=True, offload_ratio=0.5)
     hardware = resolve_hardware(gpu="h200", host_mem=125 * GiB)
-    sized = engine_ds.partial_sub_group_size
-    engine_ds.partial_sub_group_size = lambda shards: -(-sum(shards) // 32)  # the size that run had: 1/32 exactly
-    try:
+    with monkeypatch.context() as patch:  # the size that run had: 1/32 exactly
+        patch.setattr(engine_ds, "partial_sub_group_size", lambda shards: -(-sum(shards) // 32))
         e = estimate(config, hardware)
-    finally:
-        engine_ds.partial_sub_group_size = sized
     parts = {i.name: i for i in e.breakdown.items}
     assert "13 of 27 sub-groups on the device" in parts["gradients"].detail
     # the flat buffer; 9 host sub-groups of 277M elements (2 GiB each pinned), 4 of 260M (1 GiB), the head's of 702M
