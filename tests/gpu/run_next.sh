@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The 25-minute plan (issue 10's leftovers, then issue 14's chunk phases as regression checks), most valuable first,
 # every phase under its own limit; each phase appends its records to $RES/bench.jsonl as they come, so a run
-# cut short keeps every finished one (limits: 150 + 300 + 320 + 300 + 150 + 150 + 400 = 1770 s: more than a 25-minute lease holds, the last phases are cut). Start it
+# cut short keeps every finished one (limits: 150 + 300 + 320 + 330 + 150 + 150 + 400 = 1800 s: more than a 25-minute lease holds, the last phases are cut). Start it
 # detached and poll (docs/benchmarks/README.md, "Running run_next.sh with the run tool"):
 #   RESULTS_DIR=$OUT; source .whl/prelude.sh && mkdir -p /tmp/res && cp $OUT/fingerprint.txt /tmp/res/ && \
 #     (RES=/tmp/res setsid nohup bash tests/gpu/run_next.sh > /tmp/run_next.log 2>&1 < /dev/null &); sleep 20
