@@ -154,7 +154,8 @@ def _render(e) -> None:
               f"residual stream {_dt(d['residual'])}, activations {_dt(d['act'])}")
     p = e.params
     con.print(f"parameters: {p.frozen:,} frozen, {p.trainable:,} trainable; checkpoints "
-              f"{b.checkpoint_bytes_per_token_layer:,} B per token per layer")
+              f"{b.checkpoint_bytes_per_token_layer:,} B per token per layer; the training state a checkpoint saves takes "
+              f"at least {human_bytes(e.saved_checkpoint_min_bytes)} of disk")
     if e.memory_choice is not None:
         con.print(f"memory: {e.memory_choice.describe()}")
     table = Table(title=f"per rank (peak in the {b.phase})", title_justify="left")

@@ -502,7 +502,8 @@ class RunSection:
     )
     force: bool = _opt(
         False,
-        "Train even when the memory estimate (`lstune estimate`) predicts the run will not fit on this GPU.",
+        "Train even when the memory estimate (`lstune estimate`) predicts the run will not fit on this GPU, or "
+        "--output-dir's disk has no room for one of its checkpoints.",
         p.parse_bool,
     )
     trust_checkpoint: bool = _opt(

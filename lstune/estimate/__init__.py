@@ -21,7 +21,8 @@ from lstune.estimate.copies import StepCopies, step_copies
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import (LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
-                                    host_reserve_bytes, loss_backend, reserve_bytes, size_text)
+                                    host_reserve_bytes, loss_backend, reserve_bytes, saved_checkpoint_min_bytes,
+                                    size_text)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
 
@@ -74,6 +75,11 @@ class Estimate:
         return self.fits_device and self.fits_host
 
     @property
+    def saved_checkpoint_min_bytes(self) -> int:
+        """Disk bytes one saved checkpoint takes at least, over all ranks (memory.saved_checkpoint_min_bytes)."""
+        return saved_checkpoint_min_bytes(self.params)
+
+    @property
     def tokens_per_second(self) -> float:
         dp = self.hardware.world_size // self.sp
         return dp * self.flops.tokens / self.step_seconds if self.step_seconds else 0.0
@@ -97,6 +103,7 @@ class Estimate:
             "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
+            "saved_checkpoint_min_bytes": self.saved_checkpoint_min_bytes,
             "checkpoint_placement": placement_summary(self.breakdown.placement, self.flops),
             "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
             "host_copies": self.copies.to_dict(),

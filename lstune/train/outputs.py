@@ -143,10 +143,10 @@ class OutputFolder:
             _refuse_links(self.path, names)
             recorded = read_record(self.path)
             if overwrite:
-                self.previous = recorded | _manifest_checkpoints(self.path)
+                self.previous = recorded | manifest_checkpoints(self.path)
             else:
                 self.entries = recorded
-            _refuse_foreign(self.path, self.entries | self.previous | _manifest_checkpoints(self.path), names)
+            _refuse_foreign(self.path, self.entries | self.previous | manifest_checkpoints(self.path), names)
             self.claim(RECORD_NAME)
             self._attach_log_file()
             if self.lock.stale:
@@ -168,9 +168,13 @@ class OutputFolder:
             _write_record(self.path, self.entries | self.previous)
         return self.path / name
 
+    def to_clear(self) -> set[str]:
+        """The names `clear_previous` removes: the previous run's entries (none without --overwrite)."""
+        return self.previous - self.entries - {RECORD_NAME, LOCK_NAME, LOG_FILE}
+
     def clear_previous(self) -> None:
         """--overwrite: remove the previous run's entries (recorded, or checkpoints with our manifest)."""
-        for name in sorted(self.previous - self.entries - {RECORD_NAME, LOCK_NAME, LOG_FILE}):
+        for name in sorted(self.to_clear()):
             path = self.path / name
             if path.is_symlink() or not os.path.lexists(path):
                 continue
@@ -248,7 +252,8 @@ def _has_manifest(path: Path) -> bool:
     return _CHECKPOINT_RE.match(path.name) is not None and not path.is_symlink() and (path / MANIFEST_NAME).is_file()
 
 
-def _manifest_checkpoints(output_dir: Path) -> set[str]:
+def manifest_checkpoints(output_dir: Path) -> set[str]:
+    """The names of the checkpoints in `output_dir` that carry lstune's manifest (complete saves of ours)."""
     return {entry.name for entry in output_dir.iterdir() if _has_manifest(entry)}
 
 

@@ -84,6 +84,7 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
 
 def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path | None, folder) -> TrainResult:
     from lstune.data.templates import set_chat_template
+    from lstune.train.disk_space import check_disk_space, planned_saves
     from lstune.train.engine_choice import check_fits, plan_run, prediction_note
     from lstune.train.preflight import check_resume_compatible
 
@@ -106,13 +107,18 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         dataset = _setup_data(config, tokenizer, spec.config)
         dataset, eval_dataset = _setup_eval_data(config, tokenizer, spec.config, dataset)
     raise_if_terminated()  # a SIGTERM whose exception was lost while loading (lstune.train.signals.on_sigterm)
+    max_steps = total_steps(config, len(dataset), runtime.world_size)
+    with runtime.decided_alike():  # room for the checkpoints it will save: before any weights load
+        disk_note = check_disk_space(config, prediction.params, runtime, folder, output_dir,
+                                     saves=planned_saves(config.run, resume_from, max_steps))
+    if disk_note:
+        reporter.note(disk_note)
     reporter.note(prediction_note(prediction))  # the predicted peak, just before the weights load
     # The `auto` memory settings as the estimate resolved them (lstune.estimate.choose_memory).
     loaded, prepared = _setup_model(prediction.memory_choice.applied_to(config), runtime, spec, tokenizer, notes)
     for note in runtime.notes + loaded.notes:
         reporter.note(note)
     warning = truncation_warning(dataset.summary())
-    max_steps = total_steps(config, len(dataset), runtime.world_size)
     engine, engine_note = make_engine(config, prepared.model, max_steps, runtime, prediction)
     reporter.note(engine_note)
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,10 +40,13 @@ def test_sp2_over_two_processes_equals_one_process(tmp_path, text_data):
 def test_zero3_sp_resume_equals_uninterrupted_and_export_reloads(tmp_path, text_data):
     from transformers import AutoModelForCausalLM
 
+    from lstune.estimate.memory import saved_checkpoint_min_bytes
+
     common = ["--data", text_data, "--max-steps", "4", "--gpus", "2", "--sp", "2", "--zero-stage", "3"]
     shown = _train(*common, "--output-dir", tmp_path / "full").stdout
     _train(*common, "--output-dir", tmp_path / "part", "--stop-at-step", "2")
     assert (tmp_path / "part" / "checkpoint-2").is_dir()
+    saved = sum(f.stat().st_size for f in (tmp_path / "part" / "checkpoint-2").rglob("*") if f.is_file())
     _train(*common, "--output-dir", tmp_path / "part", "--resume")
     full, part = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
     assert [m["loss"] for m in part] == pytest.approx([m["loss"] for m in full], rel=1e-5)
@@ -51,6 +55,9 @@ def test_zero3_sp_resume_equals_uninterrupted_and_export_reloads(tmp_path, text_
     # The plan counts the model's parameters, not the empty placeholders ZeRO-3 leaves on each rank.
     assert re.search(rf"^\s*parameters\s+{count:,}\s*$", shown, re.M) and count > 0, shown[:2000]
     assert re.search(rf"^\s*trainable parameters\s+{count:,}\s*$", shown, re.M), shown[:2000]
+    # The disk check's least bytes of a checkpoint (lstune.train.disk_space) hold for ZeRO-3's shards over 2 ranks.
+    need = saved_checkpoint_min_bytes(SimpleNamespace(trainable=count))
+    assert need <= saved <= 1.15 * need, (need, saved)
 
 
 def test_invalid_sp_degree_is_refused_before_launch(tmp_path, text_data):

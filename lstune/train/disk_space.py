@@ -1,0 +1,117 @@
+"""Room on the output folder's disk for the checkpoints a run saves, checked before it trains.
+
+A save that does not fit fails cleanly (lstune.train.outputs.write_errors: nothing half-written, the newest
+checkpoint intact), but only when it comes: after the first --save-every steps, maybe hours in. The estimate knows
+the least a checkpoint takes (lstune.estimate.memory.saved_checkpoint_min_bytes: the trainable parameters' fp32
+weights and AdamW's two moments; Llama-3.1-8B's full fine-tune: 90 GiB), so a disk that cannot hold one is refused
+before the weights load, and one that cannot hold what the run will have there at once (the checkpoints --keep-last
+keeps and the one being written beside them; how many it saves is known once its data is) is said at the start. Only the main process reads the disk (the output folder is on its file system; several
+nodes share it); every rank gets its answer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from lstune.errors import ConfigError
+
+
+def check_disk_space(config, params, runtime, folder, output_dir: Path, *, saves: int) -> str | None:
+    """ConfigError (exit 2) when one checkpoint of the run does not fit --output-dir's disk and --force is not
+    given; otherwise the warning to show (None when there is room for the `saves` this run makes, as --keep-last
+    keeps them). `params`: the estimate's ParamCounts; `folder`: the main process's OutputFolder (None on the
+    other ranks)."""
+    answer = None
+    if runtime.is_main:
+        answer = disk_answer(output_dir, params, saves=saves, keep_last=config.run.keep_last or 0,
+                             freed=_bytes_of(output_dir, folder.to_clear()) if folder is not None else 0,
+                             kept=0 if folder is None or folder.to_clear() else _our_checkpoints(output_dir))
+    problem, warning = runtime.comm.broadcast(answer)
+    if problem is not None and not config.run.force:
+        raise ConfigError([problem])
+    return warning if problem is None else f"warning (--force): {problem}"
+
+
+def planned_saves(run, resume_from: Path | None, max_steps: int) -> int:
+    """The checkpoints a run saves from its start (0, or the step of the checkpoint it resumes) to `max_steps`:
+    every --save-every steps before the last, and one at the end (at --stop-at-step when that comes first), as
+    lstune.train.run's loop saves them."""
+    start = _step_of(resume_from) if resume_from is not None else 0
+    end = min(max_steps, run.stop_at_step) if run.stop_at_step is not None else max_steps
+    if end <= start:
+        return 0
+    periodic = (end - 1) // run.save_every - start // run.save_every if run.save_every else 0
+    return periodic + 1
+
+
+def disk_answer(output_dir: Path, params, *, saves: int, keep_last: int, freed: int = 0,
+                kept: int = 0) -> tuple[str | None, str | None]:
+    """(problem, warning) for `saves` checkpoints saved into `output_dir` under --keep-last `keep_last` (0 keeps
+    all): `freed`, the bytes --overwrite removes before the first save; `kept`, the checkpoints of an earlier run
+    there that stay (a resumed run's), which pruning removes as the new ones come."""
+    from lstune.estimate.memory import saved_checkpoint_min_bytes, size_text
+
+    need = saved_checkpoint_min_bytes(params)
+    free = free_bytes(output_dir)
+    if free is None or need <= 0 or saves <= 0:
+        return None, None  # a file system that does not say: the save's own error stays the guard
+    free += freed
+    room = free // need
+    where = f"--output-dir {str(output_dir)!r} has {size_text(free)} free on its disk"
+    each = (f"a checkpoint of this run takes at least {size_text(need)} (the fp32 weights and AdamW's two moments "
+            f"of its {params.trainable:,} trainable parameters)")
+    if room == 0:
+        return (f"{where}, and {each}: its first save would fail. Free space there or give an --output-dir on a "
+                "disk with room (--force trains anyway).", None)
+    # At its i-th save the folder holds min(kept + i - 1, keep_last) earlier checkpoints and the one being written.
+    at_once = saves if not keep_last else max(1, min(kept + saves - 1, keep_last) + 1 - kept)
+    if room >= at_once:
+        return None, None
+    keeping = f"--keep-last {keep_last} keeps" if keep_last else "--keep-last 0 keeps all"
+    return None, (f"warning: {where}: room for {room} more checkpoint(s), and {each}. This run saves {saves}, and "
+                  f"{keeping} beside the one being written, which needs {at_once}: a later save will fail (the "
+                  "run then stops, its newest checkpoint intact). Free space, lower --keep-last, or give an "
+                  "--output-dir on a disk with room.")
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes free to this user on `path`'s file system (None when it does not say)."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def _bytes_of(output_dir: Path, names) -> int:
+    """Bytes of the entries `names` in `output_dir` (files and folders, links not followed)."""
+    total = 0
+    for name in names:
+        path = Path(output_dir) / name
+        if path.is_symlink() or not path.exists():
+            continue
+        if path.is_file():
+            total += path.stat().st_size
+            continue
+        for root, _, files in os.walk(path):
+            total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+    return total
+
+
+def _step_of(checkpoint: Path) -> int:
+    """The step a checkpoint was saved at, from its manifest (0 when it cannot be read: load_checkpoint says why)."""
+    import json
+
+    from lstune.train.checkpoint import MANIFEST_NAME
+
+    try:
+        return int(json.loads((Path(checkpoint) / MANIFEST_NAME).read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
+def _our_checkpoints(output_dir: Path) -> int:
+    from lstune.train.outputs import manifest_checkpoints
+
+    return len(manifest_checkpoints(Path(output_dir)))
