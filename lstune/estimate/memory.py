@@ -174,6 +174,15 @@ def saved_checkpoint_min_bytes(params: ParamCounts) -> int:
     return DS_OPTIM_BYTES * params.trainable
 
 
+def final_model_min_bytes(params: ParamCounts, *, merge_lora: bool) -> int:
+    """The least the run's final model takes on disk (lstune.train.run's export): the whole model, or with LoRA the
+    adapter (and with --merge-lora the merged model too), at 2 bytes a parameter at least (16-bit; fp32 weights
+    take twice that)."""
+    if not params.adapters:
+        return 2 * params.total
+    return 2 * params.adapters + (2 * (params.total - params.adapters) if merge_lora else 0)
+
+
 def size_text(nbytes: float) -> str:
     """Bytes as a person reads them: GiB from one GiB up, MiB below (a tiny model's peak is not "0.0 GiB")."""
     return f"{nbytes / GIB:,.1f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:,.1f} MiB"

@@ -18,14 +18,22 @@ from pathlib import Path
 from lstune.errors import ConfigError
 
 
-def check_disk_space(config, params, runtime, folder, output_dir: Path, *, saves: int) -> str | None:
+def check_disk_space(config, params, runtime, folder, output_dir: Path, *, resume_from: Path | None,
+                     max_steps: int) -> str | None:
     """ConfigError (exit 2) when one checkpoint of the run does not fit --output-dir's disk and --force is not
-    given; otherwise the warning to show (None when there is room for the `saves` this run makes, as --keep-last
-    keeps them). `params`: the estimate's ParamCounts; `folder`: the main process's OutputFolder (None on the
-    other ranks)."""
+    given; otherwise the warning to show (None when there is room for the checkpoints the run saves, as
+    --keep-last keeps them, and for its final model). `params`: the estimate's ParamCounts; `folder`: the main
+    process's OutputFolder (None on the other ranks)."""
+    from lstune.estimate.memory import final_model_min_bytes
+
     answer = None
     if runtime.is_main:
-        answer = disk_answer(output_dir, params, saves=saves, keep_last=config.run.keep_last or 0,
+        run = config.run
+        # The final model is written unless --stop-at-step stops the run first (lstune.train.run's loop).
+        exports = run.stop_at_step is None or run.stop_at_step > max_steps
+        answer = disk_answer(output_dir, params, saves=planned_saves(run, resume_from, max_steps),
+                             keep_last=run.keep_last or 0,
+                             final=final_model_min_bytes(params, merge_lora=config.model.merge_lora) if exports else 0,
                              freed=_bytes_of(output_dir, folder.to_clear()) if folder is not None else 0,
                              kept=0 if folder is None or folder.to_clear() else _our_checkpoints(output_dir))
     problem, warning = runtime.comm.broadcast(answer)
@@ -46,34 +54,40 @@ def planned_saves(run, resume_from: Path | None, max_steps: int) -> int:
     return periodic + 1
 
 
-def disk_answer(output_dir: Path, params, *, saves: int, keep_last: int, freed: int = 0,
+def disk_answer(output_dir: Path, params, *, saves: int, keep_last: int, final: int = 0, freed: int = 0,
                 kept: int = 0) -> tuple[str | None, str | None]:
     """(problem, warning) for `saves` checkpoints saved into `output_dir` under --keep-last `keep_last` (0 keeps
-    all): `freed`, the bytes --overwrite removes before the first save; `kept`, the checkpoints of an earlier run
-    there that stay (a resumed run's), which pruning removes as the new ones come."""
+    all), then a final model of `final` bytes: `freed`, the bytes --overwrite removes before the first save;
+    `kept`, the checkpoints of an earlier run there that stay (a resumed run's), which pruning removes as the new
+    ones come."""
     from lstune.estimate.memory import saved_checkpoint_min_bytes, size_text
 
     need = saved_checkpoint_min_bytes(params)
     free = free_bytes(output_dir)
-    if free is None or need <= 0 or saves <= 0:
+    if free is None or need <= 0:
         return None, None  # a file system that does not say: the save's own error stays the guard
     free += freed
-    room = free // need
     where = f"--output-dir {str(output_dir)!r} has {size_text(free)} free on its disk"
-    each = (f"a checkpoint of this run takes at least {size_text(need)} (the fp32 weights and AdamW's two moments "
-            f"of its {params.trainable:,} trainable parameters)")
-    if room == 0:
-        return (f"{where}, and {each}: its first save would fail. Free space there or give an --output-dir on a "
-                "disk with room (--force trains anyway).", None)
-    # At its i-th save the folder holds min(kept + i - 1, keep_last) earlier checkpoints and the one being written.
-    at_once = saves if not keep_last else max(1, min(kept + saves - 1, keep_last) + 1 - kept)
-    if room >= at_once:
+    each = (f"of at least {size_text(need)} each (the fp32 weights and AdamW's two moments of its "
+            f"{params.trainable:,} trainable parameters)")
+    if saves and free < need:
+        return (f"{where}, and a checkpoint of this run takes at least {size_text(need)} (the fp32 weights and "
+                f"AdamW's two moments of its {params.trainable:,} trainable parameters): its first save would fail. "
+                "Free space there or give an --output-dir on a disk with room (--force trains anyway).", None)
+    # At its i-th save the folder holds min(kept + i - 1, keep_last) earlier checkpoints and the one being written;
+    # at the end, the checkpoints kept and the final model.
+    limit = keep_last or kept + saves
+    at_once = max(1, min(kept + saves - 1, limit) + 1 - kept) if saves else 0
+    at_end = max(0, min(kept + saves, limit) - kept)
+    needed = max(at_once * need, at_end * need + final)
+    if free >= needed:
         return None, None
-    keeping = f"--keep-last {keep_last} keeps" if keep_last else "--keep-last 0 keeps all"
-    return None, (f"warning: {where}: room for {room} more checkpoint(s), and {each}. This run saves {saves}, and "
-                  f"{keeping} beside the one being written, which needs {at_once}: a later save will fail (the "
-                  "run then stops, its newest checkpoint intact). Free space, lower --keep-last, or give an "
-                  "--output-dir on a disk with room.")
+    keeping = f"--keep-last {keep_last} keeps" if keep_last else "--keep-last 0 keeps all of them, so"
+    then = f"; its final model takes at least {size_text(final)} more at the end" if final else ""
+    return None, (f"warning: {where}, and this run needs at least {size_text(needed)} there: it saves {saves} "
+                  f"checkpoint(s) {each}, and {keeping} up to {at_once} at once with the one being written{then}. "
+                  "A later save or the final export will fail (the run stops there, its newest checkpoint intact). "
+                  "Free space, lower --keep-last, or give an --output-dir on a disk with room.")
 
 
 def free_bytes(path: Path) -> int | None:

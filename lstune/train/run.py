@@ -84,7 +84,7 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
 
 def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path | None, folder) -> TrainResult:
     from lstune.data.templates import set_chat_template
-    from lstune.train.disk_space import check_disk_space, planned_saves
+    from lstune.train.disk_space import check_disk_space
     from lstune.train.engine_choice import check_fits, plan_run, prediction_note
     from lstune.train.preflight import check_resume_compatible
 
@@ -110,7 +110,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     max_steps = total_steps(config, len(dataset), runtime.world_size)
     with runtime.decided_alike():  # room for the checkpoints it will save: before any weights load
         disk_note = check_disk_space(config, prediction.params, runtime, folder, output_dir,
-                                     saves=planned_saves(config.run, resume_from, max_steps))
+                                     resume_from=resume_from, max_steps=max_steps)
     if disk_note:
         reporter.note(disk_note)
     reporter.note(prediction_note(prediction))  # the predicted peak, just before the weights load

@@ -221,9 +221,9 @@ def test_a_really_full_disk_names_the_path(cli, tmp_path, text_data):
                      "--output-dir", out)
         assert result.code == 2 and "Traceback" not in result.err, result.err
         assert "no space left" in result.err and "could not write" in result.err
-        # Said at the start (lstune.train.disk_space): room for two of the six it keeps.
+        # Said at the start (lstune.train.disk_space): six saves, all kept.
         said = " ".join((result.out + result.err).split())
-        assert "room for 2 more checkpoint(s)" in said and "This run saves 6" in said, said[:3000]
+        assert "it saves 6 checkpoint(s)" in said and "keeps all of them, so up to 6 at once" in said, said[:3000]
         newest = max(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*"))
         assert f"checkpoint-{newest} is intact" in result.err
         from lstune.train.checkpoint import validate_checkpoint

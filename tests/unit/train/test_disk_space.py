@@ -52,8 +52,35 @@ def test_room_for_fewer_than_the_run_has_at_once_is_a_warning(free, tmp_path, ro
     problem, warning = disk_answer(tmp_path, PARAMS, saves=saves, keep_last=keep_last, kept=kept)
     assert problem is None and (warning is not None) == (at_once is not None), warning
     if at_once is not None:
-        assert f"room for {room} more checkpoint(s)" in warning and f"This run saves {saves}" in warning
-        assert f"which needs {at_once}:" in warning and "lower --keep-last" in warning
+        assert f"it saves {saves} checkpoint(s) of at least 11.4 MiB each" in warning
+        assert f"up to {at_once} at once" in warning and "lower --keep-last" in warning
+        assert "final model" not in warning  # none asked for here
+
+
+@pytest.mark.parametrize("saves, keep_last, kept, more_at_end", [
+    (5, 2, 0, 2), (1, 2, 0, 1), (5, 0, 0, 5),
+    (3, 2, 2, 0),  # a resumed run's two are pruned as its own come: no more than before
+    (0, 2, 1, 0),  # resumed at the end: the export only
+])
+def test_the_final_model_is_written_beside_the_checkpoints_kept(free, tmp_path, saves, keep_last, kept,
+                                                                more_at_end):
+    """Free space beyond the checkpoints already there: what the run adds by its end, the final model last."""
+    final = 3 * NEED
+    free(more_at_end * NEED + final)
+    assert disk_answer(tmp_path, PARAMS, saves=saves, keep_last=keep_last, kept=kept, final=final) == (None, None)
+    free(more_at_end * NEED + final - 1)
+    problem, warning = disk_answer(tmp_path, PARAMS, saves=saves, keep_last=keep_last, kept=kept, final=final)
+    assert problem is None and "its final model takes at least 34.3 MiB more at the end" in warning
+
+
+def test_the_final_models_least_bytes():
+    from lstune.estimate.memory import final_model_min_bytes
+
+    full = SimpleNamespace(total=1000, adapters=0)
+    lora = SimpleNamespace(total=1100, adapters=100)
+    assert final_model_min_bytes(full, merge_lora=False) == final_model_min_bytes(full, merge_lora=True) == 2000
+    assert final_model_min_bytes(lora, merge_lora=False) == 200  # the adapter
+    assert final_model_min_bytes(lora, merge_lora=True) == 200 + 2000  # and the merged model
 
 
 def test_what_overwrite_removes_counts_as_free(free, tmp_path):
@@ -67,7 +94,7 @@ def test_a_file_system_that_does_not_say_and_a_model_with_nothing_to_train_are_n
     assert disk_answer(tmp_path, PARAMS, saves=1, keep_last=2) == (None, None)
     free(0)
     assert disk_answer(tmp_path, SimpleNamespace(trainable=0), saves=1, keep_last=2) == (None, None)
-    assert disk_answer(tmp_path, PARAMS, saves=0, keep_last=2) == (None, None)  # nothing left to train
+    assert disk_answer(tmp_path, PARAMS, saves=0, keep_last=2) == (None, None)  # nothing to save or export
 
 
 def test_free_bytes_reads_the_file_system_and_says_none_for_a_missing_path(tmp_path):
