@@ -1,12 +1,14 @@
-"""Room on the output folder's disk for the checkpoints a run saves, checked before it trains.
+"""Room on the output folder's disk for what a run saves, checked before it trains.
 
 A save that does not fit fails cleanly (lstune.train.outputs.write_errors: nothing half-written, the newest
 checkpoint intact), but only when it comes: after the first --save-every steps, maybe hours in. The estimate knows
 the least a checkpoint takes (lstune.estimate.memory.saved_checkpoint_min_bytes: the trainable parameters' fp32
-weights and AdamW's two moments; Llama-3.1-8B's full fine-tune: 90 GiB), so a disk that cannot hold one is refused
-before the weights load, and one that cannot hold what the run will have there at once (the checkpoints --keep-last
-keeps and the one being written beside them; how many it saves is known once its data is) is said at the start. Only the main process reads the disk (the output folder is on its file system; several
-nodes share it); every rank gets its answer.
+weights and AdamW's two moments; Llama-3.1-8B's full fine-tune: 89.7 GiB) and the least its final model takes
+(final_model_min_bytes), so a disk that cannot hold one checkpoint is refused before the weights load, and one that
+cannot hold what the run will have there at once is said at the start: the checkpoints --keep-last keeps beside the
+one being written, then the final model beside those kept (how many it saves is known once its data is). Only the
+main process reads the disk (the output folder is on its file system; several nodes share it); every rank gets its
+answer.
 """
 
 from __future__ import annotations
@@ -68,12 +70,11 @@ def disk_answer(output_dir: Path, params, *, saves: int, keep_last: int, final: 
         return None, None  # a file system that does not say: the save's own error stays the guard
     free += freed
     where = f"--output-dir {str(output_dir)!r} has {size_text(free)} free on its disk"
-    each = (f"of at least {size_text(need)} each (the fp32 weights and AdamW's two moments of its "
-            f"{params.trainable:,} trainable parameters)")
+    what = f"(the fp32 weights and AdamW's two moments of its {params.trainable:,} trainable parameters)"
     if saves and free < need:
-        return (f"{where}, and a checkpoint of this run takes at least {size_text(need)} (the fp32 weights and "
-                f"AdamW's two moments of its {params.trainable:,} trainable parameters): its first save would fail. "
-                "Free space there or give an --output-dir on a disk with room (--force trains anyway).", None)
+        return (f"{where}, and a checkpoint of this run takes at least {size_text(need)} {what}: its first save "
+                "would fail. Free space there or give an --output-dir on a disk with room (--force trains anyway).",
+                None)
     # At its i-th save the folder holds min(kept + i - 1, keep_last) earlier checkpoints and the one being written;
     # at the end, the checkpoints kept and the final model.
     limit = keep_last or kept + saves
@@ -85,7 +86,8 @@ def disk_answer(output_dir: Path, params, *, saves: int, keep_last: int, final: 
     keeping = f"--keep-last {keep_last} keeps" if keep_last else "--keep-last 0 keeps all of them, so"
     then = f"; its final model takes at least {size_text(final)} more at the end" if final else ""
     return None, (f"warning: {where}, and this run needs at least {size_text(needed)} there: it saves {saves} "
-                  f"checkpoint(s) {each}, and {keeping} up to {at_once} at once with the one being written{then}. "
+                  f"checkpoint(s) of at least {size_text(need)} each {what}, and {keeping} up to {at_once} at "
+                  f"once with the one being written{then}. "
                   "A later save or the final export will fail (the run stops there, its newest checkpoint intact). "
                   "Free space, lower --keep-last, or give an --output-dir on a disk with room.")
 
