@@ -152,6 +152,15 @@ def find_latest_checkpoint(output_dir: Path) -> Path | None:
     return None
 
 
+def saved_step(path: Path) -> int | None:
+    """The step `path` was saved at, from its manifest (None when that cannot be read: loading it says why)."""
+    try:
+        step = _read_manifest(Path(path)).get("step")
+    except _Invalid:
+        return None
+    return step if isinstance(step, int) else None
+
+
 def validate_checkpoint(path: Path, *, verify_hashes: bool = True) -> dict:
     """The checkpoint's manifest, after checking every file it lists (size, and sha256 unless told not).
 

@@ -25,19 +25,22 @@ def check_disk_space(config, params, runtime, folder, output_dir: Path, *, resum
     """ConfigError (exit 2) when one checkpoint of the run does not fit --output-dir's disk and --force is not
     given; otherwise the warning to show (None when there is room for the checkpoints the run saves, as
     --keep-last keeps them, and for its final model). `params`: the estimate's ParamCounts; `folder`: the main
-    process's OutputFolder (None on the other ranks)."""
+    process's OutputFolder (None on the other ranks, which take its answer)."""
     from lstune.estimate.memory import final_model_min_bytes
 
     answer = None
     if runtime.is_main:
+        from lstune.train.outputs import manifest_checkpoints
+
         run = config.run
         # The final model is written unless --stop-at-step stops the run first (lstune.train.run's loop).
         exports = run.stop_at_step is None or run.stop_at_step > max_steps
+        cleared = folder.to_clear()  # --overwrite's: its checkpoints go, and their bytes are free for this run
         answer = disk_answer(output_dir, params, saves=planned_saves(run, resume_from, max_steps),
                              keep_last=run.keep_last or 0,
                              final=final_model_min_bytes(params, merge_lora=config.model.merge_lora) if exports else 0,
-                             freed=_bytes_of(output_dir, folder.to_clear()) if folder is not None else 0,
-                             kept=0 if folder is None or folder.to_clear() else _our_checkpoints(output_dir))
+                             freed=_bytes_of(output_dir, cleared),
+                             kept=0 if cleared else len(manifest_checkpoints(Path(output_dir))))
     problem, warning = runtime.comm.broadcast(answer)
     if problem is not None and not config.run.force:
         raise ConfigError([problem])
@@ -48,7 +51,9 @@ def planned_saves(run, resume_from: Path | None, max_steps: int) -> int:
     """The checkpoints a run saves from its start (0, or the step of the checkpoint it resumes) to `max_steps`:
     every --save-every steps before the last, and one at the end (at --stop-at-step when that comes first), as
     lstune.train.run's loop saves them."""
-    start = _step_of(resume_from) if resume_from is not None else 0
+    from lstune.train.checkpoint import saved_step
+
+    start = (saved_step(resume_from) or 0) if resume_from is not None else 0
     end = min(max_steps, run.stop_at_step) if run.stop_at_step is not None else max_steps
     if end <= start:
         return 0
@@ -113,21 +118,3 @@ def _bytes_of(output_dir: Path, names) -> int:
         for root, _, files in os.walk(path):
             total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
     return total
-
-
-def _step_of(checkpoint: Path) -> int:
-    """The step a checkpoint was saved at, from its manifest (0 when it cannot be read: load_checkpoint says why)."""
-    import json
-
-    from lstune.train.checkpoint import MANIFEST_NAME
-
-    try:
-        return int(json.loads((Path(checkpoint) / MANIFEST_NAME).read_text(encoding="utf-8"))["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
-
-
-def _our_checkpoints(output_dir: Path) -> int:
-    from lstune.train.outputs import manifest_checkpoints
-
-    return len(manifest_checkpoints(Path(output_dir)))

@@ -5,7 +5,6 @@ are counted as its loop makes them."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -125,13 +124,11 @@ def test_the_bytes_overwrite_frees_are_the_previous_entries_without_following_li
     (3, None, 10, 10, 0),  # resumed at the end: nothing to save
 ])
 def test_the_saves_a_run_makes(tmp_path, save_every, stop_at, resumed, max_steps, saves):
-    from lstune.train.checkpoint import MANIFEST_NAME
+    from lstune.train.checkpoint import save_checkpoint
 
     checkpoint = None
     if resumed is not None:
-        checkpoint = tmp_path / f"checkpoint-{resumed}"
-        checkpoint.mkdir()
-        (checkpoint / MANIFEST_NAME).write_text(json.dumps({"step": resumed}))
+        checkpoint = save_checkpoint(tmp_path, resumed, write_state=lambda folder: None, train_state={})
     run = SimpleNamespace(save_every=save_every, stop_at_step=stop_at)
     assert disk_space.planned_saves(run, checkpoint, max_steps) == saves
 
@@ -146,3 +143,13 @@ def test_the_saves_count_as_the_training_loop_makes_them(tmp_path):
                          and s != stop_at} | {end}
                 run = SimpleNamespace(save_every=save_every, stop_at_step=stop_at)
                 assert disk_space.planned_saves(run, None, max_steps) == len(saved), (save_every, stop_at, max_steps)
+
+
+def test_a_checkpoint_whose_manifest_cannot_be_read_counts_from_step_0(tmp_path):
+    from lstune.train.checkpoint import MANIFEST_NAME
+
+    broken = tmp_path / "checkpoint-6"
+    broken.mkdir()
+    (broken / MANIFEST_NAME).write_text("{not json")
+    run = SimpleNamespace(save_every=3, stop_at_step=None)
+    assert disk_space.planned_saves(run, broken, 10) == 4  # 3, 6, 9, 10: its load says what is wrong with it
