@@ -13,6 +13,15 @@ Padding: a sample is padded (ignored labels, continuing positions — `sp_data.p
 M taken for the unpadded local length ceil(S/P); at most P·M - 1 pad tokens, all at the end of the global sequence
 (the last pieces), where no real token attends to them. For `auto` (chunks of at most `auto_tokens`) M = ceil(local
 / auto_tokens) and the chunks are local/M long — never padded up to a multiple of P·auto_tokens.
+
+Ring attention's zigzag layout (`ring` R > 1, lstune.parallel.ring; the SP group is R ring positions × U = P/R Ulysses
+ranks): the padded sample is cut into 2R equal pieces and ring position r holds pieces r and 2R−1−r, in that order —
+every ring position then holds an early and a late stretch, so under causality each does the same attention work.
+Those 2 pieces are the ring position's own sequence, cut into U contiguous shards for its Ulysses ranks (SP rank
+r·U + u holds shard u), so the Ulysses all-to-all of the U ranks gathers exactly the ring position's two pieces.
+Padding: to a multiple of 2·P (at most 2·P − 1 pad tokens, at the end: in piece 2R−1, on ring position 0's second
+piece, where no real token attends to them). Chunked attention does not combine with the ring layout (refused
+where the run is configured).
 """
 
 from __future__ import annotations
@@ -56,9 +65,13 @@ class SequenceLayout:
     length: int
     sp: int
     chunks: int
+    ring: int = 1
 
     def __post_init__(self) -> None:
-        if self.length % (self.sp * (self.chunks if self.sp > 1 else 1)):
+        if self.ring > 1 and (self.chunks > 1 or self.sp % self.ring):
+            raise ValueError(f"a ring of {self.ring} needs one chunk and an SP degree it divides (sp {self.sp})")
+        multiple = 2 * self.sp if self.ring > 1 else self.sp * (self.chunks if self.sp > 1 else 1)
+        if self.length % multiple:
             raise ValueError(f"{self.length} tokens do not cut into {self.sp} × {self.chunks} equal pieces")
 
     @property
@@ -70,8 +83,29 @@ class SequenceLayout:
         """Tokens per rank."""
         return self.length // self.sp
 
+    @property
+    def ulysses(self) -> int:
+        """Ulysses ranks per ring position."""
+        return self.sp // self.ring
+
+    def ring_pieces(self, ring_rank: int) -> tuple[int, int]:
+        """The two of the 2R pieces ring position `ring_rank` holds (zigzag)."""
+        return ring_rank, 2 * self.ring - 1 - ring_rank
+
+    def ring_index(self, ring_rank: int, device=None) -> Tensor:
+        """Global token indices [length / ring] of ring position `ring_rank`'s sequence (its two pieces)."""
+        import torch
+
+        piece = self.length // (2 * self.ring)
+        return torch.cat([torch.arange(p * piece, (p + 1) * piece, device=device) for p in self.ring_pieces(ring_rank)])
+
     def shard(self, x_BS: Tensor, rank: int) -> Tensor:
         """Rank `rank`'s tokens of `x_BS` ([B, length], global order), in local order."""
+        if self.ring > 1:
+            ring_rank, u = divmod(rank, self.ulysses)
+            pieces = x_BS.unflatten(1, (2 * self.ring, -1))
+            mine = pieces[:, list(self.ring_pieces(ring_rank))].flatten(1)
+            return mine.unflatten(1, (self.ulysses, -1))[:, u]
         groups = self.chunks if self.reordered else 1
         return x_BS.unflatten(1, (groups, self.sp, -1))[:, :, rank].flatten(1)
 
@@ -79,6 +113,13 @@ class SequenceLayout:
         """The whole sequence, in global order, from every rank's tokens (`shard`'s inverse along `dim`)."""
         import torch
 
+        if self.ring > 1:
+            order = [0] * (2 * self.ring)
+            for ring_rank in range(self.ring):
+                own = torch.cat(shards[ring_rank * self.ulysses:(ring_rank + 1) * self.ulysses], dim=dim)
+                first, second = own.chunk(2, dim=dim)
+                order[ring_rank], order[2 * self.ring - 1 - ring_rank] = first, second
+            return torch.cat(order, dim=dim)
         groups = self.chunks if self.reordered else 1
         pieces = [piece for shard in shards for piece in shard.chunk(groups, dim=dim)]
         return torch.cat([pieces[rank * groups + m] for m in range(groups) for rank in range(self.sp)], dim=dim)
@@ -92,9 +133,14 @@ class SequenceLayout:
         return m * span, (m + 1) * span
 
 
-def sequence_layout(seq_len: int, sp: int, chunks: AttentionChunks | None) -> SequenceLayout:
-    """The layout of a sample of `seq_len` tokens on `sp` ranks with `chunks` (None: unchunked), padded as the module
-    doc says. `seq_len` may already be padded: an already laid-out length maps to itself."""
+def sequence_layout(seq_len: int, sp: int, chunks: AttentionChunks | None, ring: int = 1) -> SequenceLayout:
+    """The layout of a sample of `seq_len` tokens on `sp` ranks with `chunks` (None: unchunked), `ring` of them ring
+    positions (zigzag; no chunks), padded as the module doc says. `seq_len` may already be padded: an already laid-out
+    length maps to itself."""
+    if ring > 1:
+        if chunks is not None and chunks.count(math.ceil(seq_len / sp)) > 1:
+            raise ValueError("chunked attention does not combine with ring attention")
+        return SequenceLayout(math.ceil(seq_len / (2 * sp)) * 2 * sp, sp, 1, ring)
     local = math.ceil(seq_len / sp)
     count = chunks.count(local) if chunks is not None and sp > 1 else 1
     multiple = sp * count

@@ -9,6 +9,12 @@ Rank layout: SP groups are blocks of consecutive ranks (`[0..sp)`, `[sp..2sp)`, 
 ranks with the same position in their block. Launchers number the ranks of a node consecutively, so an
 SP group stays inside a node whenever `sp` ≤ GPUs per node: Ulysses all-to-alls run four times per layer
 and need the fast intra-node links, while DP only all-reduces gradients once per step.
+
+Ulysses × ring (`ring` R > 1, lstune.parallel.ring): the SP degree is U × R — U Ulysses ranks (head shards) times R
+ring positions (sequence shards whose K/V blocks travel rank to rank). Inside an SP block, SP rank s is ring position
+s // U and Ulysses rank s % U: the U ranks of a Ulysses group are consecutive (inside a node: their all-to-alls are
+the heavy, non-overlapped traffic), a ring group takes every U-th rank (it spans nodes: its point-to-point sends
+overlap with the blocks it computes). Ulysses stops at the query heads; the ring does not, so SP may exceed them.
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ def valid_sp_degrees(world_size: int, q_heads: int | None = None) -> list[int]:
     return [d for d in divisors(world_size) if q_heads is None or d <= q_heads]
 
 
+def auto_ring_degree(sp: int, q_heads: int | None, node_size: int | None = None) -> int:
+    """The ring part `--sp-ring auto` gives an SP degree `sp`: Ulysses takes the largest divisor of `sp` the query
+    heads allow (uneven head plans included: at most one rank per head) and, when `node_size` (GPUs per node) is
+    known, one that keeps a Ulysses group inside a node; the ring takes the rest."""
+    fits = [u for u in divisors(sp) if (q_heads is None or u <= q_heads) and (node_size is None or u <= node_size)]
+    return sp // max(fits)
+
+
 def auto_sp_degree(world_size: int, q_heads: int, kv_heads: int) -> int:
     """The SP degree `--sp auto` picks.
 
@@ -70,34 +84,56 @@ class ParallelDims:
     q_heads: int | None = None
     kv_heads: int | None = None
     rank: int = 0
+    ring: int | str = 1
+    node_size: int | None = None
     sp_group: Any = field(default=None, repr=False)
     dp_group: Any = field(default=None, repr=False)
+    ulysses_group: Any = field(default=None, repr=False)
+    ring_group: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:
             self.kv_heads = self.q_heads
         self.sp = self._resolve_sp()
+        self.ring = self._resolve_ring()
+
+    def _resolve_ring(self) -> int:
+        if self.ring == "auto":
+            return auto_ring_degree(self.sp, self.q_heads, self.node_size)
+        ring = int(self.ring)
+        ulysses = self.sp // ring if ring >= 1 and self.sp % ring == 0 else None
+        if ulysses is None or (self.q_heads is not None and ulysses > self.q_heads):
+            fits = [r for r in divisors(self.sp) if self.q_heads is None or self.sp // r <= self.q_heads]
+            raise ConfigError([f"--sp-ring {ring} does not fit --sp {self.sp}: the ring part must divide the SP degree "
+                               f"and leave a Ulysses part (SP / ring) of at most the {self.q_heads} attention heads; "
+                               f"use one of {', '.join(map(str, fits))} or --sp-ring auto."])
+        return ring
 
     def _resolve_sp(self) -> int:
+        if self.sp == "auto" and self.ring not in (1, "1", "auto"):
+            return self.world_size  # a ring asked for: every process to sequence parallelism
         if self.sp == "auto":
             if self.q_heads is None:
                 return self.world_size
             return auto_sp_degree(self.world_size, self.q_heads, self.kv_heads)
         sp = int(self.sp)
-        valid = valid_sp_degrees(self.world_size, self.q_heads)
+        # With a ring, SP may pass the head count (Ulysses takes at most one rank per head, the ring the rest).
+        valid = valid_sp_degrees(self.world_size, None if self.ring != 1 else self.q_heads)
         if sp not in valid:
             heads = f" and {self.q_heads} attention heads" if self.q_heads is not None else ""
             raise ConfigError(
                 [
                     f"--sp {sp} does not fit {self.world_size} process(es){heads}: SP must divide the number "
-                    f"of processes (the rest is data parallelism) and be at most the number of heads; "
-                    f"use one of {', '.join(map(str, valid))} or --sp auto."
+                    f"of processes (the rest is data parallelism) and, without --sp-ring, be at most the number of "
+                    f"heads; use one of {', '.join(map(str, valid))}, --sp auto, or --sp-ring auto to go past the "
+                    "heads with ring attention."
                 ]
             )
         return sp
 
     @classmethod
-    def for_model(cls, world_size: int, sp: int | str, model_config: Any) -> "ParallelDims":
+    def for_model(cls, world_size: int, sp: int | str, model_config: Any, ring: int | str = 1,
+                  node_size: int | None = None) -> "ParallelDims":
         """Dims for a transformers model config (its text config for multimodal models); a model without attention
         heads counts as one head (Ulysses splits heads: sequence parallelism cannot split it)."""
         from lstune.models.introspect import attention_heads
@@ -106,8 +142,11 @@ class ParallelDims:
         if heads is None and sp not in (1, "1", "auto"):
             raise ConfigError([f"--sp {sp}: this model has no attention heads (a state-space / recurrent model), and "
                                "Ulysses sequence parallelism splits attention heads; use --sp 1 (or auto)."])
+        if heads is None and ring not in (1, "1"):
+            raise ConfigError([f"--sp-ring {ring}: this model has no attention heads; ring attention needs attention. "
+                               "Use --sp-ring 1."])
         q, kv, _ = heads or (1, 1, 0)
-        return cls(world_size, sp, q_heads=q, kv_heads=kv)
+        return cls(world_size, sp, q_heads=q, kv_heads=kv, ring=ring, node_size=node_size)
 
     @property
     def dp(self) -> int:
@@ -124,6 +163,27 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         return self.rank // self.sp
+
+    @property
+    def ulysses(self) -> int:
+        """Ulysses ranks (head shards) per ring position: sp // ring."""
+        return self.sp // self.ring
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.sp_rank % self.ulysses
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.ulysses
+
+    def ring_group_ranks(self, block: int, u: int) -> list[int]:
+        """Global ranks of SP block `block`'s ring group of Ulysses rank `u`, in ring order."""
+        return [block * self.sp + r * self.ulysses + u for r in range(self.ring)]
+
+    def ulysses_group_ranks(self, block: int, ring_rank: int) -> list[int]:
+        start = block * self.sp + ring_rank * self.ulysses
+        return list(range(start, start + self.ulysses))
 
     @property
     def world_comm(self):
@@ -173,4 +233,15 @@ class ParallelDims:
             group = dist.new_group(self.dp_group_ranks(position))
             if position == self.sp_rank:
                 self.dp_group = group
+        self.ulysses_group, self.ring_group = self.sp_group, None
+        if self.ring > 1:
+            for block in range(self.dp):
+                for ring_rank in range(self.ring):
+                    group = dist.new_group(self.ulysses_group_ranks(block, ring_rank))
+                    if (block, ring_rank) == (self.dp_rank, self.ring_rank):
+                        self.ulysses_group = group
+                for u in range(self.ulysses):
+                    group = dist.new_group(self.ring_group_ranks(block, u))
+                    if (block, u) == (self.dp_rank, self.ulysses_rank):
+                        self.ring_group = group
         return self

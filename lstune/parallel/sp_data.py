@@ -7,7 +7,8 @@ the whole group processes one after another: for micro-batch i, rank i pads its 
 shards along the sequence and scatters them. Rank r gets the contiguous tokens `[r·S/sp, (r+1)·S/sp)` of
 rank i's sample — or, when chunked attention (`--attn-chunks`, FPDT) cuts the local sequence into M > 1
 chunks, FPDT's pieces r, r+sp, …, r+(M-1)·sp of sp·M equal ones, so that the all-to-all of every rank's
-chunk m is one contiguous stretch of the sample (lstune.models.chunk_layout). position_ids and labels travel
+chunk m is one contiguous stretch of the sample (lstune.models.chunk_layout) — or, under Ulysses × ring, the zigzag
+layout (ring position r holds pieces r and 2R−1−r of 2R, cut among its Ulysses ranks). position_ids and labels travel
 with their tokens (Ulysses gathers position_ids back inside attention), so packed-document boundaries,
 rotary positions and the loss (a sum over tokens) are those of the unsharded sample.
 
@@ -62,17 +63,33 @@ def pad_to_multiple(batch: dict[str, "torch.Tensor"], multiple: int) -> dict[str
     return out
 
 
-def lay_out(batch: dict[str, "torch.Tensor"], sp: int, chunks: AttentionChunks | None) -> tuple[dict, SequenceLayout]:
-    """`batch` padded for its layout on `sp` ranks with attention `chunks` (None: unchunked), and the layout."""
-    layout = sequence_layout(batch["input_ids"].shape[1], sp, chunks)
+def lay_out(batch: dict[str, "torch.Tensor"], sp: int, chunks: AttentionChunks | None,
+            ring: int = 1) -> tuple[dict, SequenceLayout]:
+    """`batch` padded for its layout on `sp` ranks with attention `chunks` (None: unchunked) and `ring` ring positions
+    (zigzag), and the layout."""
+    layout = sequence_layout(batch["input_ids"].shape[1], sp, chunks, ring)
+    if ring > 1:
+        check_document_starts(batch["position_ids"])
     return pad_to_multiple(batch, layout.length), layout
 
 
+def check_document_starts(position_ids_BS: "torch.Tensor") -> None:
+    """Ring attention tells documents apart by index − position (lstune.memory.attention_ring): each position must
+    continue the one before by +1 or start a document at 0. DataError otherwise (checked on the whole sample, before
+    it is cut)."""
+    bad = (position_ids_BS[:, 1:] != position_ids_BS[:, :-1] + 1) & (position_ids_BS[:, 1:] != 0)
+    if bool(bad.any()):
+        raise DataError("ring attention (--sp-ring > 1) needs every packed document to start at position 0 "
+                        "(position_ids reset to 0, as lstune's packing writes them); these restart elsewhere. Fix the "
+                        "data, or use --sp-ring 1.")
+
+
 def shard_batch(batch: dict[str, "torch.Tensor"], sp: int, sp_rank: int,
-                chunks: AttentionChunks | None = None) -> dict[str, "torch.Tensor"]:
-    """Rank `sp_rank`'s 1/sp sequence shard of `batch` (padded first if needed): contiguous, or FPDT's pieces when
-    `chunks` (the model's `--attn-chunks`) cut the local sequence into more than one chunk."""
-    batch, layout = lay_out(batch, sp, chunks)
+                chunks: AttentionChunks | None = None, ring: int = 1) -> dict[str, "torch.Tensor"]:
+    """Rank `sp_rank`'s 1/sp sequence shard of `batch` (padded first if needed): contiguous, FPDT's pieces when
+    `chunks` (the model's `--attn-chunks`) cut the local sequence into more than one chunk, or its zigzag pieces'
+    share under a `ring` (lstune.models.chunk_layout)."""
+    batch, layout = lay_out(batch, sp, chunks, ring)
     return {k: layout.shard(x, sp_rank).contiguous() for k, x in batch.items()}
 
 
@@ -120,7 +137,8 @@ class SPDataAdapter:
         for batch in itertools.chain(self.loader, [None]):
             if batch is not None:
                 check_batch(batch)
-                batch, _ = lay_out({k: v.to(self.device) for k, v in batch.items()}, self.dims.sp, self.chunks)
+                batch, _ = lay_out({k: v.to(self.device) for k, v in batch.items()}, self.dims.sp, self.chunks,
+                                   self.dims.ring)
             shapes = self._gather_shapes(batch)
             if any(b == 0 for b, _ in shapes):
                 return
@@ -144,7 +162,8 @@ class SPDataAdapter:
 
         sp = self.dims.sp
         b, seq = shape
-        layout = sequence_layout(seq, sp, self.chunks)  # `seq` is laid out already: the same layout on every rank
+        # `seq` is laid out already: the same layout on every rank
+        layout = sequence_layout(seq, sp, self.chunks, self.dims.ring)
         src_global = self.dims.sp_group_ranks(self.dims.dp_rank)[src]
         shard = {}
         for key in REQUIRED_KEYS:

@@ -148,9 +148,10 @@ class UlyssesAttention:
     def __init__(self, core: Callable, core_name: str, dims: "ParallelDims"):
         self.core = core
         self.core_name = core_name
-        self.sp = dims.sp
-        self.sp_rank = dims.sp_rank
-        self.group = dims.sp_group
+        # The Ulysses part of the SP group (all of it without a ring; see dims.py for Ulysses × ring).
+        self.sp = dims.ulysses
+        self.sp_rank = dims.ulysses_rank
+        self.group = dims.ulysses_group
         self._positions_in: Any = None
         self._positions_out: Any = None
         self._documents_checked: Any = None
@@ -315,13 +316,16 @@ def _default_core(model: Any) -> tuple[Callable, str]:
     return current_fn, current
 
 
-def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None = None) -> UlyssesHandle:
+def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None = None,
+                  core_name: str | None = None) -> UlyssesHandle:
     """Run `model`'s attention under Ulysses SP over `dims.sp_group`; returns a handle with `undo()`.
 
     `core` is the kernel run on each rank's heads: an attention-interface key or a function with the HF
     attention signature. Default: the model's current attention function when it is document-aware
     (lstune's attention — apply `use_lstune_attention` first to choose its backend — or FlashAttention-2),
-    otherwise lstune's attention with backend "auto". Every forward must then get its sequence shard
+    otherwise lstune's attention with backend "auto"; under Ulysses × ring the ring attention kernel
+    (lstune.memory.attention_ring.RingAttention, composed by lstune.train) over the ring position's whole
+    sequence, with the all-to-alls over the Ulysses part of the group. Every forward must then get its sequence shard
     with `position_ids` (see `sp_data.SPDataAdapter`). Order (docs/memory.md): after LoRA and the attention
     backend, before tiled MLP / loss head / checkpointing.
     """
@@ -340,12 +344,12 @@ def apply_ulysses(model: Any, dims: "ParallelDims", core: str | Callable | None 
         if core_fn is None:
             raise ModelError(f"no attention function is registered as {core!r} in transformers' AttentionInterface.")
     else:
-        core_fn, core_name = core, getattr(core, "__name__", "custom")
+        core_fn, core_name = core, core_name or getattr(core, "__name__", "custom")
     if dims.sp > 1 and dims.sp_group is None:
         raise RuntimeError("ParallelDims.build_groups() must run before apply_ulysses with sp > 1")
     attention = UlyssesAttention(core_fn, core_name, dims)
     registration = register_attention_function(
-        model, attention, description=f"Ulysses SP={dims.sp} around {core_name}"
+        model, attention, description=f"Ulysses SP={dims.ulysses} around {core_name}"
     )
-    log.info("Ulysses SP on %d ranks around attention %r", dims.sp, core_name)
+    log.info("Ulysses SP on %d ranks around attention %r", dims.ulysses, core_name)
     return UlyssesHandle(registration, attention)

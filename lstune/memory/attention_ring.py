@@ -1,0 +1,238 @@
+"""Ring attention (METP, paper 002 Sec. 3.4, Algs. 3-4; the inner loop): the second sequence-parallel dimension.
+
+Each of the R ranks of a ring group keeps its own query tokens; the keys/values travel. Rank r holds ring position r's
+two zigzag pieces (lstune.models.chunk_layout: pieces r and 2R−1−r of 2R, so causal work is balanced) — under Ulysses ×
+ring after the Ulysses all-to-all, for its heads. Forward, hop h = 0..H−1: the K/V block of ring position r−h
+(GQA-compressed: kv heads only, plus its tokens' document keys) is computed against the local queries while the next
+block is already in flight (one `batch_isend_irecv` per hop: send to r+1, receive from r−1, started before the
+compute — double buffering); each (query piece, key piece) block runs `attention_blocks.block_forward` and is merged
+with `attention_blocks.merge` in fp32 — the same kernels and the same online-softmax merge as chunked attention
+(`attention_chunks`), one merge for ring hops and chunks. Causality, packed-document boundaries and sliding windows
+come from global token indices (the layout) and document keys (index − position_id): a block with no allowed pair is
+skipped (`block_kinds`), and the ring stops after the last hop any rank needs (`ring_hops`: a window shorter than the
+sequence ends it early). Softcapping is the block kernel's score map.
+
+Backward (`_RingFunction`): K/V rotate again, and their gradients with them: at hop h a rank adds its block's dK/dV
+(FlashAttention's backward with the queries' merged output and lse: exactly the gradient of the merge) to those the
+ranks before it accumulated — those arrive while it computes — and passes the sum on; after the last hop each block's
+gradient is sent home. dQ stays local.
+
+Memory per rank (S tokens in the group, R ring ranks, h_q / h_kv widths of the local heads): q, k, v, o of S/R tokens
+(saved), plus two K/V blocks of S/R tokens (the one computed and the one arriving) and in backward two fp32 dK/dV
+pairs — O(S/R), never the whole sequence. Score tiles are those of the block kernels. Communication per layer and
+step: forward (H−1)·S/R·2·h_kv elements per rank; backward as much again plus the same in fp32 gradients.
+Composes with: Ulysses (inside the ring, over each position's heads), activation checkpointing (the recompute
+rotates again, in the same order on every rank), tiled MLP / loss (per token), LoRA and ZeRO (weights are outside).
+Not with chunked attention (refused where the run is configured). Attention sinks and dropout are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lstune.errors import ModelError
+from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
+from lstune.models.attention import window_from_mask
+from lstune.models.chunk_layout import SequenceLayout
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+def ring_hops(ring: int, piece: int, window: int | None) -> int:
+    """Hops every rank of a ring of `ring` positions runs (the same number on all): 1 + the largest h for which some
+    position's queries may attend the keys of position r − h, from the zigzag pieces of `piece` tokens; `ring`
+    without a window (or one longer than the pieces can span)."""
+    if window is None:
+        return ring
+    needed = 0
+    for h in range(ring):
+        for r in range(ring):
+            src = (r - h) % ring
+            for pq in (r, 2 * ring - 1 - r):
+                for pk in (src, 2 * ring - 1 - src):
+                    closest = 0 if pk == pq else (pq - pk) * piece - (piece - 1)
+                    if pk <= pq and closest < window:
+                        needed = max(needed, h)
+    return needed + 1
+
+
+@dataclass
+class RingAttention:
+    """The attention kernel under a ring (HF attention signature on the ring position's tokens): what Ulysses runs
+    as its core (`apply_ulysses(core=...)`), or alone when the Ulysses part is 1. `peers`: the ring's global ranks in
+    ring order; `ring_rank`: this rank's position."""
+
+    ring: int
+    ring_rank: int
+    peers: tuple[int, ...]
+    group: Any = None
+
+    @classmethod
+    def of(cls, dims: Any) -> "RingAttention":
+        """From a ParallelDims with groups built (lstune.parallel.dims)."""
+        block = dims.dp_rank
+        peers = tuple(dims.ring_group_ranks(block, dims.ulysses_rank))
+        return cls(dims.ring, dims.ring_rank, peers, dims.ring_group)
+
+    def __call__(self, module, query, key, value, attention_mask, *, position_ids=None, scaling=None,
+                 sliding_window=None, softcap=None, dropout=0.0, s_aux=None, is_causal=None, **_unused):
+        if s_aux is not None:
+            raise ModelError("attention sinks are not implemented under ring attention yet; use --sp-ring 1 "
+                             "(Ulysses alone) for this model.")
+        if dropout:
+            raise ModelError(f"ring attention has no attention dropout (got {dropout}); set attention_dropout=0 in "
+                             "the model config or use --sp-ring 1.")
+        if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+            raise ModelError(f"{type(module).__name__} attends bidirectionally; ring attention is causal only.")
+        if position_ids is None:
+            raise ModelError("ring attention needs position_ids at every attention call (documents and positions "
+                             "come from them); this model does not pass them to attention: use --sp-ring 1.")
+        window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
+        batch, heads, n, dim = query.shape
+        kv_heads = key.shape[1]
+        layout = SequenceLayout(n * self.ring, self.ring, 1, self.ring)
+        index_n = layout.ring_index(self.ring_rank, query.device)
+        doc_Bn = index_n - position_ids.to(query.device).expand(batch, n)
+        scale = scaling if scaling is not None else dim ** -0.5
+        q5 = query.reshape(batch, kv_heads, heads // kv_heads, n, dim)
+        out5 = _RingFunction.apply(self, q5, key, value, doc_Bn.contiguous(), (scale, window, softcap))
+        return out5.reshape(batch, heads, n, out5.shape[-1]).transpose(1, 2).contiguous(), None
+
+    # ---- the ring's plumbing ----------------------------------------------------------------------------------------
+
+    def source(self, hop: int) -> int:
+        """Ring position whose K/V block this rank holds at `hop`."""
+        return (self.ring_rank - hop) % self.ring
+
+    def exchange(self, send: list[Tensor], recv: list[Tensor], to: int = 1) -> list:
+        """Start sending `send` to position r + `to` and receiving `recv` from r − `to` (one batch); the requests."""
+        import torch.distributed as dist
+
+        nxt, prv = self.peers[(self.ring_rank + to) % self.ring], self.peers[(self.ring_rank - to) % self.ring]
+        ops = [dist.P2POp(dist.isend, t, nxt, group=self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, prv, group=self.group) for t in recv]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _pieces(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """The two zigzag pieces of a ring position's tokens along `dim`."""
+    return tuple(x.chunk(2, dim=dim))
+
+
+class _RingFunction(torch.autograd.Function):
+    """Forward and backward of ring attention (module doc); q5 [B, Hkv, g, n, D], k4/v4 [B, Hkv, n, D], doc [B, n]."""
+
+    @staticmethod
+    def forward(ctx, ring: RingAttention, q5: Tensor, k4: Tensor, v4: Tensor, doc_Bn: Tensor, config: tuple):
+        scale, window, softcap = config
+        n = q5.shape[3]
+        hops = ring_hops(ring.ring, n // 2, window)
+        index = SequenceLayout(n * ring.ring, ring.ring, 1, ring.ring).ring_index
+        ids_q = _ids(index(ring.ring_rank, q5.device), doc_Bn)
+        q_pieces = _pieces(q5, 3)
+        acc = [(None, None), (None, None)]
+        kinds_by_hop = []
+        block = (k4.contiguous(), v4.contiguous(), doc_Bn)
+        for hop in range(hops):
+            incoming, requests = None, []
+            if hop + 1 < hops:
+                incoming = tuple(torch.empty_like(t) for t in block)
+                requests = ring.exchange(list(block), list(incoming))
+            k_blk, v_blk, doc_blk = block
+            ids_k = _ids(index(ring.source(hop), q5.device), doc_blk)
+            k_pieces, v_pieces = _pieces(k_blk, 2), _pieces(v_blk, 2)
+            hop_kinds = []
+            for j in (0, 1):
+                kinds = block_kinds(q_pieces[j], k_blk, v_blk, ids_q[j], list(ids_k), window, softcap)
+                hop_kinds.append(kinds)
+                for i, kind in enumerate(kinds):
+                    if kind is None:
+                        continue
+                    allowed = allowed_pairs(*ids_q[j], *ids_k[i], window) if kind == MASKED else None
+                    out, lse = block_forward(kind, q_pieces[j], k_pieces[i], v_pieces[i], allowed, scale, softcap)
+                    acc[j] = merge(*acc[j], out, lse)
+            kinds_by_hop.append(hop_kinds)
+            _wait(requests)
+            if incoming is not None:
+                block = incoming
+        out5 = torch.cat([a[0] for a in acc], dim=3).to(q5.dtype)
+        lse = torch.cat([a[1] for a in acc], dim=3)
+        ctx.ring, ctx.config, ctx.hops, ctx.kinds = ring, config, hops, kinds_by_hop
+        ctx.save_for_backward(q5, k4, v4, doc_Bn, out5, lse)
+        return out5
+
+    @staticmethod
+    def backward(ctx, dout5: Tensor):
+        ring, (scale, window, softcap), hops = ctx.ring, ctx.config, ctx.hops
+        q5, k4, v4, doc_Bn, out5, lse = ctx.saved_tensors
+        n = q5.shape[3]
+        index = SequenceLayout(n * ring.ring, ring.ring, 1, ring.ring).ring_index
+        ids_q = _ids(index(ring.ring_rank, q5.device), doc_Bn)
+        dout5 = dout5.contiguous()
+        delta = (dout5.float() * out5.float()).sum(-1)
+        q_pieces, dout_pieces = _pieces(q5, 3), _pieces(dout5, 3)
+        merged_o, merged_delta, merged_lse = _pieces(out5, 3), _pieces(delta, 3), _pieces(lse, 3)
+        dq = [torch.zeros(p.shape, dtype=torch.float32, device=q5.device) for p in q_pieces]
+        block = (k4.contiguous(), v4.contiguous(), doc_Bn)
+        carry: tuple[Tensor, Tensor] | None = None  # dK/dV of the block this rank held last hop, summed so far
+        for hop in range(hops):
+            incoming, requests = None, []
+            send: list[Tensor] = []
+            recv: list[Tensor] = []
+            if hop + 1 < hops:
+                incoming = tuple(torch.empty_like(t) for t in block)
+                send, recv = list(block), list(incoming)
+            arriving = None
+            if carry is not None:  # the previous rank's sums for the block this rank holds now
+                arriving = tuple(torch.empty_like(t) for t in carry)
+                send, recv = send + list(carry), recv + list(arriving)
+            requests = ring.exchange(send, recv)
+            k_blk, v_blk, doc_blk = block
+            ids_k = _ids(index(ring.source(hop), q5.device), doc_blk)
+            k_pieces, v_pieces = _pieces(k_blk, 2), _pieces(v_blk, 2)
+            dk = torch.zeros(k_blk.shape, dtype=torch.float32, device=q5.device)
+            dv = torch.zeros(v_blk.shape, dtype=torch.float32, device=q5.device)
+            dk_pieces, dv_pieces = _pieces(dk, 2), _pieces(dv, 2)
+            for j in (0, 1):
+                for i, kind in enumerate(ctx.kinds[hop][j]):
+                    if kind is None:
+                        continue
+                    allowed, merged = None, (merged_o[j], merged_lse[j])
+                    if kind == MASKED:
+                        allowed = allowed_pairs(*ids_q[j], *ids_k[i], window)
+                        merged = (merged_delta[j], merged_lse[j])
+                    dq_ji, dk_ji, dv_ji = block_backward(kind, q_pieces[j], k_pieces[i], v_pieces[i], dout_pieces[j],
+                                                         merged, allowed, scale, softcap)
+                    dq[j] += dq_ji
+                    dk_pieces[i].add_(dk_ji)
+                    dv_pieces[i].add_(dv_ji)
+            _wait(requests)
+            if arriving is not None:
+                dk += arriving[0]
+                dv += arriving[1]
+            carry = (dk, dv)
+            if incoming is not None:
+                block = incoming
+        # The last hop's sums belong to position r − (hops − 1): send them home.
+        home = tuple(torch.empty_like(t) for t in carry)
+        if hops > 1:
+            _wait(ring.exchange(list(carry), list(home), to=-(hops - 1)))
+        else:
+            home = carry
+        dq5 = torch.cat(dq, dim=3).to(q5.dtype)
+        return None, dq5, home[0].to(k4.dtype), home[1].to(v4.dtype), None, None
+
+
+def _ids(index_n: Tensor, doc_Bn: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """(global index, document key) [B, piece] of each of a position's two pieces."""
+    index_Bn = index_n.expand_as(doc_Bn)
+    return tuple(zip(_pieces(index_Bn, 1), _pieces(doc_Bn, 1)))
