@@ -115,7 +115,7 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     config = TrainConfig.from_flat(job.config)
     runtime = start_runtime(config.model.dtype)
     spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    runtime.set_dims(config.parallel.sp, spec.config)
+    runtime.set_dims(config.parallel.sp, spec.config, ring=config.parallel.sp_ring)
     record: dict[str, Any] = {"world_size": runtime.world_size, "sp": runtime.sp, "device": str(runtime.device)}
     # A ladder rung runs its `auto` settings unresolved (ALST's tile counts): its estimate must be of that.
     prediction = plan_run(config, runtime, spec.config, resolve_auto=job.rung in TRAIN_AS_IS)

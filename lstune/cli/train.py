@@ -115,7 +115,7 @@ def _check_layout_and_positions(config, spec, device) -> None:
 
     parallel, model = config.parallel, config.model
     if parallel.hostfile is None:
-        sp = ParallelDims.for_model(parallel.gpus, parallel.sp, spec.config).sp
+        sp = ParallelDims.for_model(parallel.gpus, parallel.sp, spec.config, ring=parallel.sp_ring).sp
     else:  # the world size comes from the hostfile at launch: only a fixed degree is known here
         sp = parallel.sp if isinstance(parallel.sp, int) else 1
     apply_rope_scaling(copy.deepcopy(spec.config), model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,

@@ -356,9 +356,22 @@ class ParallelSection:
     )
     sp: Any = _opt(
         "auto",
-        "Sequence-parallel degree (Ulysses): 'auto' picks it from the processes and attention heads, or a "
-        "number dividing the process count.",
+        "Sequence-parallel degree, in all (Ulysses × ring): 'auto' picks it from the processes and attention heads, "
+        "or a number dividing the process count; past the head count with --sp-ring.",
         p.parse_auto_int,
+    )
+    sp_ring: Any = _opt(
+        1,
+        "The ring-attention part of --sp (METP): ranks whose K/V blocks rotate point to point, so SP can pass the "
+        "query heads (Ulysses takes at most one rank per head). 1 = Ulysses alone; 'auto' = Ulysses takes what the "
+        "heads (and a node) allow, the ring the rest. Must divide --sp.",
+        p.parse_auto_int,
+    )
+    metp_mlp: bool = _opt(
+        False,
+        "METP's MLP: gate/up column shards and down row shards over the SP group, rotating rank to rank by "
+        "point-to-point sends instead of being gathered; each rank stores 1/SP of the MLP weights (needs SP > 1).",
+        p.parse_bool,
     )
     zero_stage: Any = _opt(
         "auto",
@@ -604,6 +617,10 @@ class TrainConfig:
                 f"--save-every {save_every} is more than --max-steps {max_steps}: no checkpoint would be saved "
                 "before the end; lower it."
             )
+        if parallel.sp_ring != 1 and self.memory.attn_chunks not in ("auto", "off"):
+            problems.append(f"--attn-chunks {self.memory.attn_chunks} does not combine with ring attention (--sp-ring "
+                            f"{parallel.sp_ring}): the ring already holds 1/ring of the sequence's K/V per rank. Use "
+                            "--attn-chunks off, or --sp-ring 1.")
         if self.run.eval_every is not None and not self.data.has_eval():
             problems.append("--eval-every needs validation data: add --eval-data SOURCE or --eval-split 0.01.")
         return problems

@@ -174,7 +174,7 @@ def resolve_sp(config: TrainConfig, hardware: Cluster, model_config) -> int:
     from lstune.parallel.dims import ParallelDims
 
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    return ParallelDims.for_model(hardware.world_size, config.parallel.sp, text).sp
+    return ParallelDims.for_model(hardware.world_size, config.parallel.sp, text, ring=config.parallel.sp_ring).sp
 
 
 def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, offload: bool | None = None) -> Settings:

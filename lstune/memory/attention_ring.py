@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lstune.errors import ModelError
+from lstune.memory.rotation import Ring, wait
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
 from lstune.models.attention import window_from_mask
 from lstune.models.chunk_layout import SequenceLayout
@@ -63,20 +64,16 @@ def ring_hops(ring: int, piece: int, window: int | None) -> int:
 @dataclass
 class RingAttention:
     """The attention kernel under a ring (HF attention signature on the ring position's tokens): what Ulysses runs
-    as its core (`apply_ulysses(core=...)`), or alone when the Ulysses part is 1. `peers`: the ring's global ranks in
-    ring order; `ring_rank`: this rank's position."""
+    as its core (`apply_ulysses(core=...)`), or alone when the Ulysses part is 1. `ring`: the ring group's positions
+    and peers (lstune.memory.rotation)."""
 
-    ring: int
-    ring_rank: int
-    peers: tuple[int, ...]
-    group: Any = None
+    ring: Ring
 
     @classmethod
     def of(cls, dims: Any) -> "RingAttention":
         """From a ParallelDims with groups built (lstune.parallel.dims)."""
-        block = dims.dp_rank
-        peers = tuple(dims.ring_group_ranks(block, dims.ulysses_rank))
-        return cls(dims.ring, dims.ring_rank, peers, dims.ring_group)
+        peers = tuple(dims.ring_group_ranks(dims.dp_rank, dims.ulysses_rank))
+        return cls(Ring(dims.ring, dims.ring_rank, peers, dims.ring_group))
 
     def __call__(self, module, query, key, value, attention_mask, *, position_ids=None, scaling=None,
                  sliding_window=None, softcap=None, dropout=0.0, s_aux=None, is_causal=None, **_unused):
@@ -94,33 +91,13 @@ class RingAttention:
         window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
         batch, heads, n, dim = query.shape
         kv_heads = key.shape[1]
-        layout = SequenceLayout(n * self.ring, self.ring, 1, self.ring)
-        index_n = layout.ring_index(self.ring_rank, query.device)
+        layout = SequenceLayout(n * self.ring.size, self.ring.size, 1, self.ring.size)
+        index_n = layout.ring_index(self.ring.rank, query.device)
         doc_Bn = index_n - position_ids.to(query.device).expand(batch, n)
         scale = scaling if scaling is not None else dim ** -0.5
         q5 = query.reshape(batch, kv_heads, heads // kv_heads, n, dim)
-        out5 = _RingFunction.apply(self, q5, key, value, doc_Bn.contiguous(), (scale, window, softcap))
+        out5 = _RingFunction.apply(self.ring, q5, key, value, doc_Bn.contiguous(), (scale, window, softcap))
         return out5.reshape(batch, heads, n, out5.shape[-1]).transpose(1, 2).contiguous(), None
-
-    # ---- the ring's plumbing ----------------------------------------------------------------------------------------
-
-    def source(self, hop: int) -> int:
-        """Ring position whose K/V block this rank holds at `hop`."""
-        return (self.ring_rank - hop) % self.ring
-
-    def exchange(self, send: list[Tensor], recv: list[Tensor], to: int = 1) -> list:
-        """Start sending `send` to position r + `to` and receiving `recv` from r − `to` (one batch); the requests."""
-        import torch.distributed as dist
-
-        nxt, prv = self.peers[(self.ring_rank + to) % self.ring], self.peers[(self.ring_rank - to) % self.ring]
-        ops = [dist.P2POp(dist.isend, t, nxt, group=self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, prv, group=self.group) for t in recv]
-        return dist.batch_isend_irecv(ops) if ops else []
-
-
-def _wait(requests: list) -> None:
-    for request in requests:
-        request.wait()
 
 
 def _pieces(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
@@ -132,12 +109,12 @@ class _RingFunction(torch.autograd.Function):
     """Forward and backward of ring attention (module doc); q5 [B, Hkv, g, n, D], k4/v4 [B, Hkv, n, D], doc [B, n]."""
 
     @staticmethod
-    def forward(ctx, ring: RingAttention, q5: Tensor, k4: Tensor, v4: Tensor, doc_Bn: Tensor, config: tuple):
+    def forward(ctx, ring: Ring, q5: Tensor, k4: Tensor, v4: Tensor, doc_Bn: Tensor, config: tuple):
         scale, window, softcap = config
         n = q5.shape[3]
-        hops = ring_hops(ring.ring, n // 2, window)
-        index = SequenceLayout(n * ring.ring, ring.ring, 1, ring.ring).ring_index
-        ids_q = _ids(index(ring.ring_rank, q5.device), doc_Bn)
+        hops = ring_hops(ring.size, n // 2, window)
+        index = SequenceLayout(n * ring.size, ring.size, 1, ring.size).ring_index
+        ids_q = _ids(index(ring.rank, q5.device), doc_Bn)
         q_pieces = _pieces(q5, 3)
         acc = [(None, None), (None, None)]
         kinds_by_hop = []
@@ -161,7 +138,7 @@ class _RingFunction(torch.autograd.Function):
                     out, lse = block_forward(kind, q_pieces[j], k_pieces[i], v_pieces[i], allowed, scale, softcap)
                     acc[j] = merge(*acc[j], out, lse)
             kinds_by_hop.append(hop_kinds)
-            _wait(requests)
+            wait(requests)
             if incoming is not None:
                 block = incoming
         out5 = torch.cat([a[0] for a in acc], dim=3).to(q5.dtype)
@@ -175,8 +152,8 @@ class _RingFunction(torch.autograd.Function):
         ring, (scale, window, softcap), hops = ctx.ring, ctx.config, ctx.hops
         q5, k4, v4, doc_Bn, out5, lse = ctx.saved_tensors
         n = q5.shape[3]
-        index = SequenceLayout(n * ring.ring, ring.ring, 1, ring.ring).ring_index
-        ids_q = _ids(index(ring.ring_rank, q5.device), doc_Bn)
+        index = SequenceLayout(n * ring.size, ring.size, 1, ring.size).ring_index
+        ids_q = _ids(index(ring.rank, q5.device), doc_Bn)
         dout5 = dout5.contiguous()
         delta = (dout5.float() * out5.float()).sum(-1)
         q_pieces, dout_pieces = _pieces(q5, 3), _pieces(dout5, 3)
@@ -215,19 +192,14 @@ class _RingFunction(torch.autograd.Function):
                     dq[j] += dq_ji
                     dk_pieces[i].add_(dk_ji)
                     dv_pieces[i].add_(dv_ji)
-            _wait(requests)
+            wait(requests)
             if arriving is not None:
                 dk += arriving[0]
                 dv += arriving[1]
             carry = (dk, dv)
             if incoming is not None:
                 block = incoming
-        # The last hop's sums belong to position r − (hops − 1): send them home.
-        home = tuple(torch.empty_like(t) for t in carry)
-        if hops > 1:
-            _wait(ring.exchange(list(carry), list(home), to=-(hops - 1)))
-        else:
-            home = carry
+        home = ring.send_home(list(carry), hops)  # the last hop's sums belong to position r − (hops − 1)
         dq5 = torch.cat(dq, dim=3).to(q5.dtype)
         return None, dq5, home[0].to(k4.dtype), home[1].to(v4.dtype), None, None
 

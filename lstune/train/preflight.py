@@ -61,7 +61,7 @@ def check_parallel_layout(config: TrainConfig) -> None:
     if config.parallel.hostfile is not None:
         return
     spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    ParallelDims.for_model(config.parallel.gpus, config.parallel.sp, spec.config)
+    ParallelDims.for_model(config.parallel.gpus, config.parallel.sp, spec.config, ring=config.parallel.sp_ring)
 
 
 # Settings that fix the shape of the saved state: a checkpoint cannot be loaded under other values.
@@ -98,6 +98,29 @@ def check_resume_compatible(config: TrainConfig, checkpoint: Path, world_size: i
         )
     if problems:
         raise ConfigError(problems)
+
+
+def check_resume_layout(checkpoint: Path, layout: dict) -> None:
+    """Refuse a resume under another parallel layout than the checkpoint's (`Runtime.layout`: processes, SP, its ring
+    part, METP's MLP) when either uses a ring or METP's MLP: the zigzag pieces and METP's weight shards follow the
+    layout, so only the same one continues the run exactly. Plain Ulysses / DP runs may still change it (as before:
+    the random states are then not restored). Checkpoints from before layouts were recorded pass."""
+    import json
+
+    from lstune.train.checkpoint import TRAINER_STATE_NAME
+
+    try:
+        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text(encoding="utf-8")).get("layout")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not saved or saved == layout:
+        return
+    if not any(side.get("ring", 1) > 1 or side.get("metp_mlp") for side in (saved, layout)):
+        return
+    names = {"world_size": "--gpus (processes)", "sp": "--sp", "ring": "--sp-ring", "metp_mlp": "--metp-mlp"}
+    differ = [f"{names.get(k, k)} {saved.get(k)} (now {layout.get(k)})" for k in layout if saved.get(k) != layout.get(k)]
+    raise ConfigError([f"{checkpoint} was written under another parallel layout: {', '.join(differ)}; resume with the "
+                       "checkpoint's layout, or start a new run without --resume."])
 
 
 def _same_setting(key: str, saved, current) -> bool:

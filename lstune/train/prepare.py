@@ -5,7 +5,8 @@ Order (each step sees the result of the previous one):
 2. LoRA adapters (peft) — before anything wraps modules, so peft finds the plain linear layers;
    token mixers that are not attention (convolutions) refuse --pack and SP here (lstune.models.mixers);
 3. attention backend: lstune's attention function (no 4D mask, packed documents from position_ids);
-4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1;
+4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1 — around ring attention
+   (lstune.memory.attention_ring) when the SP group has a ring part (--sp-ring);
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
    sized for the per-rank sequence length.
 The engine (optimizer, ZeRO) is built last, over the parameters that remain trainable.
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lstune.config.schema import ModelSection, TrainConfig
+from lstune.errors import ConfigError
 from lstune.estimate.memory import lora_base_in_bf16
 from lstune.models.loading import apply_lora
 
@@ -59,6 +61,18 @@ class PreparedModel:
         if self.ulysses is not None:
             self.ulysses.undo()
         self.attention.undo()
+
+
+def apply_sequence_parallelism(model, dims):
+    """Ulysses over the SP group's Ulysses part, its kernel the ring (composed here: parallel and memory are
+    siblings) when the group has a ring part; returns the Ulysses handle."""
+    from lstune.parallel.ulysses import apply_ulysses
+
+    if dims.ring > 1:
+        from lstune.memory.attention_ring import RingAttention
+
+        return apply_ulysses(model, dims, core=RingAttention.of(dims), core_name=f"ring of {dims.ring}")
+    return apply_ulysses(model, dims)
 
 
 def prepare_model(model, config: TrainConfig, runtime) -> PreparedModel:
@@ -101,11 +115,13 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     ulysses = None
     try:
         if runtime.sp > 1:
-            from lstune.parallel.ulysses import apply_ulysses
-
-            ulysses = apply_ulysses(model, runtime.dims)
+            ulysses = apply_sequence_parallelism(model, runtime.dims)
         seq_len = math.ceil(config.data.seq_len / runtime.sp)
         memory = apply_memory_techniques(model, config.memory, seq_len=seq_len, parts=parts)
+        if ulysses is not None and runtime.dims.ring > 1 and memory.attn_chunks_at_seq_len > 1:
+            memory.undo()
+            raise ConfigError([f"chunked attention ({memory.attn_chunks_at_seq_len} chunks) does not combine with ring "
+                               f"attention (--sp-ring {runtime.dims.ring}): use --attn-chunks off, or --sp-ring 1."])
     except BaseException:
         if ulysses is not None:
             ulysses.undo()

@@ -86,13 +86,15 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     from lstune.data.templates import set_chat_template
     from lstune.train.disk_space import check_disk_space
     from lstune.train.engine_choice import check_fits, plan_run, prediction_note
-    from lstune.train.preflight import check_resume_compatible
+    from lstune.train.preflight import check_resume_compatible, check_resume_layout
 
     with runtime.decided_alike():  # every rank refuses alike what these check: one message, the main process's
         if resume_from is not None:
             check_resume_compatible(config, resume_from, runtime.world_size)
         spec = _check_model_support(config, runtime)
-        runtime.set_dims(config.parallel.sp, spec.config)
+        runtime.set_dims(config.parallel.sp, spec.config, ring=config.parallel.sp_ring)
+        if resume_from is not None:
+            check_resume_layout(resume_from, runtime.layout(config.parallel.metp_mlp))
         for note in _adapt_positions(config, spec, runtime):
             reporter.note(note)
     # Rank 0's answer for every rank: nodes with different host memory must not pick different engines or tile
@@ -451,7 +453,8 @@ def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Run
         "memory": _describe_memory(prepared.memory) + (f" (auto: {choice.reason})" if choice is not None else ""),
     }
     if runtime.distributed:
-        plan["parallelism"] = f"{runtime.world_size} processes: SP {runtime.sp} × DP {runtime.dims.dp}"
+        plan["parallelism"] = f"{runtime.world_size} processes: SP {runtime.sp} × DP {runtime.dims.dp}" + (
+            f" (SP = Ulysses {runtime.dims.ulysses} × ring {runtime.dims.ring})" if runtime.dims.ring > 1 else "")
     return plan
 
 
@@ -539,11 +542,11 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
                     break
                 if config.run.save_every and state.step % config.run.save_every == 0 and state.step < result.max_steps:
                     _enter(phases, "checkpoint save")
-                    result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
+                    result.last_checkpoint = _save(config, engine, state, result, reporter, folder, runtime)
             result.steps_done = state.step
             if state.step > 0 and (result.last_checkpoint is None or result.last_checkpoint != result.output_dir / f"checkpoint-{state.step}"):
                 _enter(phases, "checkpoint save")
-                result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
+                result.last_checkpoint = _save(config, engine, state, result, reporter, folder, runtime)
             if not (result.interrupted or result.stopped_early):
                 _enter(phases, "export")
                 _export(config, engine, loaded, runtime, result, reporter, folder)
@@ -613,7 +616,7 @@ def _stop_requested(runtime: Runtime, stop, result: TrainResult, reporter) -> bo
     return True
 
 
-def _save(config, engine, state: RunState, result: TrainResult, reporter, folder) -> Path:
+def _save(config, engine, state: RunState, result: TrainResult, reporter, folder, runtime) -> Path:
     """Every rank takes part (DeepSpeed writes its shards); the checkpoint store coordinates them."""
     from lstune.train.checkpoint import save_checkpoint
     from lstune.train.guard import DivergedError
@@ -630,6 +633,7 @@ def _save(config, engine, state: RunState, result: TrainResult, reporter, folder
         "consumed_samples": state.consumed_samples,
         "tokens_seen": state.tokens_seen,
         "config": _recipe_view(config),
+        "layout": runtime.layout(config.parallel.metp_mlp),
         "lstune_version": __version__,
     }
     name = f"checkpoint-{state.step}"

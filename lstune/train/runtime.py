@@ -43,15 +43,23 @@ class Runtime:
     def sp(self) -> int:
         return self.dims.sp if self.dims is not None else 1
 
-    def set_dims(self, sp: Any, model_config: Any) -> None:
-        """Split the world into DP × SP for this model's heads (ConfigError lists valid degrees)."""
+    def set_dims(self, sp: Any, model_config: Any, ring: Any = 1) -> None:
+        """Split the world into DP × SP (SP = Ulysses × `ring`) for this model's heads (ConfigError lists valid
+        degrees)."""
         from lstune.parallel.dims import ParallelDims
 
         from lstune.parallel.comm import process_group_ready
 
-        self.dims = ParallelDims.for_model(self.world_size, sp, model_config)
+        node = self.launch.local_world_size if self.launch is not None else None
+        self.dims = ParallelDims.for_model(self.world_size, sp, model_config, ring=ring, node_size=node)
         if process_group_ready():
             self.dims.build_groups()
+
+    def layout(self, metp_mlp: bool = False) -> dict:
+        """The parallel layout a checkpoint records and a resume must match (lstune.train.preflight)."""
+        dims = self.dims
+        return {"world_size": self.world_size, "sp": self.sp, "ring": dims.ring if dims is not None else 1,
+                "metp_mlp": bool(metp_mlp)}
 
     @property
     def comm(self):

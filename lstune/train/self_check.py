@@ -405,9 +405,10 @@ def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict, *, traini
     embeds, layers = [], {}
     handles = [_embedding_capture(prepared.model, embeds), *_layer_capture(prepared.model, layers)]
     chunks = prepared.memory.attn_chunking
-    layout = sequence_layout(batch["input_ids"].shape[1], runtime.sp, chunks)
+    ring = runtime.dims.ring if runtime.sp > 1 else 1
+    layout = sequence_layout(batch["input_ids"].shape[1], runtime.sp, chunks, ring)
     try:
-        shard = shard_batch(batch, runtime.sp, runtime.dims.sp_rank if runtime.sp > 1 else 0, chunks)
+        shard = shard_batch(batch, runtime.sp, runtime.dims.sp_rank if runtime.sp > 1 else 0, chunks, ring)
         shard = {k: v.to(runtime.device) for k, v in shard.items()}
         loss_sum, _ = prepared.loss_sum(shard)
         (loss_sum / count_tokens(batch)).backward()

@@ -140,3 +140,25 @@ def test_a_stopped_two_process_run_saves_a_checkpoint_and_exits_130(tmp_path, ho
     assert not (out / ".lstune.lock").exists()
     with pytest.raises(ProcessLookupError):  # lstune returned only once its processes had ended
         os.killpg(proc.pid, 0)
+
+
+def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tmp_path, text_data):
+    """--sp 2 --sp-ring 2 (ring attention alone, zigzag data layout) through the CLI: the numbers of one process
+    accumulating the same samples; a resume continues exactly; a resume under another layout is refused (exit 2)."""
+    common = ["--data", text_data, "--max-steps", "3"]
+    ring = [*common, "--gpus", "2", "--sp", "2", "--sp-ring", "2", "--attn-chunks", "off"]
+    shown = _train(*ring, "--output-dir", tmp_path / "ring").stdout
+    assert "ring 2" in shown, shown[:2000]
+    _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
+    full, one = read_metrics(tmp_path / "ring"), read_metrics(tmp_path / "one")
+    assert [m["label_tokens"] for m in full] == [m["label_tokens"] for m in one]
+    assert [m["loss"] for m in full] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    assert [m["grad_norm"] for m in full] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+    _train(*ring, "--output-dir", tmp_path / "part", "--stop-at-step", "2")
+    other = run_subprocess("train", *TINY_MODEL, *common, "--gpus", "2", "--sp", "2", "--output-dir",
+                           tmp_path / "part", "--resume", timeout=400)
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "--sp-ring 2 (now 1)" in other.stderr and "Traceback" not in other.stderr, other.stderr[-3000:]
+    _train(*ring, "--output-dir", tmp_path / "part", "--resume")
+    part = read_metrics(tmp_path / "part")
+    assert [m["loss"] for m in part] == [m["loss"] for m in full]
