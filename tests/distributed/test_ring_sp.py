@@ -1,7 +1,7 @@
 """Ulysses × ring sequence parallelism on 4 gloo processes: loss and every gradient equal plain HF on the whole
 sequence (fp32), for (Ulysses, ring) = (1, 4), (2, 2), (4, 1).
 
-Models: GQA (4q/2kv), sliding windows (Mistral, Gemma-3's mixed layers; a 16-token window, shorter than the ring's
+Models: GQA (4q/2kv), LoRA on every linear layer (Qwen2, its sliding-window layer), sliding windows (Mistral, Gemma-3's mixed layers; a 16-token window, shorter than the ring's
 pieces at R = 2), an MoE, softcapped attention logits (Gemma-2), and a model with 2 query heads, which Ulysses alone
 cannot spread over 4 ranks (ring 2 × Ulysses 2 and ring 4). Data: one long sample, packed documents whose boundaries
 cross the zigzag pieces, and an odd length padded to a multiple of 2·SP. All cases of a layout share one process
@@ -17,7 +17,7 @@ DOCS = [41, 30, 25]
 ODD = SEQ - 5
 TOL = 2e-5
 LAYOUTS = [(1, 4), (2, 2), (4, 1)]
-ARCHS = ["llama", "mistral", "gemma3_text", "qwen3_moe", "softcap", "two-heads"]
+ARCHS = ["llama", "mistral", "gemma3_text", "qwen3_moe", "softcap", "two-heads", "lora"]
 
 
 def _build(model_type: str):
@@ -29,9 +29,25 @@ def _build(model_type: str):
                             attn_implementation="eager")
         model.train()
         return model
+    if model_type == "lora":  # adapters on attention and MLP, non-zero from the start
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(tiny_model("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                               init_lora_weights=False))
+        model.train()
+        return model
     if model_type == "two-heads":
         return tiny_model("llama", num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     return tiny_model(model_type)
+
+
+def _loss_sum(model, batch):
+    """Summed token loss through the model's logits (works for peft-wrapped models too)."""
+    import torch.nn.functional as F
+
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=-100,
+                           reduction="sum")
 
 
 def _ring_worker(rank: int, world: int, archs: list[str], layouts: list[tuple[int, int]]) -> dict:
@@ -56,9 +72,7 @@ def _ring_worker(rank: int, world: int, archs: list[str], layouts: list[tuple[in
             else:
                 apply_ulysses(model, dims)
             shard = shard_batch(batch, dims.sp, dims.sp_rank, ring=ring)
-            from tests.distributed._helpers import loss_sum
-
-            return loss_sum(model, shard)[0], shard
+            return _loss_sum(model, shard), shard
         return run
 
     samples = reference_samples(SEQ, DOCS)

@@ -53,7 +53,7 @@ def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, f
 
 def _train_worker(
     rank: int, world: int, sp: int, stage: int, arch: str, memory: dict | None = None, offload: tuple = (False, False),
-    offload_ratio: float = 1.0,
+    offload_ratio: float = 1.0, ring: int = 1,
 ) -> dict:
     import copy
 
@@ -67,8 +67,13 @@ def _train_worker(
     model = tiny_model(arch)
     reference = _reference(copy.deepcopy(model), _global_order(samples, world, sp), ACCUM * world // sp)
 
-    dims = ParallelDims(world, sp).build_groups()
-    handle = apply_ulysses(model, dims)
+    dims = ParallelDims(world, sp, ring=ring).build_groups()
+    if ring > 1:  # Ulysses × ring, composed as lstune.train does
+        from lstune.train.prepare import apply_sequence_parallelism
+
+        handle = apply_sequence_parallelism(model, dims)
+    else:
+        handle = apply_ulysses(model, dims)
     compute_loss_sum, chunks, fused = loss_sum, None, False
     if memory is not None:  # lstune's loss head and memory techniques, applied before the engine
         from lstune.config.schema import MemorySection
@@ -161,6 +166,16 @@ def test_zero3_sp_with_the_final_norm_in_the_loss_tiles_matches_single_process(p
     result = pools[2].run(_train_worker, 2, 3, "tiny-gemma3", {"tiled_mlp": "off", "tiled_loss": 3})[0]
     assert result["final_norm_fused"]
     _check(result)
+
+
+@pytest.mark.parametrize(("world", "sp", "ring", "memory"), [
+    (4, 4, 2, {"tiled_mlp": 2, "tiled_loss": 3, "checkpointing": True, "offload_checkpoints": True}),
+    (4, 2, 2, None),
+])
+def test_zero3_ring_run_matches_single_process(pools, world, sp, ring, memory):
+    """Ulysses 2 × ring 2 with every memory technique, and ring 2 × DP 2, through ZeRO-3 and the SP adapter's zigzag
+    layout: the single-process losses and gradient norms step by step."""
+    _check(pools[world].run(_train_worker, sp, 3, "tiny-llama", memory, (False, False), 1.0, ring)[0])
 
 
 def _check(result: dict) -> None:
