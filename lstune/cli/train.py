@@ -112,8 +112,10 @@ def _check_layout_and_positions(config, spec, device) -> None:
 
     from lstune.models.rope import apply_rope_scaling
     from lstune.parallel.dims import ParallelDims
+    from lstune.train.prepare import check_metp_mlp_trainable
 
     parallel, model = config.parallel, config.model
+    check_metp_mlp_trainable(config)
     if parallel.hostfile is None:
         sp = ParallelDims.for_model(parallel.gpus, parallel.sp, spec.config, ring=parallel.sp_ring).sp
     else:  # the world size comes from the hostfile at launch: only a fixed degree is known here

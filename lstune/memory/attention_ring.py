@@ -2,20 +2,20 @@
 
 Each of the R ranks of a ring group keeps its own query tokens; the keys/values travel. Rank r holds ring position r's
 two zigzag pieces (lstune.models.chunk_layout: pieces r and 2R−1−r of 2R, so causal work is balanced) — under Ulysses ×
-ring after the Ulysses all-to-all, for its heads. Forward, hop h = 0..H−1: the K/V block of ring position r−h
-(GQA-compressed: kv heads only, plus its tokens' document keys) is computed against the local queries while the next
-block is already in flight (one `batch_isend_irecv` per hop: send to r+1, receive from r−1, started before the
-compute — double buffering); each (query piece, key piece) block runs `attention_blocks.block_forward` and is merged
-with `attention_blocks.merge` in fp32 — the same kernels and the same online-softmax merge as chunked attention
-(`attention_chunks`), one merge for ring hops and chunks. Causality, packed-document boundaries and sliding windows
-come from global token indices (the layout) and document keys (index − position_id): a block with no allowed pair is
-skipped (`block_kinds`), and the ring stops after the last hop any rank needs (`ring_hops`: a window shorter than the
-sequence ends it early). Softcapping is the block kernel's score map.
+ring after the Ulysses all-to-all, for its heads. Forward, hop h = 0..R−1: the K/V block of ring position r−h
+(GQA-compressed: kv heads only, plus its tokens' document keys) comes point to point from its owner (every rank sends
+its own block h positions ahead, `rotation.Ring.exchange`) while the hop before it computes — double buffering; each
+(query piece, key piece) block runs `attention_blocks.block_forward` and is merged with `attention_blocks.merge` in
+fp32 — the same kernels and the same online-softmax merge as chunked attention (`attention_chunks`), one merge for ring
+hops and chunks. Causality, packed-document boundaries and sliding windows come from global token indices (the
+layout) and document keys (index − position_id): a block with no allowed pair is skipped (`block_kinds`), and a hop
+none of whose pieces a window reaches is neither sent nor computed (`ring_hops`: with a window shorter than a piece,
+hops 0, 1 and R−1 only). Softcapping is the block kernel's score map.
 
-Backward (`_RingFunction`): K/V rotate again, and their gradients with them: at hop h a rank adds its block's dK/dV
-(FlashAttention's backward with the queries' merged output and lse: exactly the gradient of the merge) to those the
-ranks before it accumulated — those arrive while it computes — and passes the sum on; after the last hop each block's
-gradient is sent home. dQ stays local.
+Backward (`_RingFunction`): the same hops fetch the same blocks; each hop's dK/dV (FlashAttention's backward with the
+queries' merged output and lse: exactly the gradient of the merge) goes straight back to the block's owner while the
+next hop computes, and the owner sums what comes home. dQ stays local. Sending each block from its owner rather than
+relaying it rank to rank moves the same bytes per hop (one block per rank) and lets a window skip hops.
 
 Memory per rank (S tokens in the group, R ring ranks, h_q / h_kv widths of the local heads): q, k, v, o of S/R tokens
 (saved), plus two K/V blocks of S/R tokens (the one computed and the one arriving) and in backward two fp32 dK/dV
@@ -43,22 +43,20 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
-def ring_hops(ring: int, piece: int, window: int | None) -> int:
-    """Hops every rank of a ring of `ring` positions runs (the same number on all): 1 + the largest h for which some
-    position's queries may attend the keys of position r − h, from the zigzag pieces of `piece` tokens; `ring`
-    without a window (or one longer than the pieces can span)."""
-    if window is None:
-        return ring
-    needed = 0
+def ring_hops(ring: int, piece: int, window: int | None) -> list[int]:
+    """The hops every rank of a ring of `ring` positions runs (the same on all): each h for which some position's
+    queries may attend the keys of position r − h, from the zigzag pieces of `piece` tokens — every h without a
+    window; with one shorter than the sequence, the hops whose pieces all lie outside it are skipped (no compute, no
+    send)."""
+    needed = []
     for h in range(ring):
         for r in range(ring):
             src = (r - h) % ring
-            for pq in (r, 2 * ring - 1 - r):
-                for pk in (src, 2 * ring - 1 - src):
-                    closest = 0 if pk == pq else (pq - pk) * piece - (piece - 1)
-                    if pk <= pq and closest < window:
-                        needed = max(needed, h)
-    return needed + 1
+            pairs = [(pq, pk) for pq in (r, 2 * ring - 1 - r) for pk in (src, 2 * ring - 1 - src) if pk <= pq]
+            if any(window is None or (pq - pk) * piece - (piece - 1) < window or pq == pk for pq, pk in pairs):
+                needed.append(h)
+                break
+    return needed
 
 
 @dataclass
@@ -106,7 +104,11 @@ def _pieces(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
 
 
 class _RingFunction(torch.autograd.Function):
-    """Forward and backward of ring attention (module doc); q5 [B, Hkv, g, n, D], k4/v4 [B, Hkv, n, D], doc [B, n]."""
+    """Forward and backward of ring attention (module doc); q5 [B, Hkv, g, n, D], k4/v4 [B, Hkv, n, D], doc [B, n].
+
+    Hop h's block comes straight from its owner, position r − h (`Ring.exchange(to=h)`: every rank sends its own block
+    h ahead), fetched while the hop before it computes; a hop the window skips is neither fetched nor computed. In
+    backward each hop's dK/dV go straight back to the block's owner while the next hop computes."""
 
     @staticmethod
     def forward(ctx, ring: Ring, q5: Tensor, k4: Tensor, v4: Tensor, doc_Bn: Tensor, config: tuple):
@@ -118,12 +120,8 @@ class _RingFunction(torch.autograd.Function):
         q_pieces = _pieces(q5, 3)
         acc = [(None, None), (None, None)]
         kinds_by_hop = []
-        block = (k4.contiguous(), v4.contiguous(), doc_Bn)
-        for hop in range(hops):
-            incoming, requests = None, []
-            if hop + 1 < hops:
-                incoming = tuple(torch.empty_like(t) for t in block)
-                requests = ring.exchange(list(block), list(incoming))
+        own = [k4.contiguous(), v4.contiguous(), doc_Bn]
+        for hop, block in _blocks(ring, own, hops):
             k_blk, v_blk, doc_blk = block
             ids_k = _ids(index(ring.source(hop), q5.device), doc_blk)
             k_pieces, v_pieces = _pieces(k_blk, 2), _pieces(v_blk, 2)
@@ -138,9 +136,6 @@ class _RingFunction(torch.autograd.Function):
                     out, lse = block_forward(kind, q_pieces[j], k_pieces[i], v_pieces[i], allowed, scale, softcap)
                     acc[j] = merge(*acc[j], out, lse)
             kinds_by_hop.append(hop_kinds)
-            wait(requests)
-            if incoming is not None:
-                block = incoming
         out5 = torch.cat([a[0] for a in acc], dim=3).to(q5.dtype)
         lse = torch.cat([a[1] for a in acc], dim=3)
         ctx.ring, ctx.config, ctx.hops, ctx.kinds = ring, config, hops, kinds_by_hop
@@ -159,28 +154,19 @@ class _RingFunction(torch.autograd.Function):
         q_pieces, dout_pieces = _pieces(q5, 3), _pieces(dout5, 3)
         merged_o, merged_delta, merged_lse = _pieces(out5, 3), _pieces(delta, 3), _pieces(lse, 3)
         dq = [torch.zeros(p.shape, dtype=torch.float32, device=q5.device) for p in q_pieces]
-        block = (k4.contiguous(), v4.contiguous(), doc_Bn)
-        carry: tuple[Tensor, Tensor] | None = None  # dK/dV of the block this rank held last hop, summed so far
-        for hop in range(hops):
-            incoming, requests = None, []
-            send: list[Tensor] = []
-            recv: list[Tensor] = []
-            if hop + 1 < hops:
-                incoming = tuple(torch.empty_like(t) for t in block)
-                send, recv = list(block), list(incoming)
-            arriving = None
-            if carry is not None:  # the previous rank's sums for the block this rank holds now
-                arriving = tuple(torch.empty_like(t) for t in carry)
-                send, recv = send + list(carry), recv + list(arriving)
-            requests = ring.exchange(send, recv)
+        own = [k4.contiguous(), v4.contiguous(), doc_Bn]
+        dk_own = torch.zeros(k4.shape, dtype=torch.float32, device=q5.device)
+        dv_own = torch.zeros(v4.shape, dtype=torch.float32, device=q5.device)
+        returning: list = []  # (requests, received dK, received dV) of hops whose gradients are on their way home
+        for step, (hop, block) in enumerate(_blocks(ring, own, hops)):
             k_blk, v_blk, doc_blk = block
             ids_k = _ids(index(ring.source(hop), q5.device), doc_blk)
             k_pieces, v_pieces = _pieces(k_blk, 2), _pieces(v_blk, 2)
-            dk = torch.zeros(k_blk.shape, dtype=torch.float32, device=q5.device)
-            dv = torch.zeros(v_blk.shape, dtype=torch.float32, device=q5.device)
+            dk = dk_own if hop == 0 else torch.zeros(k_blk.shape, dtype=torch.float32, device=q5.device)
+            dv = dv_own if hop == 0 else torch.zeros(v_blk.shape, dtype=torch.float32, device=q5.device)
             dk_pieces, dv_pieces = _pieces(dk, 2), _pieces(dv, 2)
             for j in (0, 1):
-                for i, kind in enumerate(ctx.kinds[hop][j]):
+                for i, kind in enumerate(ctx.kinds[step][j]):
                     if kind is None:
                         continue
                     allowed, merged = None, (merged_o[j], merged_lse[j])
@@ -192,16 +178,33 @@ class _RingFunction(torch.autograd.Function):
                     dq[j] += dq_ji
                     dk_pieces[i].add_(dk_ji)
                     dv_pieces[i].add_(dv_ji)
+            if hop:  # back to the owner, position r − hop; position r + hop's share of this rank's block arrives
+                home = [torch.empty_like(dk), torch.empty_like(dv)]
+                returning.append((ring.exchange([dk, dv], home, to=-hop), *home))
+        for requests, dk, dv in returning:
             wait(requests)
-            if arriving is not None:
-                dk += arriving[0]
-                dv += arriving[1]
-            carry = (dk, dv)
-            if incoming is not None:
-                block = incoming
-        home = ring.send_home(list(carry), hops)  # the last hop's sums belong to position r − (hops − 1)
+            dk_own += dk
+            dv_own += dv
         dq5 = torch.cat(dq, dim=3).to(q5.dtype)
-        return None, dq5, home[0].to(k4.dtype), home[1].to(v4.dtype), None, None
+        return None, dq5, dk_own.to(k4.dtype), dv_own.to(v4.dtype), None, None
+
+
+def _blocks(ring: Ring, own: list[Tensor], hops: list[int]):
+    """(hop, K/V block of position r − hop) for each hop, in order; the next hop's block is on its way while the caller
+    computes the current one (double buffering)."""
+    def fetch(hop):
+        incoming = [torch.empty_like(t) for t in own]
+        return incoming, ring.exchange(own, incoming, to=hop)
+
+    pending = fetch(hops[0]) if hops[0] else None
+    for at, hop in enumerate(hops):
+        if hop == 0:
+            block = own
+        else:
+            block, requests = pending
+            wait(requests)
+        pending = fetch(hops[at + 1]) if at + 1 < len(hops) else None
+        yield hop, block
 
 
 def _ids(index_n: Tensor, doc_Bn: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:

@@ -3,7 +3,8 @@ sequence (fp32), for (Ulysses, ring) = (1, 4), (2, 2), (4, 1).
 
 Models: GQA (4q/2kv), LoRA on every linear layer (Qwen2, its sliding-window layer), sliding windows (Mistral, Gemma-3's mixed layers; a 16-token window, shorter than the ring's
 pieces at R = 2), an MoE, softcapped attention logits (Gemma-2), and a model with 2 query heads, which Ulysses alone
-cannot spread over 4 ranks (ring 2 × Ulysses 2 and ring 4). Data: one long sample, packed documents whose boundaries
+cannot spread over 4 ranks (ring 2 × Ulysses 2 and ring 4), and an 8-token window, with which ring 4 skips a hop.
+Data: one long sample, packed documents whose boundaries
 cross the zigzag pieces, and an odd length padded to a multiple of 2·SP. All cases of a layout share one process
 group (spawning is the expensive part).
 """
@@ -17,7 +18,7 @@ DOCS = [41, 30, 25]
 ODD = SEQ - 5
 TOL = 2e-5
 LAYOUTS = [(1, 4), (2, 2), (4, 1)]
-ARCHS = ["llama", "mistral", "gemma3_text", "qwen3_moe", "softcap", "two-heads", "lora"]
+ARCHS = ["llama", "mistral", "gemma3_text", "qwen3_moe", "softcap", "two-heads", "lora", "window-8"]
 
 
 def _build(model_type: str):
@@ -36,6 +37,8 @@ def _build(model_type: str):
                                                                init_lora_weights=False))
         model.train()
         return model
+    if model_type == "window-8":  # shorter than a piece at ring 4 (12 tokens): hop 2 is skipped (ring_hops)
+        return tiny_model("mistral", sliding_window=8)
     if model_type == "two-heads":
         return tiny_model("llama", num_attention_heads=2, num_key_value_heads=1, head_dim=16)
     return tiny_model(model_type)

@@ -162,3 +162,14 @@ def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tm
     _train(*ring, "--output-dir", tmp_path / "part", "--resume")
     part = read_metrics(tmp_path / "part")
     assert [m["loss"] for m in part] == [m["loss"] for m in full]
+
+
+def test_metp_mlp_and_ring_with_chunks_are_refused_before_launch(tmp_path, text_data):
+    """--metp-mlp is not composed with the training engine yet: exit 2 with the reason, before any process starts;
+    so is chunked attention under a ring."""
+    base = ["train", *TINY_MODEL, "--data", text_data, "--gpus", "2", "--sp", "2"]
+    proc = run_subprocess(*base, "--metp-mlp", "--output-dir", tmp_path / "o", timeout=120)
+    assert proc.returncode == 2 and "--metp-mlp is not yet composed" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    proc = run_subprocess(*base, "--sp-ring", "2", "--attn-chunks", "2", "--output-dir", tmp_path / "c", timeout=120)
+    assert proc.returncode == 2 and "does not combine with ring attention" in proc.stderr, proc.stderr[-2000:]

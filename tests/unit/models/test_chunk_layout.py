@@ -57,3 +57,22 @@ def test_gathered_chunks_are_contiguous_and_unshard_inverts_shard(sp, chunks):
 def test_lengths_that_do_not_cut_into_equal_pieces_are_refused():
     with pytest.raises(ValueError, match="equal pieces"):
         SequenceLayout(20, 2, 3)
+
+
+@pytest.mark.parametrize(("sp", "ring"), [(4, 4), (4, 2), (8, 2), (2, 2)])
+def test_zigzag_ring_layout_gives_each_ring_position_pieces_r_and_2R_minus_1_minus_r(sp, ring):
+    layout = sequence_layout(61, sp, None, ring)
+    assert layout.length % (2 * sp) == 0 and layout.length - 61 < 2 * sp
+    tokens_BS = torch.arange(layout.length)[None]
+    shards = [layout.shard(tokens_BS, rank)[0] for rank in range(sp)]
+    assert torch.equal(layout.unshard(shards), tokens_BS[0])
+    piece = layout.length // (2 * ring)
+    for r in range(ring):  # the Ulysses ranks of position r, gathered in rank order: its two pieces
+        gathered = torch.cat(shards[r * layout.ulysses:(r + 1) * layout.ulysses])
+        expected = [*range(r * piece, (r + 1) * piece), *range((2 * ring - 1 - r) * piece, (2 * ring - r) * piece)]
+        assert gathered.tolist() == expected == layout.ring_index(r).tolist()
+
+
+def test_ring_layout_refuses_chunked_attention():
+    with pytest.raises(ValueError, match="ring"):
+        sequence_layout(96, 4, AttentionChunks(3), 2)

@@ -77,3 +77,31 @@ def test_a_model_without_attention_heads_gets_no_sequence_parallelism():
 def test_build_groups_needs_distributed():
     with pytest.raises(RuntimeError, match="initialised"):
         ParallelDims(2, 2).build_groups()
+
+
+@pytest.mark.parametrize(("world", "sp", "ring", "q", "node", "expected"), [
+    (4, 4, "auto", 2, None, (2, 2)),  # 2 heads: Ulysses 2, ring 2
+    (4, 4, "auto", 4, None, (4, 1)),  # heads allow all of it: no ring
+    (4, 4, 4, 4, None, (1, 4)),
+    (64, 64, "auto", 32, 8, (8, 8)),  # Llama-3.1-8B on 8 nodes of 8: Ulysses inside a node, the ring across
+    (128, 128, "auto", 64, 8, (8, 16)),
+    (8, 8, "auto", 9, None, (8, 1)),  # uneven Ulysses plan counts (9 heads on 8)
+])
+def test_ulysses_times_ring_split(world, sp, ring, q, node, expected):
+    dims = ParallelDims(world, sp, q_heads=q, kv_heads=1, ring=ring, node_size=node)
+    assert (dims.ulysses, dims.ring) == expected
+
+
+def test_ring_groups_take_every_ulysses_th_rank_and_ulysses_groups_stay_consecutive():
+    dims = ParallelDims(16, 8, ring=4, rank=13)  # SP blocks of 8: Ulysses 2 × ring 4
+    assert (dims.sp_rank, dims.ring_rank, dims.ulysses_rank) == (5, 2, 1)
+    assert dims.ring_group_ranks(1, 1) == [9, 11, 13, 15]
+    assert dims.ulysses_group_ranks(1, 2) == [12, 13]
+
+
+def test_sp_past_the_heads_needs_a_ring():
+    with pytest.raises(ConfigError, match="--sp-ring"):
+        ParallelDims(4, 4, q_heads=2, kv_heads=1)
+    with pytest.raises(ConfigError, match="--sp-ring 3"):
+        ParallelDims(4, 4, q_heads=2, kv_heads=1, ring=3)
+    assert ParallelDims(4, "auto", q_heads=2, kv_heads=1, ring=2).sp == 4
