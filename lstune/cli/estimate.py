@@ -80,16 +80,46 @@ def _estimate_command(**kwargs: Any) -> int:
         from lstune.estimate import estimate
 
         result = estimate(config, hardware)
+    from lstune.estimate.sequence_parallel import sp_report
+
+    sequence_parallel = sp_report(config, hardware)
     if as_json:
         import json
 
-        typer.echo(json.dumps(result.to_dict(), indent=1))
-    elif trace:
+        typer.echo(json.dumps({**result.to_dict(), "sequence_parallel": sequence_parallel}, indent=1))
+        return 0
+    if trace:
         _render(result.estimate)
         _render_trace(result)
     else:
         _render(result)
+    if sequence_parallel is not None:
+        _render_sequence_parallel(sequence_parallel)
     return 0
+
+
+def _render_sequence_parallel(report: dict) -> None:
+    """The SP split, one rank's traffic per step at the link rates, METP's MLP vs ZeRO-3 + tiled MLP (predicted)."""
+    from lstune.cli.render import console, human_bytes
+
+    t = report["traffic"]
+    line = (f"sequence parallelism (predicted; NVLink 450 GB/s inside a node, 50 GB/s across): Ulysses {t['ulysses']} × "
+            f"ring {t['ring']}; per rank and step: all-to-alls {human_bytes(t['ulysses_bytes'])} (~{t['ulysses_s']:.0f} s, "
+            "not overlapped)")
+    if t["ring"] > 1:
+        line += (f", ring K/V {human_bytes(t['ring_bytes'])} (~{t['ring_s']:.0f} s, "
+                 + ("hidden under the hops' attention)" if t["ring_overlap"] else "longer than the hops' attention)"))
+    lines = [line]
+    if t["metp_bytes"]:
+        lines[0] += f", METP MLP shards {human_bytes(t['metp_bytes'])} (~{t['metp_s']:.0f} s)"
+    mlp = report.get("mlp")
+    if mlp:
+        lines.append(f"MLP per layer and rank (predicted), METP vs ZeRO-3 + tiled MLP: weights held "
+                     f"{human_bytes(mlp['metp_weights'])} vs {human_bytes(mlp['zero3_weights'])}; peak intermediate "
+                     f"{human_bytes(mlp['metp_peak'])} vs {human_bytes(mlp['zero3_peak'])}; moved per step "
+                     f"{human_bytes(mlp['metp_moved'])} vs {human_bytes(mlp['zero3_moved'])} (METP Table 1)")
+    for line in lines:
+        console().print(line)
 
 
 def _render_trace(report) -> None:

@@ -189,7 +189,28 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
         checkpoint_device_budget=m.checkpoint_device_budget, attn_chunks=m.attn_chunks,
+        ring=resolve_ring(config, hardware, sp),
     )
+
+
+def resolve_ring(config: TrainConfig, hardware: Cluster, sp: int) -> int:
+    """The ring part of `sp` the run would use (`--sp-ring`; auto: Ulysses as wide as the heads and a node allow)."""
+    ring = config.parallel.sp_ring
+    if ring == "auto":
+        from lstune.estimate.sequence_parallel import choose_ring
+
+        heads = _model_heads(config)
+        return choose_ring(sp, heads, hardware.gpus) if heads else 1
+    return int(ring) if sp % int(ring) == 0 else 1
+
+
+def _model_heads(config: TrainConfig) -> int | None:
+    from lstune.models.introspect import attention_heads
+
+    text = _model_config(config)
+    text = text.get_text_config() if hasattr(text, "get_text_config") else text
+    heads = attention_heads(text)
+    return heads[0] if heads else None
 
 
 AUTO_OFFLOAD_RATIOS = (0.75, 0.5, 0.25)  # the partial offloads `--zero-stage auto` tries first

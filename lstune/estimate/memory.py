@@ -114,6 +114,7 @@ class Settings:
     attn_chunk_count: int = 1  # FPDT chunks of the local sequence, resolved by `breakdown`; 1: not chunked
     chunks_fetched: bool = True  # offloaded chunks come back as device copies (CUDA); the CPU trace reads them in place
     lora_dropout: float = 0.0  # > 0: each adapter's cast + dropout replays in backward (`_lora_dropout_replay`)
+    ring: int = 1  # the ring-attention part of sp (lstune.memory.attention_ring); sp // ring Ulysses ranks
 
     @property
     def local_tokens(self) -> int:
@@ -215,7 +216,9 @@ def lora_base_in_bf16(lora_r: int, dtype: str, on_cuda: bool) -> bool:
 
 def breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
     """Per-rank device and host bytes at the peak of one step (module doc)."""
-    s = replace(s, attn_chunk_count=attn_chunk_count(s.attn_chunks, shape, ceil_div(s.seq_len, s.sp)))
+    # Chunked attention does not combine with a ring (lstune.train refuses it): unchunked there.
+    chunks = 1 if s.ring > 1 else attn_chunk_count(s.attn_chunks, shape, ceil_div(s.seq_len, s.sp))
+    s = replace(s, attn_chunk_count=chunks)
     b = Breakdown(dtypes=dtypes(s))
     _static(b, params, s)
     _activations(b, shape, params, s)
@@ -518,6 +521,13 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         saved = ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
                  t * (upcast + act * (h + 3 * q + 2 * kv)))
         attention = ("attention's (gradients of q, k, v, output, input norm)", t * act * (3 * h + 3 * q + 2 * kv))
+        if s.ring > 1:
+            from lstune.estimate.sequence_parallel import ring_buffer_bytes
+
+            ring = ring_buffer_bytes(shape, seq_len=s.seq_len, micro_batch=s.micro_batch, sp=s.sp, ring=s.ring,
+                                     act_bytes=act)
+            attention = (f"attention's (gradients of q, k, v, output, input norm; ring of {s.ring}: two K/V blocks, "
+                         "fp32 dK/dV, dQ)", attention[1] + ring)
     casts, mlp_casts = _autocast_casts(shape, p, s, act, res)
     replay = _lora_dropout_replay(shape, s, act)
     moments = [

@@ -157,7 +157,7 @@ class _RingFunction(torch.autograd.Function):
         own = [k4.contiguous(), v4.contiguous(), doc_Bn]
         dk_own = torch.zeros(k4.shape, dtype=torch.float32, device=q5.device)
         dv_own = torch.zeros(v4.shape, dtype=torch.float32, device=q5.device)
-        returning: list = []  # (requests, received dK, received dV) of hops whose gradients are on their way home
+        returning: list = []  # (requests, received dK, received dV) of the hop whose gradients are on their way home
         for step, (hop, block) in enumerate(_blocks(ring, own, hops)):
             k_blk, v_blk, doc_blk = block
             ids_k = _ids(index(ring.source(hop), q5.device), doc_blk)
@@ -178,15 +178,22 @@ class _RingFunction(torch.autograd.Function):
                     dq[j] += dq_ji
                     dk_pieces[i].add_(dk_ji)
                     dv_pieces[i].add_(dv_ji)
+            _arrived(returning, dk_own, dv_own)  # the previous hop's share, sent home during this hop's compute
             if hop:  # back to the owner, position r − hop; position r + hop's share of this rank's block arrives
                 home = [torch.empty_like(dk), torch.empty_like(dv)]
                 returning.append((ring.exchange([dk, dv], home, to=-hop), *home))
-        for requests, dk, dv in returning:
-            wait(requests)
-            dk_own += dk
-            dv_own += dv
+        _arrived(returning, dk_own, dv_own)
         dq5 = torch.cat(dq, dim=3).to(q5.dtype)
         return None, dq5, dk_own.to(k4.dtype), dv_own.to(v4.dtype), None, None
+
+
+def _arrived(returning: list, dk_own: Tensor, dv_own: Tensor) -> None:
+    """Wait for the gradients on their way home (at most one hop's: O(S/R) memory) and add them to this rank's."""
+    while returning:
+        requests, dk, dv = returning.pop()
+        wait(requests)
+        dk_own += dk
+        dv_own += dv
 
 
 def _blocks(ring: Ring, own: list[Tensor], hops: list[int]):

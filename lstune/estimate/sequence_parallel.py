@@ -1,0 +1,167 @@
+"""What Ulysses × ring sequence parallelism and METP's MLP cost per rank: device bytes, bytes moved per step, and the
+time those bytes take at the link rates — PREDICTED by formula from the model's shape (lstune.estimate.shapes).
+
+Layout (lstune.parallel.dims): SP = U Ulysses ranks (a group inside a node: NVLink) × R ring positions (a group across
+nodes when SP exceeds a node: the network). Each rank holds S/SP tokens of a sample outside attention.
+
+Bytes moved per layer, per rank, b bytes per activation element, t = B·S/SP local tokens, q/kv the full widths:
+- Ulysses: four all-to-alls in forward (q, k, v, out) and four in backward, each sending (U−1)/U of
+  t·(2·q + 2·kv′) elements (kv′: kv heads after replication, at least U heads' worth) — ALST; not overlapped.
+- ring (R > 1, lstune.memory.attention_ring): each hop fetches one K/V block of B·S/R tokens × 2·kv/U (forward),
+  again in backward, plus its fp32 dK/dV back home: (hops − 1)·(B·S/R)·2·(kv/U)·(2·b + 4); overlapped with the
+  block compute when a hop's attention outlasts its transfer (METP's condition, Sec. 3.3).
+- METP's MLP (p = SP): (p−1)/p of the MLP weights (3·H·I elements, gated) each way in forward, twice that in backward
+  (weights and fp32 gradient sums) — METP's 3·(p−1)/p·(k1·k2 + k2·n) (Table 1), independent of S.
+Activation checkpointing re-runs the forward in backward: its share once more.
+
+Link rates (`LINKS`): NVLink 4 on H100/H200, 450 GB/s per direction per GPU; the network, 400 Gb/s InfiniBand per GPU
+(50 GB/s) — data-sheet rates, not measured here; the time is bytes / rate (no latency, no contention): a floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+NVLINK_BYTES_PER_S = 450e9
+NETWORK_BYTES_PER_S = 50e9
+
+
+@dataclass(frozen=True)
+class SPTraffic:
+    """One rank's sequence-parallel traffic per optimizer step and its time at the link rates (PREDICTED)."""
+
+    ulysses: int
+    ring: int
+    ulysses_bytes: int  # all-to-alls (intra-node)
+    ring_bytes: int  # K/V blocks and their gradients (across nodes when the ring spans them)
+    metp_bytes: int  # METP's MLP weight shards and their gradient sums
+    ulysses_s: float
+    ring_s: float
+    metp_s: float
+    ring_overlap: bool  # a hop's attention outlasts its transfer (the ring's time hides under compute)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _kv_local(shape: Any, ulysses: int) -> int:
+    """kv width one Ulysses rank holds: its share, at least one head (replication)."""
+    return max(shape.kv_width // ulysses, shape.head_dim)
+
+
+def ring_hop_count(ring: int) -> int:
+    """Hops with a transfer in a ring of `ring` positions (full causal attention: every hop but the local one)."""
+    return max(0, ring - 1)
+
+
+def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int, act_bytes: int = 2,
+               metp_mlp: bool = False, checkpointing: bool = True, micro_batches: int = 1,
+               attention_flops_per_s: float = 500e12, node_size: int = 8) -> SPTraffic:
+    """The bytes one rank moves per step (`micro_batches` forward+backward passes) and their time (module doc). An
+    SP group wider than a node (`node_size` GPUs) puts the ring's and METP's sends on the network."""
+    ulysses = sp // ring
+    forward_runs = 2 if checkpointing else 1
+    t = micro_batch * seq_len // sp
+    kv_sent = max(shape.kv_width, ulysses * shape.head_dim)
+    a2a = (ulysses - 1) / ulysses * t * (2 * shape.q_width + 2 * kv_sent) * act_bytes if ulysses > 1 else 0
+    per_layer_ulysses = a2a * (forward_runs + 1)
+    block = micro_batch * seq_len // ring * 2 * _kv_local(shape, ulysses)
+    hops = ring_hop_count(ring)
+    per_layer_ring = hops * block * (act_bytes * (forward_runs + 1) + 4) if ring > 1 else 0
+    mlp_weights = (3 if shape.gated else 2) * shape.hidden * shape.intermediate
+    per_layer_metp = (sp - 1) / sp * mlp_weights * (act_bytes * (forward_runs + 1) + 4) if metp_mlp and sp > 1 else 0
+    layers = shape.layers * micro_batches
+    u_bytes, r_bytes, m_bytes = (int(x * layers) for x in (per_layer_ulysses, per_layer_ring, per_layer_metp))
+    ring_rate = NETWORK_BYTES_PER_S if sp > node_size else NVLINK_BYTES_PER_S
+    # A hop: B·S/R queries of q/U width against B·S/R keys, half of them masked on average (causal, zigzag balanced).
+    hop_flops = 2 * (micro_batch * seq_len / ring) ** 2 * (shape.q_width / ulysses) * 2 / 2
+    hop_bytes = block * act_bytes
+    ulysses_rate = NETWORK_BYTES_PER_S if ulysses > node_size else NVLINK_BYTES_PER_S
+    return SPTraffic(ulysses, ring, u_bytes, r_bytes, m_bytes, u_bytes / ulysses_rate, r_bytes / ring_rate,
+                     m_bytes / ring_rate,
+                     ring <= 1 or hop_flops / attention_flops_per_s >= hop_bytes / ring_rate)
+
+
+def ring_buffer_bytes(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int, act_bytes: int = 2) -> int:
+    """Device bytes ring attention adds to one layer's backward on a rank (beyond q, k, v, o, which Ulysses holds
+    too): the block computed and the one arriving (K/V, b each, and their document ids), fp32 dK/dV of this rank's
+    own block, of the hop computed and of the one on its way home, fp32 dQ and the rowsums."""
+    if ring <= 1:
+        return 0
+    ulysses = sp // ring
+    tokens = micro_batch * seq_len // ring
+    kv = 2 * _kv_local(shape, ulysses)
+    heads = max(1, shape.heads // ulysses)
+    return int(tokens * (2 * (kv * act_bytes + 8) + 3 * kv * 4 + shape.q_width // ulysses * 4 + heads * 8))
+
+
+@dataclass(frozen=True)
+class MlpComparison:
+    """One layer's MLP on one rank, METP's MLP vs ZeRO-3 + tiled MLP (PREDICTED): weight bytes held, the peak
+    intermediate, and bytes moved per step — METP Table 1's rows with lstune's numbers."""
+
+    metp_weights: int
+    metp_peak: int
+    metp_moved: int
+    zero3_weights: int
+    zero3_peak: int
+    zero3_moved: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def mlp_comparison(shape: Any, *, seq_len: int, micro_batch: int, sp: int, world: int, tiles: int,
+                   param_bytes: int = 2, act_bytes: int = 2) -> MlpComparison:
+    """Per layer and rank. METP: its shard (3·H·I/p) plus the arriving one, intermediates (s/p)·(I/p)·3 (gate, up,
+    product) at a time; moves 3·(p−1)/p of the weights (forward, backward, gradient sums). ZeRO-3 + tiled MLP: its
+    1/world partition, the whole gathered layer (3·H·I) while it runs, intermediates (s/p/tiles)·I·3; moves the
+    all-gather twice (forward, backward) and a reduce-scatter of the gradients: 3·(world−1)/world of the weights."""
+    h, i = shape.hidden, shape.intermediate
+    weights = (3 if shape.gated else 2) * h * i
+    t = micro_batch * seq_len // sp
+    metp = MlpComparison(
+        metp_weights=2 * weights // sp * param_bytes,
+        metp_peak=3 * t * (i // sp) * act_bytes,
+        metp_moved=int(3 * (sp - 1) / sp * weights * param_bytes),
+        zero3_weights=(weights // world + weights) * param_bytes,
+        zero3_peak=3 * -(-t // max(1, tiles)) * i * act_bytes,
+        zero3_moved=int(3 * (world - 1) / world * weights * param_bytes),
+    )
+    return metp
+
+
+def choose_ring(sp: int, q_heads: int, node_size: int | None) -> int:
+    """The ring part `--sp-ring auto` takes (lstune.parallel.dims.auto_ring_degree): Ulysses as wide as the heads
+    and a node allow, the ring the rest."""
+    from lstune.parallel.dims import auto_ring_degree
+
+    return auto_ring_degree(sp, q_heads, node_size)
+
+
+def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | None:
+    """The split of `config`'s SP degree on `hardware`, one rank's traffic per step and its time (`sp_traffic`), and
+    with --metp-mlp METP's MLP against ZeRO-3 + tiled MLP (`mlp_comparison`) — all PREDICTED; None without SP."""
+    from lstune.estimate import _model_config, resolve_ring, resolve_sp
+    from lstune.estimate.shapes import ModelShape
+
+    model_config = model_config if model_config is not None else _model_config(config)
+    sp = resolve_sp(config, hardware, model_config)
+    if sp <= 1:
+        return None
+    ring = resolve_ring(config, hardware, sp)
+    shape = ModelShape.from_config(model_config)
+    act = 4 if config.model.dtype == "fp32" or not hardware.on_cuda else 2
+    common = dict(seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp)
+    traffic = sp_traffic(shape, ring=ring, act_bytes=act, metp_mlp=bool(config.parallel.metp_mlp),
+                         checkpointing=config.memory.checkpointing, micro_batches=config.optim.grad_accum * sp,
+                         attention_flops_per_s=hardware.device.attention_tflops * 1e12, node_size=hardware.gpus,
+                         **common)
+    report = {"label": "predicted", "traffic": traffic.to_dict()}
+    if config.parallel.metp_mlp:
+        tiles = config.memory.tiled_mlp if isinstance(config.memory.tiled_mlp, int) else max(
+            1, -(-config.data.seq_len // sp // shape.hidden))
+        report["mlp"] = mlp_comparison(shape, world=hardware.world_size, tiles=tiles, param_bytes=2, act_bytes=act,
+                                       **common).to_dict()
+    return report
