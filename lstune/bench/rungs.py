@@ -11,7 +11,16 @@ Each rung adds one technique to the one before, over the user's flags (model, Lo
     lstune      the flags as given: what `lstune train` with the same flags runs
     sp          `lstune` on --gpus processes: Ulysses sequence parallelism
 
-Every rung but `lstune` and `sp` runs in one process; `lstune` runs on --gpus processes unless it is one
+Sequence-parallel layouts over --gpus processes, all of them one SP group (opt-in, `--rungs`; METP's ring
+attention, lstune.memory.attention_ring), to compare at equal degree:
+
+    sp_ulysses  Ulysses alone (--sp-ring 1; at most one rank per query head)
+    sp_ring     ring attention alone (--sp-ring = --gpus)
+    sp_hybrid   Ulysses × ring: a ring of 2, Ulysses over the rest (--gpus 4 or more)
+
+On CPU (gloo) these check that each layout runs; their times mean something only on GPUs.
+
+Every rung but `lstune` and the `sp*` ones runs in one process; `lstune` runs on --gpus processes unless it is one
 rung of the ladder (the ladder's `sp` rung is that).
 """
 
@@ -33,6 +42,7 @@ class Rung:
     memory: dict[str, Any] | None  # memory settings (flat keys) over the flags; None: the flags' own
     plain_hf: bool = False
     all_processes: bool = False  # runs on the flags' --gpus processes (else one)
+    sp_ring: str | int | None = None  # an SP layout over all --gpus: "none" (Ulysses), "all" (ring) or a ring size
 
 
 RUNGS: dict[str, Rung] = {r.name: r for r in (
@@ -46,7 +56,11 @@ RUNGS: dict[str, Rung] = {r.name: r for r in (
                                          "offload_checkpoints": True, "mini_sequence": True}),
     Rung("lstune", "lstune (the flags as given)", None, all_processes=True),
     Rung("sp", "+ sequence parallelism (--gpus)", None, all_processes=True),
+    Rung("sp_ulysses", "SP over --gpus: Ulysses alone", {"attn_chunks": "off"}, all_processes=True, sp_ring="none"),
+    Rung("sp_ring", "SP over --gpus: ring attention alone", {"attn_chunks": "off"}, all_processes=True, sp_ring="all"),
+    Rung("sp_hybrid", "SP over --gpus: Ulysses × ring 2", {"attn_chunks": "off"}, all_processes=True, sp_ring=2),
 )}
+SP_LAYOUTS = ("sp_ulysses", "sp_ring", "sp_hybrid")
 LADDER = ("hf", "tiled_loss", "tiled_mlp", "offload", "mini_seq")
 MEMORY_KEYS = tuple(_OFF)
 
@@ -58,6 +72,10 @@ def rung_config(config: TrainConfig, rung: Rung, *, in_ladder: bool = False) -> 
     one_process = not rung.all_processes or (in_ladder and rung.name == "lstune")
     if one_process:
         values.update(gpus=1, sp="auto", hostfile=None)
+    if rung.sp_ring is not None:
+        gpus = values["gpus"]
+        ring = {"none": 1, "all": gpus}.get(rung.sp_ring, rung.sp_ring)
+        values.update(sp=gpus, sp_ring=ring)
     return TrainConfig.from_flat(values)
 
 
@@ -75,8 +93,11 @@ def select_rungs(config: TrainConfig, names: list[str] | None, ablation: bool) -
             problems.append(f"--rungs {name!r} is not a configuration; use some of {', '.join(RUNGS)}.")
         elif RUNGS[name] not in chosen:
             chosen.append(RUNGS[name])
-    if any(r.name == "sp" for r in chosen) and config.parallel.gpus < 2:
-        problems.append("--rungs sp runs on several processes: add --gpus 2 (or more).")
+    for rung in chosen:
+        if rung.name in ("sp", *SP_LAYOUTS) and config.parallel.gpus < 2:
+            problems.append(f"--rungs {rung.name} runs on several processes: add --gpus 2 (or more).")
+        elif rung.name == "sp_hybrid" and (config.parallel.gpus < 4 or config.parallel.gpus % 2):
+            problems.append("--rungs sp_hybrid (Ulysses × a ring of 2) needs an even --gpus of 4 or more.")
     return chosen, problems
 
 

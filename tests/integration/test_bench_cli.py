@@ -178,3 +178,17 @@ def _process_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+@pytest.mark.slow
+def test_sp_layout_rungs_run_ulysses_and_ring_on_two_processes(cli, tmp_path):
+    """--rungs sp_ulysses,sp_ring --gpus 2 on CPU: each layout trains its trial (times mean something only on GPUs)."""
+    result = cli("bench", "--model", "tiny-llama", "--seq-len", "256", "--gpus", "2", "--warmup", "0", "--steps", "1",
+                 "--rungs", "sp_ulysses,sp_ring", "--output-dir", tmp_path / "b")
+    assert result.code == 0, result.err + result.out
+    data = json.loads((tmp_path / "b" / "bench.json").read_text())
+    assert [(r["name"], r["config"]["sp"], r["config"]["sp_ring"]) for r in data["rungs"]] == [
+        ("sp_ulysses", 2, 1), ("sp_ring", 2, 2)]
+    for m in data["measurements"]:
+        assert m["outcome"] == "ok", m.get("error")
+        assert m["processes"] == 2 and m["tokens_per_step"] == 2 * 256

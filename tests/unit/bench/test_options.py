@@ -97,3 +97,16 @@ def test_more_gpus_than_the_machine_shows_is_refused_before_anything_is_written(
     with pytest.raises(ConfigError, match=r"--gpus 4 but this machine shows 2 CUDA devices \(CUDA_VISIBLE_DEVICES=0,1\)"):
         run_bench(_config(gpus=4), options, command="lstune bench", fingerprint=fingerprint)
     assert not (tmp_path / "b").exists()
+
+
+def test_sp_layout_rungs_set_the_split_over_every_process():
+    from lstune.bench.rungs import RUNGS, rung_config, select_rungs
+
+    config = _config(gpus=4)
+    layouts = {name: rung_config(config, RUNGS[name]).parallel for name in ("sp_ulysses", "sp_ring", "sp_hybrid")}
+    assert {n: (p.gpus, p.sp, p.sp_ring) for n, p in layouts.items()} == {
+        "sp_ulysses": (4, 4, 1), "sp_ring": (4, 4, 4), "sp_hybrid": (4, 4, 2)}
+    assert rung_config(config, RUNGS["sp_ring"]).memory.attn_chunks == "off"
+    assert select_rungs(_config(gpus=2), ["sp_hybrid"], False)[1] == [
+        "--rungs sp_hybrid (Ulysses × a ring of 2) needs an even --gpus of 4 or more."]
+    assert "add --gpus 2" in select_rungs(_config(gpus=1), ["sp_ring"], False)[1][0]

@@ -1,0 +1,51 @@
+"""The SP traffic and memory formulas of lstune.estimate.sequence_parallel, on hand-checkable shapes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lstune.estimate.sequence_parallel import (
+    NETWORK_BYTES_PER_S,
+    NVLINK_BYTES_PER_S,
+    mlp_comparison,
+    ring_buffer_bytes,
+    sp_traffic,
+)
+
+# One layer, 4 q heads and 2 kv heads of 8: q 32, kv 16 wide; a gated MLP 16 → 64.
+SHAPE = SimpleNamespace(layers=1, hidden=16, q_width=32, kv_width=16, heads=4, kv_heads=2, head_dim=8,
+                        intermediate=64, gated=True)
+
+
+def test_ulysses_alone_moves_four_all_to_alls_each_way_and_no_ring_bytes():
+    t = sp_traffic(SHAPE, seq_len=1024, micro_batch=1, sp=2, ring=1, checkpointing=False)
+    # 512 local tokens, (U-1)/U = 1/2 of t·(2q + 2kv) elements of 2 bytes, forward and backward.
+    assert t.ulysses_bytes == 2 * (512 * (2 * 32 + 2 * 16) * 2 // 2)
+    assert (t.ring_bytes, t.metp_bytes) == (0, 0)
+    assert t.ulysses_s == pytest.approx(t.ulysses_bytes / NVLINK_BYTES_PER_S)
+
+
+def test_the_ring_moves_its_blocks_and_their_fp32_gradients_and_crosses_nodes_past_one():
+    t = sp_traffic(SHAPE, seq_len=1024, micro_batch=1, sp=16, ring=4, checkpointing=True, node_size=8)
+    block = 1024 // 4 * 2 * 8  # S/R tokens × k and v of one kv head of 8 (2 heads on U = 4 ranks: replicated)
+    assert t.ring_bytes == 3 * block * (2 * 3 + 4)  # 3 hops: K/V fetched in forward, its re-run, backward; fp32 dK/dV
+    assert t.ring_s == pytest.approx(t.ring_bytes / NETWORK_BYTES_PER_S)
+    inside = sp_traffic(SHAPE, seq_len=1024, micro_batch=1, sp=8, ring=4, node_size=8)
+    assert inside.ring_s == pytest.approx(inside.ring_bytes / NVLINK_BYTES_PER_S)
+
+
+def test_ring_buffers_scale_with_one_over_the_ring_and_vanish_without_it():
+    assert ring_buffer_bytes(SHAPE, seq_len=4096, micro_batch=1, sp=4, ring=1) == 0
+    two, four = (ring_buffer_bytes(SHAPE, seq_len=4096, micro_batch=1, sp=r, ring=r) for r in (2, 4))
+    assert two == 2 * four
+
+
+def test_metp_holds_one_over_p_of_the_mlp_and_moves_what_zero_moves():
+    c = mlp_comparison(SHAPE, seq_len=1024, micro_batch=1, sp=4, world=4, tiles=1)
+    weights = 3 * 16 * 64
+    assert c.metp_weights == 2 * weights // 4 * 2  # its shard and the arriving one, bf16
+    assert c.zero3_weights == (weights // 4 + weights) * 2  # its partition and the gathered layer
+    assert c.metp_moved == c.zero3_moved == int(3 * 3 / 4 * weights * 2)  # METP Table 1: the same volume
+    assert c.metp_peak * 4 == c.zero3_peak  # intermediates (s/p)·(I/p) vs (s/p)·I
