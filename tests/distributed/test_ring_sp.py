@@ -104,3 +104,46 @@ def test_ulysses_times_ring_matches_hf(pools):
         for key, (outcome, detail) in other.items():
             if outcome == "ran":
                 assert detail[2] < TOL, (key, detail[2])
+
+
+def _saved_bytes_worker(rank: int, world: int) -> tuple[int, int]:
+    """Activation bytes saved for backward: the full sequence on one process vs this rank's share under a ring of
+    `world` (no Ulysses)."""
+    import torch
+
+    from lstune.memory.attention_ring import RingAttention
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.sp_data import shard_batch
+    from lstune.parallel.ulysses import apply_ulysses
+    from tests.distributed._helpers import make_batch
+    from tests.support.archs import tiny_model
+
+    def saved(model, batch) -> int:
+        params = {p.data_ptr() for p in model.parameters()}
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            if t.data_ptr() not in params:
+                total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _loss_sum(model, batch)
+        return total
+
+    dims = ParallelDims(world, world, ring=world).build_groups()
+    batch = make_batch(256, docs=2)
+    model = tiny_model("llama", hidden_size=64)
+    full = saved(model, batch)
+    handle = apply_ulysses(model, dims, core=RingAttention.of(dims), core_name="ring")
+    mine = saved(model, shard_batch(batch, dims.sp, dims.sp_rank, ring=world))
+    handle.undo()
+    return full, mine
+
+
+def test_each_ring_rank_saves_a_1_over_sp_share_of_activations(pools):
+    """The memory the ring promises: what a rank keeps for backward is at most 1/4 of the unsharded model's (less: the
+    reference's eager attention also saves its [S, S] probabilities, the ring's blocks nothing quadratic)."""
+    for full, mine in pools[4].run(_saved_bytes_worker):
+        assert 0.25 * full / 4 < mine <= full / 4 * 1.05, f"rank saved {mine} B; unsharded {full} B"
