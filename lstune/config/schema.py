@@ -364,7 +364,7 @@ class ParallelSection:
         1,
         "The ring-attention part of --sp (METP): ranks whose K/V blocks rotate point to point, so SP can pass the "
         "query heads (Ulysses takes at most one rank per head). 1 = Ulysses alone; 'auto' = Ulysses takes what the "
-        "heads (and a node) allow, the ring the rest. Must divide --sp.",
+        "heads (and a node) allow, the ring the rest. Must divide --sp; with --sp auto, every process goes to SP.",
         p.parse_auto_int,
     )
     metp_mlp: bool = _opt(

@@ -110,8 +110,8 @@ class ParallelDims:
         return ring
 
     def _resolve_sp(self) -> int:
-        if self.sp == "auto" and self.ring not in (1, "1", "auto"):
-            return self.world_size  # a ring asked for: every process to sequence parallelism
+        if self.sp == "auto" and self.ring not in (1, "1"):
+            return self.world_size  # a ring asked for (or auto): every process to sequence parallelism
         if self.sp == "auto":
             if self.q_heads is None:
                 return self.world_size

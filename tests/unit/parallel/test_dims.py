@@ -105,3 +105,5 @@ def test_sp_past_the_heads_needs_a_ring():
     with pytest.raises(ConfigError, match="--sp-ring 3"):
         ParallelDims(4, 4, q_heads=2, kv_heads=1, ring=3)
     assert ParallelDims(4, "auto", q_heads=2, kv_heads=1, ring=2).sp == 4
+    auto = ParallelDims(8, "auto", q_heads=2, kv_heads=1, ring="auto")  # every process to SP, Ulysses 2 × ring 4
+    assert (auto.sp, auto.ulysses, auto.ring, auto.dp) == (8, 2, 4, 1)
