@@ -28,12 +28,12 @@ Not with chunked attention (refused where the run is configured). Attention sink
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lstune.errors import ModelError
+from lstune.errors import DataError, ModelError
 from lstune.memory.rotation import Ring, wait
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
 from lstune.models.attention import window_from_mask
@@ -66,6 +66,7 @@ class RingAttention:
     and peers (lstune.memory.rotation)."""
 
     ring: Ring
+    _checked: Any = field(default=None, repr=False)  # the position_ids last found in zigzag order (once per forward)
 
     @classmethod
     def of(cls, dims: Any) -> "RingAttention":
@@ -87,6 +88,7 @@ class RingAttention:
             raise ModelError("ring attention needs position_ids at every attention call (documents and positions "
                              "come from them); this model does not pass them to attention: use --sp-ring 1.")
         window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
+        self._check_zigzag(position_ids)
         batch, heads, n, dim = query.shape
         kv_heads = key.shape[1]
         layout = SequenceLayout(n * self.ring.size, self.ring.size, 1, self.ring.size)
@@ -96,6 +98,36 @@ class RingAttention:
         q5 = query.reshape(batch, kv_heads, heads // kv_heads, n, dim)
         out5 = _RingFunction.apply(self.ring, q5, key, value, doc_Bn.contiguous(), (scale, window, softcap))
         return out5.reshape(batch, heads, n, out5.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+    def _check_zigzag(self, positions_Bn: Tensor) -> None:
+        """DataError unless the ring's tokens are in the zigzag layout with documents starting at position 0: inside
+        each piece a position continues the one before by +1 or is 0, and a piece starting at position p > 0
+        continues the piece before it in the sample (whose last position, gathered over the ring, is p − 1). Catches
+        a batch sharded contiguously (the adapter not told of the ring). Once per forward: every layer passes the same
+        position_ids."""
+        import torch.distributed as dist
+
+        if positions_Bn is self._checked:
+            return
+        pieces = _pieces(positions_Bn, 1)
+        bad = any(((p[:, 1:] != p[:, :-1] + 1) & (p[:, 1:] != 0)).any() for p in pieces)
+        ends = torch.stack([torch.stack([p[:, 0], p[:, -1]], 1) for p in pieces], 1)  # [B, 2 pieces, first / last]
+        if self.ring.size > 1:
+            gathered = [torch.empty_like(ends) for _ in range(self.ring.size)]
+            dist.all_gather(gathered, ends.contiguous(), group=self.ring.group)
+        else:
+            gathered = [ends]
+        by_piece = [None] * (2 * self.ring.size)  # global piece order
+        for r, e in enumerate(gathered):
+            by_piece[r], by_piece[2 * self.ring.size - 1 - r] = e[:, 0], e[:, 1]
+        for before, piece in zip(by_piece, by_piece[1:]):
+            bad = bad or bool(((piece[:, 0] != 0) & (piece[:, 0] != before[:, 1] + 1)).any())
+        if bad:
+            raise DataError("ring attention got position_ids out of its zigzag order (or a packed document not "
+                            "starting at position 0): shard batches with SPDataAdapter / shard_batch given the ring "
+                            "(ParallelDims.ring), and restart each document's positions at 0.")
+        self._checked = positions_Bn
 
 
 def _pieces(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:

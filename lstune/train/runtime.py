@@ -50,7 +50,7 @@ class Runtime:
 
         from lstune.parallel.comm import process_group_ready
 
-        node = self.launch.local_world_size if self.launch is not None else None
+        node = getattr(self.launch, "local_world_size", None)
         self.dims = ParallelDims.for_model(self.world_size, sp, model_config, ring=ring, node_size=node)
         if process_group_ready():
             self.dims.build_groups()

@@ -61,7 +61,7 @@ def _ring_worker(rank: int, world: int, archs: list[str], layouts: list[tuple[in
     from tests.distributed._helpers import compare_sp_with_hf, reference_samples
     from tests.unit.memory._helpers import long_batch
 
-    def variant(ulysses: int, ring: int):
+    def variant(ulysses: int, ring: int, zigzag: bool = True):
         dims = ParallelDims(world, sp=world, ring=ring).build_groups()
 
         def run(model, batch, data):
@@ -74,7 +74,7 @@ def _ring_worker(rank: int, world: int, archs: list[str], layouts: list[tuple[in
                 apply_ulysses(model, dims, core=RingAttention.of(dims), core_name="ring")
             else:
                 apply_ulysses(model, dims)
-            shard = shard_batch(batch, dims.sp, dims.sp_rank, ring=ring)
+            shard = shard_batch(batch, dims.sp, dims.sp_rank, ring=ring if zigzag else 1)
             return _loss_sum(model, shard), shard
         return run
 
@@ -82,13 +82,17 @@ def _ring_worker(rank: int, world: int, archs: list[str], layouts: list[tuple[in
     odd = long_batch(ODD)
     samples["odd"] = (odd, [odd])
     variants = {f"{u}x{r}": variant(u, r) for u, r in layouts}
+    variants["contiguous"] = variant(2, 2, zigzag=False)  # a batch not laid out for the ring: refused
     return compare_sp_with_hf(archs, samples, variants, build=_build)
 
 
 def test_ulysses_times_ring_matches_hf(pools):
     results = pools[4].run(_ring_worker, ARCHS, LAYOUTS, timeout=900)
-    assert len(results[0]) == len(ARCHS) * 3 * len(LAYOUTS)
+    assert len(results[0]) == len(ARCHS) * 3 * (len(LAYOUTS) + 1)
     for (arch, data, name), (outcome, detail) in results[0].items():
+        if name == "contiguous":
+            assert outcome == "refused" and "zigzag" in detail, (arch, data, name, detail)
+            continue
         if arch == "two-heads" and name == "4x1":  # Ulysses alone: more ranks than heads
             assert outcome == "refused", (arch, data, name)
             continue
