@@ -60,20 +60,6 @@ def engine_candidates(config: TrainConfig, hardware: Cluster) -> list[Engine]:
     return plain + offloads if hardware.on_cuda else plain[:1]
 
 
-def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int) -> Engine:
-    """The first candidate whose device and host peaks fit; when none does, the one that fits the longest
-    sequence (the first of equals)."""
-    candidates = engine_candidates(config, hardware)
-    for engine in candidates:
-        if fits_some_choice(config, hardware, shape, params, sp, engine):
-            return engine
-    from lstune.estimate.longest import longest_seq_len  # the search asks this module whether a length fits
-
-    candidates = reach_candidates(candidates)
-    reach = [longest_seq_len(config, hardware, shape, params, sp, engine) for engine in candidates]
-    return candidates[reach.index(max(reach))]
-
-
 def reach_candidates(candidates: list[Engine]) -> list[Engine]:
     """`candidates` less the fine partial offloads (`partial_offload_ratios`), unless only those are left."""
     coarse = [e for e in candidates if e.offload_ratio >= 1 or e.offload_ratio in AUTO_OFFLOAD_RATIOS]

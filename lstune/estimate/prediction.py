@@ -1,6 +1,7 @@
-"""`estimate(config, hardware)` → `Estimate`: a configuration's per-rank device and host bytes, verdict, step time,
-longest sequence and cheapest changes — the planner's modules composed (lstune.estimate.choice, .longest,
-.suggestions) over the byte model (lstune.estimate.memory) and the FLOPs (lstune.estimate.flops)."""
+"""`predict(config, hardware)` → `Estimate`: a configuration's engine (`choose_engine`), per-rank device and host
+bytes, verdict, step time and longest sequence — the planner's modules composed (lstune.estimate.choice, .longest)
+over the byte model (lstune.estimate.memory) and the FLOPs (lstune.estimate.flops). lstune.estimate.planner adds
+the cheapest changes (`estimate`)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,17 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lstune.config.schema import TrainConfig
-from lstune.estimate.choice import MemoryChoice, choose_engine, choose_memory
+from lstune.estimate.choice import (MemoryChoice, choose_memory, engine_candidates, fits_some_choice,
+                                    reach_candidates)
 from lstune.estimate.copies import StepCopies, step_copies
 from lstune.estimate.flops import StepFlops, step_flops
 from lstune.estimate.hardware import Cluster
-from lstune.estimate.longest import longest_reach
+from lstune.estimate.longest import longest_reach, longest_seq_len
 from lstune.estimate.memory import (Breakdown, Engine, attn_chunk_count, breakdown, loss_backend,
                                     saved_checkpoint_min_bytes)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
 from lstune.estimate.settings import device_capacity, host_capacity, model_config_of, resolve_sp, settings
 from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
-from lstune.estimate.suggestions import Suggestion, cheapest_changes
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Estimate:
     longest_seq_len: int  # the longest sequence (multiple of 1024) this configuration fits (`longest_reach`)
     memory_choice: "MemoryChoice | None" = None  # what the `auto` memory settings resolved to (what train applies)
     copies: StepCopies = field(default_factory=StepCopies)  # host <-> device bytes of one step
-    suggestions: list["Suggestion"] = field(default_factory=list)
+    suggestions: list[Any]  # lstune.estimate.suggestions.Suggestion = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -102,13 +103,11 @@ class Estimate:
         }
 
 
-def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None, params: ParamCounts | None = None,
-             suggest: bool = True, resolve_auto: bool = True, reach: bool = True) -> Estimate:
-    """The estimate of `config` on `hardware` (a Cluster from `resolve_hardware`). `model_config`: the model's
-    transformers config when already resolved (else read from `config.model.name`); `params`: counts when
-    already made (a search calls this many times). `resolve_auto=False`: the memory settings as the memory plan
-    applies them unresolved (`auto` tiles at ALST's counts, `auto` offload off; no `memory_choice`) — what a
-    bench ladder rung runs. `reach=False`: no longest sequence searched (`longest_seq_len` 0), for a suggestion."""
+def predict(config: TrainConfig, hardware: Cluster, *, model_config: Any = None, params: ParamCounts | None = None,
+            resolve_auto: bool = True, reach: bool = True) -> Estimate:
+    """The estimate of `config` on `hardware` without suggestions (lstune.estimate.planner.estimate adds them):
+    the engine (`choose_engine`), the `auto` memory settings (`choose_memory`; `resolve_auto=False`: as the
+    memory plan applies them unresolved), the peaks and step time, the longest sequence (`reach`)."""
     model_config = model_config if model_config is not None else model_config_of(config)
     shape = ModelShape.from_config(model_config)
     params = params or count_parameters(model_config, lora_r=config.model.lora_r,
@@ -121,20 +120,27 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
                        model_config)
     result.memory_choice = choice
     result.longest_seq_len = longest_reach(config, hardware, shape, params, sp, engine) if reach else 0
-    if suggest and not result.fits:
-        result.suggestions = cheapest_changes(config, hardware, model_config, params)
     return result
 
 
+def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int) -> Engine:
+    """The first candidate whose device and host peaks fit; when none does, the one that fits the longest
+    sequence (the first of equals)."""
+    candidates = engine_candidates(config, hardware)
+    for engine in candidates:
+        if fits_some_choice(config, hardware, shape, params, sp, engine):
+            return engine
+    candidates = reach_candidates(candidates)
+    reach = [longest_seq_len(config, hardware, shape, params, sp, engine) for engine in candidates]
+    return candidates[reach.index(max(reach))]
+
+
 def traced_settings_estimate(config: TrainConfig, hardware: Cluster, model_config, analytic: Estimate) -> Estimate:
-    """The analytic estimate of what `lstune estimate --trace` runs: the same rank and engine, the CPU's loss head
-    (ALST tiles, no Liger), mini-sequence without fused norms (finding them needs a probe on real weights), offloaded
-    attention chunks read in place (no device copies on CPU), no CUDA context (the trace sees only tensors)."""
-    s = replace(settings(config, hardware, analytic.sp, analytic.engine), liger=False, fuse_norms=False,
-                chunks_fetched=False)
-    shape = ModelShape.from_config(model_config)
-    b = breakdown(shape, analytic.params, s)
-    b.items = [i for i in b.items if not i.name.startswith("CUDA context")]
+    """The analytic model of what `lstune estimate --trace` runs for `config` as given (no choice made again): the
+    same rank and engine as `analytic`, the step of `Cluster.traced` (the CPU's loss head, no fused norms, chunks
+    read in place, no CUDA context)."""
+    s = settings(config, replace(hardware, traced=True), analytic.sp, analytic.engine)
+    b = breakdown(ModelShape.from_config(model_config), analytic.params, s)
     return replace(analytic, breakdown=b, suggestions=[])
 
 

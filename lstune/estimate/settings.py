@@ -33,6 +33,11 @@ def resolve_sp(config: TrainConfig, hardware: Cluster, model_config) -> int:
     return ParallelDims.for_model(hardware.world_size, config.parallel.sp, text).sp
 
 
+# What the trace's step does differently (Cluster.traced): no Liger, no fused norms (a probe needs real weights),
+# offloaded chunks read in place, no CUDA context (the trace counts tensors only).
+TRACED = {"liger": False, "fuse_norms": False, "chunks_fetched": False, "cuda_context": False}
+
+
 def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, offload: bool | None = None) -> Settings:
     """The byte model's settings of `config`; `offload`: checkpoint offload as resolved (default: on only when the
     config says so outright, 'auto' being the estimate's choice, `choose_memory`)."""
@@ -45,6 +50,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
         checkpoint_device_budget=m.checkpoint_device_budget, attn_chunks=m.attn_chunks,
+        **(TRACED if hardware.traced else {}),
     )
 
 

@@ -11,6 +11,7 @@ from lstune.errors import ConfigError
 from lstune.estimate.choice import AUTO_OFFLOAD_RATIOS, fits_some_choice, partial_offload_ratios
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import Engine
+from lstune.estimate.prediction import predict
 from lstune.estimate.settings import resolve_sp, with_flat
 from lstune.estimate.shapes import ModelShape, ParamCounts
 
@@ -125,13 +126,11 @@ def _changes(config: TrainConfig, hardware: Cluster, model_config, params: Param
 
 def _try(config, hardware, model_config, params, change) -> list[Suggestion]:
     """`change` estimated on `hardware` (whose `gpus` is the change's, if it has one), as a Suggestion."""
-    from lstune.estimate.prediction import estimate  # a suggestion is a whole estimate of the changed config
-
     try:
         changed = with_flat(config, **change)
         if changed.problems():
             return []
-        e = estimate(changed, hardware, model_config=model_config, params=params, suggest=False, reach=False)
+        e = predict(changed, hardware, model_config=model_config, params=params, reach=False)
     except ConfigError:
         return []
     return [Suggestion(change_flags(change, config), e.device_peak_bytes, e.host_peak_bytes, e.step_seconds,

@@ -133,7 +133,7 @@ def _long_windows(config: Any) -> bool:
 
 def _fp32_compute(model: Any) -> None:
     """The probe's 4-bit layers compute in fp32 on their dequantized weights, and its unquantized parts (embeddings,
-    norms, head: bf16 on CUDA, lstune.train.run._base_dtype) are cast to fp32 one tensor at a time (transformers
+    norms, head: bf16 on CUDA, lstune.train.plan.dtypes_of) are cast to fp32 one tensor at a time (transformers
     refuses `.to(dtype)` on a quantized model; the packed 4-bit weights are uint8 and stay as they are): the check
     compares lstune's techniques with the plain model at fp32's tolerance, which bf16's rounding would swamp (a bf16
     base failed it with every technique off on the H200 of 2026-11-26, gradient rel 6.5e-3)."""
