@@ -41,7 +41,7 @@ class Estimate:
     longest_seq_len: int  # the longest sequence (multiple of 1024) this configuration fits (`longest_reach`)
     memory_choice: "MemoryChoice | None" = None  # what the `auto` memory settings resolved to (what train applies)
     copies: StepCopies = field(default_factory=StepCopies)  # host <-> device bytes of one step
-    suggestions: list[Any]  # lstune.estimate.suggestions.Suggestion = field(default_factory=list)
+    suggestions: list[Any] = field(default_factory=list)  # lstune.estimate.suggestions.Suggestion
     notes: list[str] = field(default_factory=list)
 
     @property
