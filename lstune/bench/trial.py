@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from lstune.data.batch import IGNORE_INDEX
 from lstune.models.quant import quiet_cpu_kernel_warning
 
 quiet_cpu_kernel_warning()  # a trial's processes (the forkserver included) have no CLI to configure logging
@@ -84,7 +85,7 @@ class RandomTokens(Dataset):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         ids = torch.randint(0, self.vocab, (self.seq_len,), generator=gen)
         labels = torch.roll(ids, -1)
-        labels[-1] = -100
+        labels[-1] = IGNORE_INDEX
         return {"input_ids": ids, "position_ids": torch.arange(self.seq_len), "shift_labels": labels}
 
 
@@ -93,7 +94,7 @@ def hf_loss_sum(batch: dict, model) -> tuple[torch.Tensor, torch.Tensor]:
     mean over the labels HF shifts itself, so the labels given are the pre-shifted ones moved back by one."""
     ids, shifted = batch["input_ids"], batch["shift_labels"]
     labels = torch.cat([ids[:, :1], shifted[:, :-1]], dim=1)
-    count = (shifted != -100).sum()
+    count = (shifted != IGNORE_INDEX).sum()
     return model(input_ids=ids, labels=labels, use_cache=False).loss * count, count
 
 

@@ -311,13 +311,7 @@ class CheckpointOffloader:
             handle.host.write(source)
             return handle
         handle = _HostCopy(index, tensor, pinned=True)
-        stream = self._stream("d2h", tensor.device)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            handle.host.write(source, non_blocking=True)
-            handle.ready = torch.cuda.Event()
-            handle.ready.record(stream)
-        source.record_stream(stream)
+        handle.ready = handle.host.from_device(source, self._stream("d2h", tensor.device))
         return handle
 
     def _copy_in(self, handle: _HostCopy) -> tuple[torch.Tensor, object]:

@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from lstune.data.batch import IGNORE_INDEX
 from lstune.errors import ModelError
 
 log = logging.getLogger("lstune")
@@ -225,7 +226,7 @@ def probe_batch(config: Any, *, pack: bool, sp: int, vocab: int) -> dict[str, An
     ids = torch.randint(3, min(vocab, 320) if vocab > 3 else vocab, (1, length), generator=gen)
     cuts = [0, length // 2 + 3, length] if pack else [0, length]
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])[None]
-    labels = torch.full_like(ids, -100)
+    labels = torch.full_like(ids, IGNORE_INDEX)
     for a, b in zip(cuts, cuts[1:]):
         labels[0, a : b - 1] = ids[0, a + 1 : b]
     return {"input_ids": ids, "position_ids": positions, "shift_labels": labels}
@@ -362,7 +363,7 @@ def _reference_step(model: Any, batch: dict, device: Any, *, training: bool = Tr
             doc_logits, doc_layers = _reference_forward(model, {k: v[:, start:end] for k, v in batch.items()})
             logits.append(doc_logits)
             layers.append(doc_layers)
-        loss = F.cross_entropy(torch.cat(logits, 1).flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=-100)
+        loss = F.cross_entropy(torch.cat(logits, 1).flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
     finally:
         handle.remove()
@@ -391,7 +392,7 @@ def _unshifted(shift_labels: Any) -> Any:
     """Labels for the model's own loss, which shifts them by one itself (the last pre-shifted label is -100)."""
     import torch
 
-    return torch.cat([torch.full_like(shift_labels[:, :1], -100), shift_labels[:, :-1]], dim=1)
+    return torch.cat([torch.full_like(shift_labels[:, :1], IGNORE_INDEX), shift_labels[:, :-1]], dim=1)
 
 
 def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict, *, training: bool = True
