@@ -132,21 +132,13 @@ def mlp_comparison(shape: Any, *, seq_len: int, micro_batch: int, sp: int, world
     return metp
 
 
-def choose_ring(sp: int, q_heads: int, node_size: int | None) -> int:
-    """The ring part `--sp-ring auto` takes (lstune.parallel.dims.auto_ring_degree): Ulysses as wide as the heads
-    and a node allow, the ring the rest."""
-    from lstune.parallel.dims import auto_ring_degree
-
-    return auto_ring_degree(sp, q_heads, node_size)
-
-
 def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | None:
     """The split of `config`'s SP degree on `hardware`, one rank's traffic per step and its time (`sp_traffic`), and
     with --metp-mlp METP's MLP against ZeRO-3 + tiled MLP (`mlp_comparison`) — all PREDICTED; None without SP."""
-    from lstune.estimate import _model_config, resolve_ring, resolve_sp
+    from lstune.estimate.settings import model_config_of, resolve_ring, resolve_sp
     from lstune.estimate.shapes import ModelShape
 
-    model_config = model_config if model_config is not None else _model_config(config)
+    model_config = model_config if model_config is not None else model_config_of(config)
     sp = resolve_sp(config, hardware, model_config)
     if sp <= 1:
         return None

@@ -15,7 +15,7 @@ from lstune.errors import ConfigError, UserError
 def preflight_problems(config: TrainConfig) -> list[str]:
     """Every problem found with the model source and the data source."""
     problems: list[str] = []
-    for check in (_check_model, _check_data):
+    for check in (_check_model, _check_data, check_metp_mlp_trainable):
         try:
             check(config)
         except UserError as exc:
@@ -25,10 +25,16 @@ def preflight_problems(config: TrainConfig) -> list[str]:
     return problems + missing_trackers(config.run.trackers())
 
 
-def preflight(config: TrainConfig) -> None:
-    problems = preflight_problems(config)
-    if problems:
-        raise ConfigError(problems)
+def check_metp_mlp_trainable(config: TrainConfig) -> None:
+    """--metp-mlp is built and tested as a module (lstune.memory.metp_mlp: exact under Ulysses × ring, LoRA on
+    attention, checkpointing), and `lstune estimate` models it; a training run refuses it until the engine knows its
+    per-rank shards: DeepSpeed would partition (ZeRO-3) or all-reduce over every rank (ZeRO 1-2) tensors that differ
+    from rank to rank, its gradient clipping would leave them out, and checkpoints / export would keep one rank's."""
+    if config.parallel.metp_mlp:
+        raise ConfigError(["--metp-mlp is not yet composed with lstune's training engine (DeepSpeed ZeRO would treat "
+                           "each rank's MLP weight shard as the same tensor; clipping, checkpoints and export would "
+                           "miss the other ranks' shards), so train refuses it rather than train it wrong. Drop "
+                           "--metp-mlp (`lstune estimate --metp-mlp` still predicts what it would save)."])
 
 
 def _check_model(config: TrainConfig) -> None:
@@ -49,19 +55,6 @@ def _check_data(config: TrainConfig) -> None:
     if config.data.eval_data is not None:
         check_source(config.data.eval_data)
     check_chat_template(config.data.chat_template)
-
-
-def check_parallel_layout(config: TrainConfig) -> None:
-    """Before launching N processes: the SP degree must fit them and the model's heads (ConfigError lists
-    the valid degrees). Multi-node runs learn their world size from the hostfile, so only --gpus is checked
-    for a single node."""
-    from lstune.models.loading import resolve_model
-    from lstune.parallel.dims import ParallelDims
-
-    if config.parallel.hostfile is not None:
-        return
-    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    ParallelDims.for_model(config.parallel.gpus, config.parallel.sp, spec.config, ring=config.parallel.sp_ring)
 
 
 # Settings that fix the shape of the saved state: a checkpoint cannot be loaded under other values.

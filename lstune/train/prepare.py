@@ -63,18 +63,6 @@ class PreparedModel:
         self.attention.undo()
 
 
-def check_metp_mlp_trainable(config: TrainConfig) -> None:
-    """--metp-mlp is built and tested as a module (lstune.memory.metp_mlp: exact under Ulysses × ring, LoRA on
-    attention, checkpointing), and `lstune estimate` models it; a training run refuses it until the engine knows its
-    per-rank shards: DeepSpeed would partition (ZeRO-3) or all-reduce over every rank (ZeRO 1-2) tensors that differ
-    from rank to rank, its gradient clipping would leave them out, and checkpoints / export would keep one rank's."""
-    if config.parallel.metp_mlp:
-        raise ConfigError(["--metp-mlp is not yet composed with lstune's training engine (DeepSpeed ZeRO would treat "
-                           "each rank's MLP weight shard as the same tensor; clipping, checkpoints and export would "
-                           "miss the other ranks' shards), so train refuses it rather than train it wrong. Drop "
-                           "--metp-mlp (`lstune estimate --metp-mlp` still predicts what it would save)."])
-
-
 def apply_sequence_parallelism(model, dims):
     """Ulysses over the SP group's Ulysses part, its kernel the ring (composed here: parallel and memory are
     siblings) when the group has a ring part; returns the Ulysses handle."""
@@ -120,6 +108,8 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     from lstune.models.introspect import find_parts
 
     from lstune.models.mixers import check_token_mixers
+
+    from lstune.train.preflight import check_metp_mlp_trainable
 
     check_metp_mlp_trainable(config)
     parts = find_parts(model)
