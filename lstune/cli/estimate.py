@@ -81,7 +81,7 @@ def _estimate_command(**kwargs: Any) -> int:
         from lstune.train.plan import plan
 
         result = plan(config, hardware).estimate  # the run's plan: train's refusals, then the estimate
-    from lstune.estimate.sequence_parallel import sp_report
+    from lstune.estimate.prediction import sp_report
 
     sequence_parallel = sp_report(config, hardware)
     if as_json:

@@ -208,3 +208,31 @@ def _notes(config: TrainConfig, shape: ModelShape, sp: int) -> list[str]:
         notes.append(f"{local:,} local tokens × hidden {shape.hidden} reach 2^31 elements: kernels outside the tiles "
                      f"may overflow int32; keep the local sequence below {2**31 // shape.hidden:,} (raise SP).")
     return notes
+
+
+def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | None:
+    """The split of `config`'s SP degree on `hardware`, one rank's traffic per step and its time (`sp_traffic`), and
+    with --metp-mlp METP's MLP against ZeRO-3 + tiled MLP (`mlp_comparison`) — all PREDICTED; None without SP."""
+    from lstune.estimate.sequence_parallel import mlp_comparison, sp_traffic
+    from lstune.estimate.settings import model_config_of, resolve_ring, resolve_sp
+    from lstune.estimate.shapes import ModelShape
+
+    model_config = model_config if model_config is not None else model_config_of(config)
+    sp = resolve_sp(config, hardware, model_config)
+    if sp <= 1:
+        return None
+    ring = resolve_ring(config, hardware, sp)
+    shape = ModelShape.from_config(model_config)
+    act = 4 if config.model.dtype == "fp32" or not hardware.on_cuda else 2
+    common = dict(seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp)
+    traffic = sp_traffic(shape, ring=ring, act_bytes=act, metp_mlp=bool(config.parallel.metp_mlp),
+                         checkpointing=config.memory.checkpointing, micro_batches=config.optim.grad_accum * sp,
+                         attention_flops_per_s=hardware.device.attention_tflops * 1e12, node_size=hardware.gpus,
+                         **common)
+    report = {"label": "predicted", "traffic": traffic.to_dict()}
+    if config.parallel.metp_mlp:
+        tiles = config.memory.tiled_mlp if isinstance(config.memory.tiled_mlp, int) else max(
+            1, -(-config.data.seq_len // sp // shape.hidden))
+        report["mlp"] = mlp_comparison(shape, world=hardware.world_size, tiles=tiles, param_bytes=2, act_bytes=act,
+                                       **common).to_dict()
+    return report
