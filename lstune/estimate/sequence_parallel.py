@@ -86,14 +86,27 @@ def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int
 def ring_buffer_bytes(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int, act_bytes: int = 2) -> int:
     """Device bytes ring attention adds to one layer's backward on a rank (beyond q, k, v, o, which Ulysses holds
     too): the block computed and the one arriving (K/V, b each, and their document ids), fp32 dK/dV of this rank's
-    own block, of the hop computed and of the one on its way home, fp32 dQ and the rowsums."""
+    own block, of the hop computed and of the one on its way home, fp32 dQ and the rowsums; and the score tiles of
+    the PyTorch block kernel on a (piece × piece) block (`_score_tiles`) — an upper bound on CUDA, where blocks inside
+    one document take the flash kernel, which holds none (a memory trace runs every block through the PyTorch one)."""
     if ring <= 1:
         return 0
     ulysses = sp // ring
     tokens = micro_batch * seq_len // ring
     kv = 2 * _kv_local(shape, ulysses)
     heads = max(1, shape.heads // ulysses)
-    return int(tokens * (2 * (kv * act_bytes + 8) + 3 * kv * 4 + shape.q_width // ulysses * 4 + heads * 8))
+    buffers = tokens * (2 * (kv * act_bytes + 8) + 3 * kv * 4 + shape.q_width // ulysses * 4 + heads * 8)
+    return int(buffers + _score_tiles(micro_batch, heads, max(1, seq_len // (2 * ring))))
+
+
+def _score_tiles(batch: int, heads: int, piece: int) -> int:
+    """The PyTorch block kernel's live score tiles on one (piece × piece) block (lstune.memory.attention_blocks:
+    query rows cut so a fp32 tile holds at most 2²⁶ elements; five tiles alive in a row tile's backward, six with
+    more than one row tile), plus the block's bool mask — as lstune.estimate.memory counts them for chunked attention."""
+    rows = max(1, (1 << 26) // max(1, batch * heads * piece))
+    row_tiles = -(-piece // rows)
+    tile = batch * heads * -(-piece // row_tiles) * piece * 4
+    return (6 if row_tiles > 1 else 5) * tile + batch * piece * piece
 
 
 @dataclass(frozen=True)
