@@ -87,7 +87,8 @@ def ring_buffer_bytes(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ri
     """Device bytes ring attention adds to one layer's backward on a rank (beyond q, k, v, o, which Ulysses holds
     too): the block computed and the one arriving (K/V, b each, and their document ids), fp32 dK/dV of this rank's
     own block, of the hop computed and of the one on its way home, fp32 dQ and the rowsums; and the score tiles of
-    the PyTorch block kernel on a (piece × piece) block (`_score_tiles`) — an upper bound on CUDA, where blocks inside
+    the PyTorch block kernel on one (block × block) block (`_score_tiles`; a piece cut in blocks of at most
+    `attention_ring.BLOCK_TOKENS`) — an upper bound on CUDA, where blocks inside
     one document take the flash kernel, which holds none (a memory trace runs every block through the PyTorch one)."""
     if ring <= 1:
         return 0
@@ -96,7 +97,11 @@ def ring_buffer_bytes(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ri
     kv = 2 * _kv_local(shape, ulysses)
     heads = max(1, shape.heads // ulysses)
     buffers = tokens * (2 * (kv * act_bytes + 8) + 3 * kv * 4 + shape.q_width // ulysses * 4 + heads * 8)
-    return int(buffers + _score_tiles(micro_batch, heads, max(1, seq_len // (2 * ring))))
+    from lstune.memory.attention_ring import BLOCK_TOKENS
+
+    piece = max(1, seq_len // (2 * ring))
+    block = -(-piece // -(-piece // BLOCK_TOKENS))  # the pieces' equal blocks (attention_ring._blocks_of)
+    return int(buffers + _score_tiles(micro_batch, heads, block))
 
 
 def _score_tiles(batch: int, heads: int, piece: int) -> int:

@@ -8,7 +8,8 @@ its own block h positions ahead, `rotation.Ring.exchange`) while the hop before 
 (query piece, key piece) block runs `attention_blocks.block_forward` and is merged with `attention_blocks.merge` in
 fp32 — the same kernels and the same online-softmax merge as chunked attention (`attention_chunks`), one merge for ring
 hops and chunks. Causality, packed-document boundaries and sliding windows come from global token indices (the
-layout) and document keys (index − position_id): a block with no allowed pair is skipped (`block_kinds`), and a hop
+layout) and document keys (index − position_id); blocks are cut to at most BLOCK_TOKENS a side (a bounded mask and score
+tiles for the PyTorch kernel); a block with no allowed pair is skipped (`block_kinds`), and a hop
 none of whose pieces a window reaches is neither sent nor computed (`ring_hops`: with a window shorter than a piece,
 hops 0, 1 and R−1 only). Softcapping is the block kernel's score map.
 
@@ -136,6 +137,19 @@ def _pieces(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return tuple(x.chunk(2, dim=dim))
 
 
+# A block's tokens on each side, at most: the PyTorch block kernel's bool mask of a (query, key) block is t·s bytes
+# (64 MiB here) and its score tiles grow with s — a whole zigzag piece (S/2R: 256K tokens at 4M on a ring of 8)
+# would need 64 GiB of mask. The flash kernel's blocks need no mask; they are cut alike (one code path).
+BLOCK_TOKENS = 8192
+
+
+def _blocks_of(x: Tensor, dim: int) -> list[Tensor]:
+    """A ring position's tokens along `dim` in blocks: each zigzag piece cut into equal parts of at most
+    BLOCK_TOKENS (never across the two pieces, whose global indices jump)."""
+    parts = -(-x.shape[dim] // 2 // BLOCK_TOKENS)
+    return [block for piece in _pieces(x, dim) for block in torch.tensor_split(piece, parts, dim=dim)]
+
+
 class _RingFunction(torch.autograd.Function):
     """Forward and backward of ring attention (module doc); q5 [B, Hkv, g, n, D], k4/v4 [B, Hkv, n, D], doc [B, n].
 
@@ -150,16 +164,16 @@ class _RingFunction(torch.autograd.Function):
         hops = ring_hops(ring.size, n // 2, window)
         index = SequenceLayout(n * ring.size, ring.size, 1, ring.size).ring_index
         ids_q = _ids(index(ring.rank, q5.device), doc_Bn)
-        q_pieces = _pieces(q5, 3)
-        acc = [(None, None), (None, None)]
+        q_pieces = _blocks_of(q5, 3)
+        acc = [(None, None)] * len(q_pieces)
         kinds_by_hop = []
         own = [k4.contiguous(), v4.contiguous(), doc_Bn]
         for hop, block in _blocks(ring, own, hops):
             k_blk, v_blk, doc_blk = block
             ids_k = _ids(index(ring.source(hop), q5.device), doc_blk)
-            k_pieces, v_pieces = _pieces(k_blk, 2), _pieces(v_blk, 2)
+            k_pieces, v_pieces = _blocks_of(k_blk, 2), _blocks_of(v_blk, 2)
             hop_kinds = []
-            for j in (0, 1):
+            for j in range(len(q_pieces)):
                 kinds = block_kinds(q_pieces[j], k_blk, v_blk, ids_q[j], list(ids_k), window, softcap)
                 hop_kinds.append(kinds)
                 for i, kind in enumerate(kinds):
@@ -184,8 +198,8 @@ class _RingFunction(torch.autograd.Function):
         ids_q = _ids(index(ring.rank, q5.device), doc_Bn)
         dout5 = dout5.contiguous()
         delta = (dout5.float() * out5.float()).sum(-1)
-        q_pieces, dout_pieces = _pieces(q5, 3), _pieces(dout5, 3)
-        merged_o, merged_delta, merged_lse = _pieces(out5, 3), _pieces(delta, 3), _pieces(lse, 3)
+        q_pieces, dout_pieces = _blocks_of(q5, 3), _blocks_of(dout5, 3)
+        merged_o, merged_delta, merged_lse = _blocks_of(out5, 3), _blocks_of(delta, 3), _blocks_of(lse, 3)
         dq = [torch.zeros(p.shape, dtype=torch.float32, device=q5.device) for p in q_pieces]
         own = [k4.contiguous(), v4.contiguous(), doc_Bn]
         dk_own = torch.zeros(k4.shape, dtype=torch.float32, device=q5.device)
@@ -194,11 +208,11 @@ class _RingFunction(torch.autograd.Function):
         for step, (hop, block) in enumerate(_blocks(ring, own, hops)):
             k_blk, v_blk, doc_blk = block
             ids_k = _ids(index(ring.source(hop), q5.device), doc_blk)
-            k_pieces, v_pieces = _pieces(k_blk, 2), _pieces(v_blk, 2)
+            k_pieces, v_pieces = _blocks_of(k_blk, 2), _blocks_of(v_blk, 2)
             dk = dk_own if hop == 0 else torch.zeros(k_blk.shape, dtype=torch.float32, device=q5.device)
             dv = dv_own if hop == 0 else torch.zeros(v_blk.shape, dtype=torch.float32, device=q5.device)
-            dk_pieces, dv_pieces = _pieces(dk, 2), _pieces(dv, 2)
-            for j in (0, 1):
+            dk_pieces, dv_pieces = _blocks_of(dk, 2), _blocks_of(dv, 2)
+            for j in range(len(q_pieces)):
                 for i, kind in enumerate(ctx.kinds[step][j]):
                     if kind is None:
                         continue
@@ -247,7 +261,7 @@ def _blocks(ring: Ring, own: list[Tensor], hops: list[int]):
         yield hop, block
 
 
-def _ids(index_n: Tensor, doc_Bn: Tensor) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
-    """(global index, document key) [B, piece] of each of a position's two pieces."""
+def _ids(index_n: Tensor, doc_Bn: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """(global index, document key) [B, block] of each of a position's blocks (`_blocks_of`)."""
     index_Bn = index_n.expand_as(doc_Bn)
-    return tuple(zip(_pieces(index_Bn, 1), _pieces(doc_Bn, 1)))
+    return list(zip(_blocks_of(index_Bn, 1), _blocks_of(doc_Bn, 1)))

@@ -54,6 +54,7 @@ def _loss_sum(model, batch):
 
 
 def _ring_worker(rank: int, world: int, archs: list[str], layouts: list[tuple[int, int]]) -> dict:
+    from lstune.memory import attention_ring
     from lstune.memory.attention_ring import RingAttention
     from lstune.parallel.dims import ParallelDims
     from lstune.parallel.sp_data import shard_batch
@@ -61,10 +62,11 @@ def _ring_worker(rank: int, world: int, archs: list[str], layouts: list[tuple[in
     from tests.distributed._helpers import compare_sp_with_hf, reference_samples
     from tests.unit.memory._helpers import long_batch
 
-    def variant(ulysses: int, ring: int, zigzag: bool = True):
+    def variant(ulysses: int, ring: int, zigzag: bool = True, block_tokens: int = attention_ring.BLOCK_TOKENS):
         dims = ParallelDims(world, sp=world, ring=ring).build_groups()
 
         def run(model, batch, data):
+            attention_ring.BLOCK_TOKENS = block_tokens  # until the next variant: its backward runs after this returns
             heads = model.config.num_attention_heads
             if ulysses > heads:
                 from lstune.errors import ModelError
@@ -83,12 +85,13 @@ def _ring_worker(rank: int, world: int, archs: list[str], layouts: list[tuple[in
     samples["odd"] = (odd, [odd])
     variants = {f"{u}x{r}": variant(u, r) for u, r in layouts}
     variants["contiguous"] = variant(2, 2, zigzag=False)  # a batch not laid out for the ring: refused
+    variants["blocks-of-5"] = variant(1, 4, block_tokens=5)  # pieces of 12 cut in blocks of 4 (mask bound, all kinds)
     return compare_sp_with_hf(archs, samples, variants, build=_build)
 
 
 def test_ulysses_times_ring_matches_hf(pools):
     results = pools[4].run(_ring_worker, ARCHS, LAYOUTS, timeout=900)
-    assert len(results[0]) == len(ARCHS) * 3 * (len(LAYOUTS) + 1)
+    assert len(results[0]) == len(ARCHS) * 3 * (len(LAYOUTS) + 2)
     for (arch, data, name), (outcome, detail) in results[0].items():
         if name == "contiguous":
             assert outcome == "refused" and "zigzag" in detail, (arch, data, name, detail)
