@@ -12,7 +12,8 @@ from lstune.config.schema import MemorySection, TrainConfig, zero_problems
 from lstune.errors import ConfigError
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import LOSS_TILE_BYTES, Engine, Settings, breakdown, loss_backend, size_text
-from lstune.estimate.settings import (AUTO_HEADROOM, device_capacity, fits, host_capacity, ladder, settings)
+from lstune.estimate.settings import (AUTO_HEADROOM, device_capacity, fits, host_capacity, ladder, resolve_ring,
+                                     settings)
 from lstune.estimate.shapes import ModelShape, ParamCounts
 
 
@@ -207,6 +208,8 @@ def _chunk_options(config: TrainConfig, hardware: Cluster, shape: ModelShape, sp
     setting = config.memory.attn_chunks
     if setting != "auto":
         return [setting]
+    if sp > 1 and resolve_ring(config, hardware, sp) > 1:
+        return ["off"]  # chunked attention does not combine with ring attention (the ring holds 1/R of the K/V)
     from lstune.memory.attention_chunks import auto_chunk_tokens  # imports torch: only when chunking may be chosen
 
     d = hardware.device
