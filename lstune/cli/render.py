@@ -53,7 +53,8 @@ def print_plan(run_plan) -> None:
     dtypes = ", ".join(f"{key} {value}" for key, value in plan["dtypes"].items() if value is not None)
     lines = [
         f"# plan on {plan['hardware']}: {plan['model']}, {plan['seq_len']} tokens",
-        f"#   layout: {plan['processes']} process(es), SP {plan['sp']} × DP {plan['dp']} on {plan['device']}",
+        f"#   layout: {plan['processes']} process(es), SP {plan['sp']} × DP {plan['dp']} on {plan['device']}"
+        + (f" (SP = Ulysses {plan['ulysses']} × ring {plan['ring']})" if plan.get("ring", 1) > 1 else ""),
         f"#   engine: {plan['engine']}",
         f"#   memory: {memory}",
         f"#   ({plan['memory_reason']})",

@@ -92,6 +92,7 @@ class RunPlan:
             "model": f"{self.config.model.name} ({self.spec.source.kind})",
             "seq_len": format_length(self.config.data.seq_len),
             "device": self.device, "processes": self.dims.world_size, "sp": self.dims.sp, "dp": self.dims.dp,
+            "ulysses": self.dims.ulysses, "ring": self.dims.ring,
             "engine": e.engine.describe(), "memory": resolved_memory(self),
             "memory_reason": self.memory.reason, "dtypes": self.dtypes.to_dict(), "notes": list(self.notes),
             "device_peak_bytes": e.device_peak_bytes, "device_capacity_bytes": e.device_capacity,
