@@ -106,12 +106,13 @@ class RingAttention:
         each piece a position continues the one before by +1 or is 0, and a piece starting at position p > 0
         continues the piece before it in the sample (whose last position, gathered over the ring, is p − 1). Catches
         a batch sharded contiguously (the adapter not told of the ring). Once per forward: every layer passes the same
-        position_ids."""
+        position_ids. Only where gradients are on — a training step (its recompute, under checkpointing): the setup's
+        probes (lstune.memory.probe) run the same few tokens on every rank under no_grad, no sample's shards."""
         import torch.distributed as dist
         from torch._subclasses.fake_tensor import is_fake
 
-        if positions_Bn is self._checked or is_fake(positions_Bn):  # a memory trace has no values to check
-            return
+        if positions_Bn is self._checked or is_fake(positions_Bn) or not torch.is_grad_enabled():
+            return  # checked already; a memory trace (no values); a probe or an evaluation (no_grad)
         pieces = _pieces(positions_Bn, 1)
         bad = any(((p[:, 1:] != p[:, :-1] + 1) & (p[:, 1:] != 0)).any() for p in pieces)
         ends = torch.stack([torch.stack([p[:, 0], p[:, -1]], 1) for p in pieces], 1)  # [B, 2 pieces, first / last]
