@@ -126,3 +126,44 @@ def _broken_view_worker(rank: int, world: int) -> str:
 def test_a_wrong_head_split_is_refused_by_the_probe(pools):
     messages = pools[2].run(_broken_view_worker, timeout=300)
     assert all("layers.0.linear_attn" in m and "differs from its own forward" in m for m in messages), messages
+
+
+def _zero3_worker(rank: int, world: int, model_type: str) -> dict:
+    """5 steps of ZeRO-3 + SP over a model with head-parallel mixers (their views read parameters DeepSpeed
+    partitions: the conv weights, A_log, dt_bias) against single-process AdamW on the same samples."""
+    import copy
+
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.engine_ds import DeepSpeedEngine, ZeroPlan
+    from lstune.parallel.sp_data import SPDataAdapter
+    from lstune.parallel.ulysses import SequenceExchange, apply_ulysses
+    from lstune.models.attention import use_lstune_attention
+    from lstune.models.introspect import find_parts
+    from lstune.train.mixers import install_mixers
+    from tests.distributed import test_zero3_sp_training as zero
+    from tests.distributed._helpers import loss_sum, train_steps
+    from tests.support.archs import tiny_model
+
+    from tests.distributed._helpers import make_batch
+
+    # One document per sample: the single-process reference is plain HF on each row (packing is checked above).
+    samples = [make_batch(zero.SEQ - (i % 3), seed=100 + i) for i in range(zero.STEPS * zero.ACCUM * world)]
+    model = tiny_model(model_type, attn="eager")
+    reference = zero._reference(copy.deepcopy(model), zero._global_order(samples, world, world),
+                                zero.ACCUM * world // world)
+    dims = ParallelDims(world, world).build_groups()
+    parts = find_parts(model)
+    install_mixers(parts.body, parts.layers, pack=True, exchange=SequenceExchange(dims))
+    use_lstune_attention(model, backend="sdpa")
+    apply_ulysses(model, dims)
+    engine = DeepSpeedEngine(model, dims=dims, optim=zero.OPTIM, zero=ZeroPlan(3, False, False, 0, "test", 1.0),
+                             bf16=False)
+    batches = iter(SPDataAdapter(samples[rank::world], dims))
+    return {"losses": train_steps(engine, batches, zero.STEPS, zero.ACCUM, loss_sum), "reference": reference}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "bamba"])
+def test_zero3_training_with_head_parallel_mixers_matches_single_process(pools, model_type):
+    from tests.distributed import test_zero3_sp_training as zero
+
+    zero._check(pools[2].run(_zero3_worker, model_type, timeout=600)[0])
