@@ -71,7 +71,8 @@ MIXER_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     # Mamba layers only: its decoder layers do not pass position_ids to attention (Ulysses refuses SP there, and packed
     # documents in its attention are the self-check's to catch), which is not the mixers' business.
     "granitemoehybrid": ({**_MAMBA2, "layer_types": ["mamba", "mamba"]}, {}),
-    "falcon_h1": ({**_MAMBA2, "mamba_d_ssm": 48, "mamba_rms_norm": True, "head_dim": 8}, {}),
+    # mamba_rms_norm off: the gate multiplies on the rank's heads (bamba and nemotron_h cover the deferred gated norm)
+    "falcon_h1": ({**_MAMBA2, "mamba_d_ssm": 48, "mamba_rms_norm": False, "head_dim": 8}, {}),
     "nemotron_h": (dict(mamba_num_heads=6, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16,
                         conv_kernel=4, hybrid_override_pattern="M*", head_dim=8), {}),
     "lfm2": ARCHS["lfm2"],
