@@ -23,9 +23,10 @@ Such a mixer is found structurally (the module that owns a convolution inside a 
 
 Each installed wrapper is checked at once by a probe (`probe_mixer`): on a few tokens holding a document boundary
 and, under SP, every rank's shard boundary, its output must equal the module's own forward on each document alone.
-A convolution-owning module of no known family is refused under SP with its name; with packing alone any such
-module runs per document (the probe still checks it). Lightning attention (MiniMax) and KDA (Kimi-Linear),
-Mamba-1 (Jamba, Mamba, FalconMamba) have no head-parallel plan yet: refused under SP (`--sp 1`).
+MiniMax's lightning attention owns no convolution and is recognised by its structure (`LIGHTNING`). A
+convolution-owning module of no known family is refused under SP with its name; with packing alone any such module
+runs per document (the probe still checks it). KDA (Kimi-Linear) and Mamba-1 (Jamba, Mamba, FalconMamba) have no
+head-parallel plan yet: refused under SP (`--sp 1`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,14 @@ def mixer_sites(layers: "nn.ModuleList") -> list[tuple[str, "nn.Module"]]:
             while parent and _is_peft_wrapper(modules.get(parent)):
                 parent = parent.rpartition(".")[0]
             owners.setdefault(f"layers.{index}.{parent}" if parent else f"layers.{index}", modules[parent])
-    return list(owners.items())
+        for name, module in modules.items():  # recurrent mixers with no convolution (MiniMax's lightning attention)
+            if name and family_of(module) is not None:
+                owners.setdefault(f"layers.{index}.{name}", module)
+    return sorted(owners.items(), key=lambda item: _layer_order(item[0]))
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    return int(name.split(".")[1]), name
 
 
 def _is_peft_wrapper(module: Any) -> bool:
@@ -379,7 +387,45 @@ def _short_conv_view(module, start, count, like):
 SHORT_CONV = MixerFamily("ShortConv", _short_conv_matches, lambda m: m.conv.in_channels, _short_conv_streams,
                          _short_conv_view, _out_proj_finish, ("lfm2",))
 
-FAMILIES = (GATED_DELTANET_FUSED, GATED_DELTANET_SPLIT, MAMBA2, SHORT_CONV)
+# Lightning attention (MiniMax): unit = one head; per unit its q | k | v before the activation. The per-head decays
+# (slope_rate and the decay buffers derived from it) are sliced; the norm over all heads, the output gate (it reads
+# the layer's input) and out_proj run on the sequence shard. It owns no convolution: found by its structure.
+
+def _lightning_matches(m: Any) -> bool:
+    return (_has(m, "qkv_proj", "output_gate", "out_proj", "norm", "slope_rate", "query_decay", "key_decay",
+                 "diagonal_decay", "block_size", "num_attention_heads", "head_dim")
+            and getattr(m.qkv_proj, "out_features", None) == 3 * m.num_attention_heads * m.head_dim)
+
+
+def _lightning_streams(module, x):
+    return _unflat(module.qkv_proj(x), module.num_attention_heads), x
+
+
+def _open_gate(hidden_states):
+    """The view's output gate: sigmoid(+inf) is exactly 1, so the view's product leaves its input unchanged; the real
+    gate is applied on the sequence shard."""
+    return hidden_states.new_full((), float("inf"))
+
+
+def _lightning_view(module, start, count, like):
+    heads = slice(start, start + count)
+    return module_view(module, num_attention_heads=count, qkv_proj=_identity, norm=_DeferredNorm(),
+                       output_gate=_open_gate, out_proj=_identity, slope_rate=module.slope_rate[heads],
+                       query_decay=module.query_decay[heads], key_decay=module.key_decay[heads],
+                       diagonal_decay=module.diagonal_decay[:, heads])
+
+
+def _lightning_finish(module, y_BsUw, x, view):
+    import torch
+
+    y = module.norm(y_BsUw.flatten(2))
+    return module.out_proj(torch.sigmoid(module.output_gate(x)) * y)
+
+
+LIGHTNING = MixerFamily("lightning attention", _lightning_matches, lambda m: m.num_attention_heads,
+                        _lightning_streams, _lightning_view, _lightning_finish, ("minimax",))
+
+FAMILIES = (GATED_DELTANET_FUSED, GATED_DELTANET_SPLIT, MAMBA2, SHORT_CONV, LIGHTNING)
 
 
 def family_of(module: Any) -> MixerFamily | None:
@@ -405,12 +451,23 @@ class DocumentMixer:
             hidden_states = kwargs.pop("hidden_states")
         self._check_arguments(args, kwargs)
         spans = self.positions.spans(hidden_states.shape[0], hidden_states.shape[1])
+        if spans[0][-1][1] != hidden_states.shape[1] * self.sp:
+            raise ModelError(
+                f"{self.name} ({type(self.module).__name__}) got {hidden_states.shape[1]} tokens of a "
+                f"{spans[0][-1][1] // self.sp}-token sequence (chunked attention runs a layer on pieces of it), and "
+                "lstune's per-document mixer needs the whole sequence to find its documents: use --attn-chunks off."
+            )
         return self.run(hidden_states, spans, kwargs)
 
     def run(self, x_BsC, spans, kwargs):
+        """The mixer's output on `x_BsC` (this rank's shard) — as the module returns it: a tensor, or (tensor, None)
+        where its forward returns a tuple (lightning attention also returns its state; nothing reads it)."""
+        returned: list = []
         if self.sp == 1:
-            return _per_document(lambda piece: self.own_forward(piece, **kwargs), x_BsC, spans)
-        return self._head_parallel(x_BsC, spans)
+            out = _per_document(lambda piece: _first(self.own_forward(piece, **kwargs), returned), x_BsC, spans)
+        else:
+            out = self._head_parallel(x_BsC, spans, returned)
+        return (out, None) if returned and returned[0] else out
 
     def _check_arguments(self, args, kwargs) -> None:
         """Per-document runs are only right when nothing but the hidden states carries the sequence."""
@@ -420,17 +477,25 @@ class DocumentMixer:
                              "mask or positional arguments, which lstune's per-document mixer does not take: train "
                              "without --pack and with --sp 1.")
 
-    def _head_parallel(self, x_BsC, spans):
+    def _head_parallel(self, x_BsC, spans, returned):
         family, module, ex = self.family, self.module, self.exchange
         counts = ex.unit_counts(family.units(module))
         start, count = sum(counts[: ex.sp_rank]), counts[ex.sp_rank]
         stream_BsUw, kept = family.streams(module, x_BsC)
         local_BSuw = ex.seq_to_units(stream_BsUw, counts)
         view = family.view(module, start, count, local_BSuw)
-        run = type(module).forward
-        out_BSy = _per_document(lambda piece: run(view, piece.flatten(2)), local_BSuw, spans)
+        run, extra = type(module).forward, _required_arguments(self.own_forward)
+        out_BSy = _per_document(lambda piece: _first(run(view, piece.flatten(2), **extra), returned), local_BSuw,
+                                spans)
         out_BSuw = out_BSy.reshape(*out_BSy.shape[:2], count, -1)
         return family.finish(module, ex.units_to_seq(out_BSuw, counts), kept, view)
+
+
+def _first(output, returned: list):
+    """The hidden states of a mixer's output; `returned` records whether it came as a tuple."""
+    if not returned:
+        returned.append(isinstance(output, tuple))
+    return output[0] if isinstance(output, tuple) else output
 
 
 def _per_document(run: Callable, x_BS_: "torch.Tensor", spans) -> "torch.Tensor":
@@ -457,13 +522,14 @@ def check_token_mixers(layers: "nn.ModuleList", *, pack: bool, sp: int) -> None:
     if unknown:
         where = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         problem = (f"this model mixes tokens with convolutions or a recurrent state in {where}, whose structure "
-                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, Mamba-2 and ShortConv), so "
+                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, Mamba-2, ShortConv and lightning "
+                   "attention), so "
                    "under sequence parallelism it would miss the other ranks' tokens; use --sp 1 (or --gpus 1).")
         raise ModelError(problem, problems=[problem])
 
 
 def _input_width(module: Any) -> int:
-    for name in ("in_proj_qkvz", "in_proj_qkv", "in_proj"):
+    for name in ("in_proj_qkvz", "in_proj_qkv", "in_proj", "qkv_proj"):
         proj = getattr(module, name, None)
         if proj is not None and hasattr(proj, "in_features"):
             return proj.in_features
@@ -472,6 +538,16 @@ def _input_width(module: Any) -> int:
         raise ModelError(f"cannot tell the input width of {type(module).__name__} to probe it; train without "
                          "--pack and with --sp 1.")
     return width
+
+
+def _required_arguments(forward: Callable) -> dict:
+    """None for each argument after the hidden states that `forward` requires (MiniMax's position_embeddings and
+    attention_mask, which its lightning layers do not read)."""
+    import inspect
+
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    return {p.name: None for p in parameters if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def probe_mixer(wrapper: DocumentMixer) -> None:
@@ -488,9 +564,11 @@ def probe_mixer(wrapper: DocumentMixer) -> None:
     spans = [[(0, cut), (cut, length)]]
     rank = wrapper.exchange.sp_rank if sp > 1 else 0
     shard = slice(rank * _PROBE_SHARD, (rank + 1) * _PROBE_SHARD) if sp > 1 else slice(0, length)
+    extra = _required_arguments(wrapper.own_forward)
     with torch.no_grad():
-        expected = torch.cat([wrapper.own_forward(x[:, s:e]) for s, e in spans[0]], dim=1)[:, shard]
-        got = wrapper.run(x[:, shard], spans, {})
+        pieces = [_first(wrapper.own_forward(x[:, s:e], **extra), []) for s, e in spans[0]]
+        expected = torch.cat(pieces, dim=1)[:, shard]
+        got = _first(wrapper.run(x[:, shard], spans, extra), [])
     tolerance = _PROBE_RTOL.get(str(param.dtype).removeprefix("torch."), _PROBE_RTOL_LOW)
     error = float((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12))
     ok = error <= tolerance

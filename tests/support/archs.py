@@ -76,12 +76,15 @@ MIXER_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "nemotron_h": (dict(mamba_num_heads=6, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16,
                         conv_kernel=4, hybrid_override_pattern="M*", head_dim=8), {}),
     "lfm2": ARCHS["lfm2"],
+    # lightning attention (no convolution), 6 heads as the mixers above; blocks of 16 tokens are crossed
+    "minimax": ({**MOE, "num_local_experts": 4, "head_dim": 8, "num_attention_heads": 6, "num_key_value_heads": 2,
+                 "layer_types": ["full_attention", "linear_attention"], "block_size": 16}, {}),
 }
 
 # Architectures only the startup self-check (tests/unit/train/test_self_check.py) stands between and a wrong run, so
-# not in the matrix (which applies lstune's techniques without it): minimax's linear-attention layers carry a state
-# across packed documents, phimoe samples its routing in training mode, BART's causal-LM decoder reads positions from
-# the token index and takes its labels already shifted.
+# not in the matrix (which applies lstune's techniques without it): minimax's lightning layers carried a state across
+# packed documents (lstune.models.mixers resets it now; MIXER_ARCHS's config comes first), phimoe samples its routing
+# in training mode, BART's causal-LM decoder reads positions from the token index and takes its labels already shifted.
 SELF_CHECK_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "minimax": ({**MOE, "num_local_experts": 4, "head_dim": 8, "layer_types": ["full_attention", "linear_attention"],
                  "block_size": 16}, {"pack": "train without --pack"}),

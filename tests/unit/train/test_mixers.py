@@ -129,7 +129,8 @@ def test_every_sp_family_is_recognised_structurally():
              for t in MIXER_ARCHS}
     assert names == {"qwen3_next": {"Gated DeltaNet"}, "qwen3_5_text": {"Gated DeltaNet"},
                      "qwen3_5_moe_text": {"Gated DeltaNet"}, "bamba": {"Mamba-2"}, "granitemoehybrid": {"Mamba-2"},
-                     "falcon_h1": {"Mamba-2"}, "nemotron_h": {"Mamba-2"}, "lfm2": {"ShortConv"}}
+                     "falcon_h1": {"Mamba-2"}, "nemotron_h": {"Mamba-2"}, "lfm2": {"ShortConv"},
+                     "minimax": {"lightning attention"}}
 
 
 def test_a_cached_call_is_refused():
