@@ -13,7 +13,8 @@ Such a mixer is found structurally (the module that owns a convolution inside a 
   starts where `position_ids` does not continue by +1, as for attention — so the convolution sees zero padding and
   the recurrent state starts at zero at every document start, exactly as for the document run alone. (transformers'
   torch paths take no `seq_idx`/`cu_seqlens`: their kernels ignore it; the per-document loop is lstune's own reset.)
-* **sequence parallelism, head-parallel like Ulysses** (`MixerFamily`): the input projections run on the rank's
+* **sequence parallelism, head-parallel like Ulysses** (`MixerFamily`: Gated DeltaNet, KDA, Mamba-2, ShortConv,
+  lightning attention): the input projections run on the rank's
   sequence shard; an all-to-all gives each rank the whole timeline of its heads' channels (uneven head counts as
   in Ulysses' `HeadPlan`); there the module's own forward runs, per document, on a *view* of the module that holds
   only those heads — its convolution weights, `A_log`, `dt_bias`, `D` sliced, its projections reading the
@@ -25,8 +26,8 @@ Each installed wrapper is checked at once by a probe (`probe_mixer`): on a few t
 and, under SP, every rank's shard boundary, its output must equal the module's own forward on each document alone.
 MiniMax's lightning attention owns no convolution and is recognised by its structure (`LIGHTNING`). A
 convolution-owning module of no known family is refused under SP with its name; with packing alone any such module
-runs per document (the probe still checks it). KDA (Kimi-Linear) and Mamba-1 (Jamba, Mamba, FalconMamba) have no
-head-parallel plan yet: refused under SP (`--sp 1`).
+runs per document (the probe still checks it). Mamba-1 (Jamba, Mamba, FalconMamba) has no head-parallel plan: its
+`x_proj` reads every channel of a token, so there are no heads to split; refused under SP (`--sp 1`).
 """
 
 from __future__ import annotations
@@ -387,6 +388,57 @@ def _short_conv_view(module, start, count, like):
 SHORT_CONV = MixerFamily("ShortConv", _short_conv_matches, lambda m: m.conv.in_channels, _short_conv_streams,
                          _short_conv_view, _out_proj_finish, ("lfm2",))
 
+# KDA (Kimi-Linear): unit = one head; per unit q | k | v (before the convolution) | g (its forget gate, per channel,
+# made on the shard by the module's own forget_gate: fp32) | b (1). The stream is fp32 when g is (q, k, v, b go back to
+# their dtype exactly). The gated output norm (per head, it reads a gate made from the layer's input) and o_proj run on
+# the sequence shard.
+
+def _kda_matches(m: Any) -> bool:
+    gate = getattr(m, "forget_gate", None)
+    return (_has(m, "q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj",
+                 "o_norm", "o_proj", "num_heads", "head_dim", "qkv_dim") and _plain_conv(m.conv1d)
+            and m.conv1d.in_channels == 3 * m.qkv_dim == 3 * m.num_heads * m.head_dim
+            and _has(gate, "f_a_proj", "f_b_proj", "dt_bias", "A_log"))
+
+
+def _kda_streams(module, x):
+    import torch
+
+    h = module.num_heads
+    parts = [module.q_proj(x), module.k_proj(x), module.v_proj(x), module.forget_gate(x), module.b_proj(x)]
+    dtype = torch.promote_types(parts[0].dtype, parts[3].dtype)
+    return torch.cat([_unflat(p.to(dtype), h) for p in parts], dim=-1), x
+
+
+def _kda_view(module, start, count, like):
+    hd, qkv = module.head_dim, module.qkv_dim
+    own = list(range(start * hd, (start + count) * hd))
+    channels = _index(own + [qkv + c for c in own] + [2 * qkv + c for c in own], like.device)
+    dtype = module.q_proj.weight.dtype if hasattr(module.q_proj, "weight") else like.dtype
+
+    def read(p, to=None):
+        def reader(s):
+            piece = _unflat(s, count)[..., p * hd : (p + 1) * hd if p < 4 else 4 * hd + 1]
+            return (piece.to(to) if to is not None else piece).flatten(2) if p != 3 else piece
+        return reader
+
+    return module_view(module, num_heads=count, qkv_dim=count * hd, conv_dim=3 * count * hd,
+                       conv1d=_Conv(module.conv1d, channels), q_proj=read(0, dtype), k_proj=read(1, dtype),
+                       v_proj=read(2, dtype), forget_gate=read(3), b_proj=read(4, dtype),
+                       g_a_proj=_identity, g_b_proj=lambda s: s[..., : count * hd], o_norm=_DeferredNorm(),
+                       o_proj=_identity)
+
+
+def _kda_finish(module, y_BsUw, x, view):
+    gate = module.g_b_proj(module.g_a_proj(x)).view(*x.shape[:2], -1, module.head_dim)
+    y = module.o_norm(y_BsUw.reshape(gate.shape), gate)
+    return module.o_proj(y.reshape(*x.shape[:2], -1))
+
+
+KDA = MixerFamily("KDA", _kda_matches, lambda m: m.num_heads, _kda_streams, _kda_view, _kda_finish,
+                  ("kimi_linear",))
+
+
 # Lightning attention (MiniMax): unit = one head; per unit its q | k | v before the activation. The per-head decays
 # (slope_rate and the decay buffers derived from it) are sliced; the norm over all heads, the output gate (it reads
 # the layer's input) and out_proj run on the sequence shard. It owns no convolution: found by its structure.
@@ -425,7 +477,7 @@ def _lightning_finish(module, y_BsUw, x, view):
 LIGHTNING = MixerFamily("lightning attention", _lightning_matches, lambda m: m.num_attention_heads,
                         _lightning_streams, _lightning_view, _lightning_finish, ("minimax",))
 
-FAMILIES = (GATED_DELTANET_FUSED, GATED_DELTANET_SPLIT, MAMBA2, SHORT_CONV, LIGHTNING)
+FAMILIES = (GATED_DELTANET_FUSED, GATED_DELTANET_SPLIT, MAMBA2, SHORT_CONV, KDA, LIGHTNING)
 
 
 def family_of(module: Any) -> MixerFamily | None:
@@ -522,8 +574,8 @@ def check_token_mixers(layers: "nn.ModuleList", *, pack: bool, sp: int) -> None:
     if unknown:
         where = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         problem = (f"this model mixes tokens with convolutions or a recurrent state in {where}, whose structure "
-                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, Mamba-2, ShortConv and lightning "
-                   "attention), so "
+                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, KDA, Mamba-2, ShortConv and "
+                   "lightning attention), so "
                    "under sequence parallelism it would miss the other ranks' tokens; use --sp 1 (or --gpus 1).")
         raise ModelError(problem, problems=[problem])
 

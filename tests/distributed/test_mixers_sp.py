@@ -1,7 +1,7 @@
 """Linear-attention and state-space mixers under SP 2 and 4 on gloo, head-parallel (lstune.models.mixers): loss and
 every gradient equal to plain HF (fp32) — the whole sequence for one long sample, each document alone for packed ones —
-for Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2 (Bamba, GraniteMoeHybrid, Falcon-H1, Nemotron-H) and
-ShortConv (LFM2); with lstune's attention alone, with the memory techniques (checkpoint recompute repeats the
+for Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), KDA (Kimi-Linear), Mamba-2 (Bamba, GraniteMoeHybrid, Falcon-H1,
+Nemotron-H), ShortConv (LFM2) and lightning attention (MiniMax); with lstune's attention alone, with the memory techniques (checkpoint recompute repeats the
 all-to-alls), and with LoRA. The tiny configs split 6 heads over 4 ranks unevenly (2, 2, 1, 1), two Mamba-2 groups
 across ranks; each rank's shard (16 tokens at SP 4) is shorter than the documents and longer than the convolution."""
 
@@ -92,7 +92,8 @@ def test_mixers_are_exact_under_sp(pools, world):
 
 
 def test_mixers_with_lora_are_exact_under_sp2(pools):
-    types = ["qwen3_next", "qwen3_5_text", "bamba", "lfm2"]  # peft refuses LoRA on some Mamba models' out_proj
+    # peft refuses LoRA on some Mamba models' out_proj
+    types = ["qwen3_next", "qwen3_5_text", "bamba", "lfm2", "kimi_linear", "minimax"]
     results = pools[2].run(_mixers_worker, types, True, timeout=600)[0]
     assert len(results) == len(types) * 2
     _assert_exact(results)
