@@ -62,8 +62,8 @@ def convolution_mixers(layers: "nn.ModuleList") -> list[str]:
 
 
 def mixer_sites(layers: "nn.ModuleList") -> list[tuple[str, "nn.Module"]]:
-    """(qualified name, module) of each module that owns a convolution inside the decoder layers: the token mixer
-    (its parent, when the convolution was wrapped by peft)."""
+    """(qualified name, module) of each token mixer inside the decoder layers, in layer order: each module that owns
+    a convolution (its parent, when peft wrapped the convolution), and each module of a family that has none."""
     owners: dict[str, Any] = {}
     for index, layer in enumerate(layers):
         modules = dict(layer.named_modules())
