@@ -139,3 +139,15 @@ def test_a_cached_call_is_refused():
     install_mixers(parts.body, parts.layers, pack=True)
     with pytest.raises(ModelError, match="cache"):
         parts.layers[0].conv(torch.zeros(1, 4, 32), cache=object())
+
+
+def test_a_meta_model_gets_its_mixers_without_a_probe():
+    """The estimator's models have no values: the mixers are installed (their memory is traced), the probe skipped."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.archs import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"))
+    parts = find_parts(model)
+    assert install_mixers(parts.body, parts.layers, pack=True).names == ["layers.0.linear_attn"]
