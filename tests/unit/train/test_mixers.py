@@ -151,3 +151,21 @@ def test_a_meta_model_gets_its_mixers_without_a_probe():
         model = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"))
     parts = find_parts(model)
     assert install_mixers(parts.body, parts.layers, pack=True).names == ["layers.0.linear_attn"]
+
+
+def test_chunked_attention_under_sp_is_refused_on_a_model_with_mixers():
+    """FPDT's layout gives each rank non-contiguous pieces, which the head-parallel mixers cannot take."""
+    from types import SimpleNamespace
+
+    from lstune.models.chunk_layout import AttentionChunks
+    from lstune.train.mixers import MixersHandle
+    from lstune.train.prepare import _check_mixer_layout
+
+    undone = []
+    memory = SimpleNamespace(attn_chunking=AttentionChunks(setting=3), undo=lambda: undone.append(True))
+    handle = MixersHandle(["layers.0.linear_attn"], [])
+    _check_mixer_layout(handle, memory, sp=1)
+    _check_mixer_layout(handle, SimpleNamespace(attn_chunking=AttentionChunks()), sp=2)
+    with pytest.raises(ModelError, match=r"layers\.0\.linear_attn.*--attn-chunks off, or --sp 1"):
+        _check_mixer_layout(handle, memory, sp=2)
+    assert undone == [True]
