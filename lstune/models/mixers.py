@@ -13,8 +13,8 @@ Such a mixer is found structurally (the module that owns a convolution inside a 
   starts where `position_ids` does not continue by +1, as for attention — so the convolution sees zero padding and
   the recurrent state starts at zero at every document start, exactly as for the document run alone. (transformers'
   torch paths take no `seq_idx`/`cu_seqlens`: their kernels ignore it; the per-document loop is lstune's own reset.)
-* **sequence parallelism, head-parallel like Ulysses** (`MixerFamily`: Gated DeltaNet, KDA, Mamba-2, ShortConv,
-  lightning attention): the input projections run on the rank's
+* **sequence parallelism, head-parallel like Ulysses** (`MixerFamily`: Gated DeltaNet, KDA, Mamba-2, Mamba-1,
+  ShortConv, lightning attention): the input projections run on the rank's
   sequence shard; an all-to-all gives each rank the whole timeline of its heads' channels (uneven head counts as
   in Ulysses' `HeadPlan`); there the module's own forward runs, per document, on a *view* of the module that holds
   only those heads — its convolution weights, `A_log`, `dt_bias`, `D` sliced, its projections reading the
@@ -24,10 +24,10 @@ Such a mixer is found structurally (the module that owns a convolution inside a 
 
 Each installed wrapper is checked at once by a probe (`probe_mixer`): on a few tokens holding a document boundary
 and, under SP, every rank's shard boundary, its output must equal the module's own forward on each document alone.
-MiniMax's lightning attention owns no convolution and is recognised by its structure (`LIGHTNING`). A
-convolution-owning module of no known family is refused under SP with its name; with packing alone any such module
-runs per document (the probe still checks it). Mamba-1 (Jamba, Mamba, FalconMamba) has no head-parallel plan: its
-`x_proj` reads every channel of a token, so there are no heads to split; refused under SP (`--sp 1`).
+MiniMax's lightning attention owns no convolution and is recognised by its structure (`LIGHTNING`). Mamba-1 (Jamba)
+splits by channel, its `x_proj` (which reads every channel of a token) summed over the ranks. A convolution-owning
+module of no known family (Mamba's and FalconMamba's mixers, which have no attention heads and stay at SP 1 anyway) is
+refused under SP with its name; with packing alone any such module runs per document (the probe still checks it).
 """
 
 from __future__ import annotations
@@ -202,6 +202,7 @@ class MixerFamily:
     view: Callable[[Any, int, int, Any], Any]
     finish: Callable[[Any, Any, Any, Any], Any]
     examples: tuple[str, ...] = field(default=())
+    reduces: bool = False  # its view also takes the exchange (a projection summed over every rank's channels)
 
 
 def _has(module: Any, *names: str) -> bool:
@@ -439,6 +440,52 @@ KDA = MixerFamily("KDA", _kda_matches, lambda m: m.num_heads, _kda_streams, _kda
                   ("kimi_linear",))
 
 
+# Mamba-1 (Jamba): unit = one channel; per unit x | gate. Its x_proj reads every channel of a token, so the view's
+# x_proj is the rank's channels' share, summed over the SP group (an all-reduce on the rank's whole timeline, small:
+# dt_rank + 2·N per token); dt_proj's rows, A_log, D and the conv are sliced per channel.
+
+def _mamba1_matches(m: Any) -> bool:
+    return (_has(m, "in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "dt_layernorm", "b_layernorm",
+                 "c_layernorm", "intermediate_size", "time_step_rank", "ssm_state_size") and _plain_conv(m.conv1d)
+            and m.conv1d.in_channels == m.intermediate_size and getattr(m.x_proj, "bias", 0) is None
+            and getattr(m.in_proj, "out_features", None) == 2 * m.intermediate_size)
+
+
+def _mamba1_streams(module, x):
+    import torch
+
+    xs, gate = module.in_proj(x).chunk(2, dim=-1)
+    return torch.stack([xs, gate], dim=-1), None
+
+
+class _Rows:
+    """A linear layer's weight rows (and bias entries) for some output channels: what Mamba-1 reads of dt_proj."""
+
+    def __init__(self, linear: Any, rows: slice):
+        self.weight = linear.weight[rows]
+        self.bias = linear.bias[rows] if linear.bias is not None else None
+
+
+def _mamba1_view(module, start, count, like, exchange):
+    import torch.nn.functional as F
+
+    channels = slice(start, start + count)
+    weight = module.x_proj.weight[:, channels]
+
+    def x_proj(xs):
+        return exchange.sum_over_group(F.linear(xs, weight))
+
+    conv = _Conv(module.conv1d, _index(list(range(start, start + count)), like.device))
+    return module_view(module, intermediate_size=count, conv1d=conv,
+                       in_proj=lambda s: _unflat(s, count).transpose(2, 3).flatten(2), x_proj=x_proj,
+                       dt_proj=_Rows(module.dt_proj, channels), A_log=module.A_log[channels], D=module.D[channels],
+                       out_proj=_identity)
+
+
+MAMBA1 = MixerFamily("Mamba-1", _mamba1_matches, lambda m: m.intermediate_size, _mamba1_streams, _mamba1_view,
+                     _out_proj_finish, ("jamba",), reduces=True)
+
+
 # Lightning attention (MiniMax): unit = one head; per unit its q | k | v before the activation. The per-head decays
 # (slope_rate and the decay buffers derived from it) are sliced; the norm over all heads, the output gate (it reads
 # the layer's input) and out_proj run on the sequence shard. It owns no convolution: found by its structure.
@@ -477,7 +524,7 @@ def _lightning_finish(module, y_BsUw, x, view):
 LIGHTNING = MixerFamily("lightning attention", _lightning_matches, lambda m: m.num_attention_heads,
                         _lightning_streams, _lightning_view, _lightning_finish, ("minimax",))
 
-FAMILIES = (GATED_DELTANET_FUSED, GATED_DELTANET_SPLIT, MAMBA2, SHORT_CONV, KDA, LIGHTNING)
+FAMILIES = (GATED_DELTANET_FUSED, GATED_DELTANET_SPLIT, MAMBA2, MAMBA1, SHORT_CONV, KDA, LIGHTNING)
 
 
 def family_of(module: Any) -> MixerFamily | None:
@@ -535,7 +582,8 @@ class DocumentMixer:
         start, count = sum(counts[: ex.sp_rank]), counts[ex.sp_rank]
         stream_BsUw, kept = family.streams(module, x_BsC)
         local_BSuw = ex.seq_to_units(stream_BsUw, counts)
-        view = family.view(module, start, count, local_BSuw)
+        view = (family.view(module, start, count, local_BSuw, ex) if family.reduces
+                else family.view(module, start, count, local_BSuw))
         run, extra = type(module).forward, _required_arguments(self.own_forward)
         out_BSy = _per_document(lambda piece: _first(run(view, piece.flatten(2), **extra), returned), local_BSuw,
                                 spans)
@@ -574,8 +622,8 @@ def check_token_mixers(layers: "nn.ModuleList", *, pack: bool, sp: int) -> None:
     if unknown:
         where = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         problem = (f"this model mixes tokens with convolutions or a recurrent state in {where}, whose structure "
-                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, KDA, Mamba-2, ShortConv and "
-                   "lightning attention), so "
+                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, KDA, Mamba-2, Jamba's "
+                   "Mamba-1, ShortConv and lightning attention), so "
                    "under sequence parallelism it would miss the other ranks' tokens; use --sp 1 (or --gpus 1).")
         raise ModelError(problem, problems=[problem])
 

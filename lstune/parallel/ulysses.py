@@ -168,6 +168,14 @@ class SequenceExchange:
         """`[B, S, u, w]` (my units, whole sequence) → `[B, S/sp, U, w]` (all units, my shard)."""
         return self.heads_to_seq(y_BSuw.contiguous(), counts)
 
+    def sum_over_group(self, x):
+        """The sum of `x` over the SP group's ranks, differentiable (its backward sums the gradients the same way)."""
+        from torch.distributed.nn.functional import all_reduce
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return all_reduce(x, group=self.group)
+
     def all_agree(self, ok: bool) -> bool:
         """True when `ok` holds on every rank of the SP group."""
         from lstune.parallel.comm import Communicator

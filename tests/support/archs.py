@@ -81,6 +81,10 @@ MIXER_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
                          qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_token=2,
                          moe_intermediate_size=32, mlp_layer_types=["dense", "sparse"],
                          layer_types=["linear_attention", "full_attention"]), {}),
+    # Mamba-1: x_proj summed over the ranks' channels
+    "jamba": (dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, attn_layer_period=2,
+                   attn_layer_offset=1, num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
+                   expert_layer_offset=1, use_mamba_kernels=False), {}),
     # lightning attention (no convolution), 6 heads as the mixers above; blocks of 16 tokens are crossed
     "minimax": ({**MOE, "num_local_experts": 4, "head_dim": 8, "num_attention_heads": 6, "num_key_value_heads": 2,
                  "layer_types": ["full_attention", "linear_attention"], "block_size": 16}, {}),

@@ -20,9 +20,9 @@ from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, ru
 
 SEQ = 70
 DOCS = [29, 24, 17]
-# Mamba-1: no head-parallel plan (SP refused), packed through their own forward per document; the sweep's
+# Mamba-1 without attention heads (SP refused by ParallelDims), packed through their own forward per document; the sweep's
 # generic tiny configs (tests/support/arch_sweep.py).
-SWEEP_TYPES = ["jamba", "mamba", "falcon_mamba"]
+SWEEP_TYPES = ["mamba", "falcon_mamba"]
 
 
 def _assert_close(got, ref) -> None:
@@ -117,10 +117,10 @@ def test_the_probe_refuses_a_wrong_per_document_run(monkeypatch):
 def test_a_mixer_without_a_head_parallel_plan_is_refused_under_sp_with_its_name():
     from tests.support import arch_sweep
 
-    model, problem = arch_sweep.build("jamba")
+    model, problem = arch_sweep.build("mamba")
     if model is None:
         pytest.skip(problem)
-    with pytest.raises(ModelError, match=r"layers\.\d\.mamba \(JambaMambaMixer\).*--sp 1"):
+    with pytest.raises(ModelError, match=r"layers\.\d\.mixer \(MambaMixer\).*--sp 1"):
         mixers.check_token_mixers(find_parts(model).layers, pack=False, sp=2)
 
 
@@ -130,7 +130,7 @@ def test_every_sp_family_is_recognised_structurally():
     assert names == {"qwen3_next": {"Gated DeltaNet"}, "qwen3_5_text": {"Gated DeltaNet"},
                      "qwen3_5_moe_text": {"Gated DeltaNet"}, "bamba": {"Mamba-2"}, "granitemoehybrid": {"Mamba-2"},
                      "falcon_h1": {"Mamba-2"}, "nemotron_h": {"Mamba-2"}, "lfm2": {"ShortConv"},
-                     "kimi_linear": {"KDA"}, "minimax": {"lightning attention"}}
+                     "kimi_linear": {"KDA"}, "jamba": {"Mamba-1"}, "minimax": {"lightning attention"}}
 
 
 def test_a_cached_call_is_refused():
