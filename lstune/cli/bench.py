@@ -15,6 +15,8 @@ from typing import Any
 
 import typer
 
+from lstune.cli.help import HelpCommand
+
 from lstune.bench.options import BenchOptions
 from lstune.cli.options import config_parameter, dataclass_parameters, given_flags, section_parameters, to_argv
 
@@ -33,7 +35,7 @@ def register(app: typer.Typer) -> None:
     command = _bench_command
     command.__signature__ = inspect.Signature(
         [config_parameter(), *dataclass_parameters(BenchOptions), *section_parameters(SECTIONS)])
-    app.command("bench", help=HELP, no_args_is_help=False)(command)
+    app.command("bench", help=HELP, no_args_is_help=False, cls=HelpCommand)(command)
 
 
 def _bench_command(**kwargs: Any) -> int:

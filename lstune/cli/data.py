@@ -7,6 +7,8 @@ from typing import Any
 
 import typer
 
+from lstune.cli.help import HelpCommand
+
 from lstune.cli.options import config_parameter, given_flags, section_parameters
 
 HELP = (
@@ -26,7 +28,7 @@ def register(app: typer.Typer) -> None:
                           default=typer.Option(400, "--preview-tokens", help="Tokens of the first sample to show.")),
         *section_parameters(["model", "data", "optim"]),
     ])
-    app.command("data", help=HELP)(command)
+    app.command("data", help=HELP, cls=HelpCommand)(command)
 
 
 def _data_command(**kwargs: Any) -> int:

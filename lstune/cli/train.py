@@ -7,6 +7,8 @@ from typing import Any
 
 import typer
 
+from lstune.cli.help import HelpCommand
+
 from lstune.cli.options import config_parameter, given_flags, section_parameters, to_argv
 
 HELP = (
@@ -19,7 +21,7 @@ HELP = (
 def register(app: typer.Typer) -> None:
     command = _train_command
     command.__signature__ = _signature()
-    app.command("train", help=HELP, no_args_is_help=False)(command)
+    app.command("train", help=HELP, no_args_is_help=False, cls=HelpCommand)(command)
 
 
 def _signature() -> inspect.Signature:
