@@ -228,9 +228,10 @@ def _not_plain_linear(model) -> list[str]:
             and type(module).__module__.startswith(model_code)]
 
 
-def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any):
+def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any, dora: bool = False,
+               rslora: bool = False):
     """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head and those
-    with a forward of their own (`_not_plain_linear`)."""
+    with a forward of their own (`_not_plain_linear`). `dora` / `rslora`: peft's DoRA and rsLoRA variants."""
     from peft import LoraConfig, get_peft_model
 
     auto = targets == "auto"
@@ -241,6 +242,8 @@ def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any
         target_modules="all-linear" if auto else list(targets),
         exclude_modules=(_not_plain_linear(model) or None) if auto else None,
         task_type="CAUSAL_LM",
+        use_dora=dora,
+        use_rslora=rslora,
     )
     try:
         with warnings.catch_warnings():

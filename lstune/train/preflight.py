@@ -45,7 +45,7 @@ def _check_data(config: TrainConfig) -> None:
         return  # a malformed --data is reported by its section
     if config.data.source is not None:
         for source, _ in mixture_entries(config.data.source):
-            check_source(source)
+            check_source(source, split=config.data.data_split, subset=config.data.data_subset)
     if config.data.eval_data is not None:
         check_source(config.data.eval_data)
     check_chat_template(config.data.chat_template)

@@ -255,9 +255,10 @@ def _setup_data(config: TrainConfig, tokenizer, model_config, *, source: str | N
 
         raise ConfigError(["no training data: set config.data.source (--data)."])
     max_records = data.max_records if source is None else None
+    read = data.reading() if source is None else {}  # --data-split/-subset/-fields: --data's, like --max-records
     source = source or data.source
     dataset = build_dataset(
-        source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=max_records
+        source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=max_records, **read
     )
     max_id, vocab = dataset.summary()["max_token_id"], model_config.vocab_size
     if max_id is not None and max_id >= vocab:
