@@ -42,6 +42,6 @@ def _data_command(**kwargs: Any) -> int:
     preview, tokens = kwargs.pop("preview"), kwargs.pop("preview_tokens")
     recipe = read_recipe(config_path) if config_path else {}
     config = build_config(recipe, given_flags(kwargs), recipe_name=str(config_path or "the recipe"),
-                          checks=lambda c: _data_given(c) + preflight_problems(c))
+                          checks=lambda c: _data_given(c) + preflight_problems(c, weights=False))
     print_data_preview(preview_data(config, max_tokens=tokens if preview else 0))
     return 0

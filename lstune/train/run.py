@@ -86,7 +86,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     from lstune.data.templates import set_chat_template
     from lstune.train.disk_space import check_disk_space
     from lstune.train.engine_choice import check_fits, plan_run, prediction_note
-    from lstune.train.preflight import check_resume_compatible
+    from lstune.train.preflight import adapter_without_base, check_resume_compatible
 
     with runtime.decided_alike():  # every rank refuses alike what these check: one message, the main process's
         if resume_from is not None:
@@ -95,6 +95,9 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         runtime.set_dims(config.parallel.sp, spec.config)
         for note in _adapt_positions(config, spec, runtime):
             reporter.note(note)
+    no_base = adapter_without_base(config, spec.source.kind)  # warned now, and noted in final/ (`_export`)
+    if no_base:
+        reporter.note(no_base)
     # Rank 0's answer for every rank: nodes with different host memory must not pick different engines or tile
     # counts (ZeRO-3 gathers weights once per tile, so the ranks' collectives would no longer match).
     prediction = runtime.comm.broadcast(plan_run(config, runtime, spec.config))
@@ -653,6 +656,16 @@ def _export(config, engine, loaded, runtime: Runtime, result: TrainResult, repor
     if config.model.merge_lora:
         result.merged_dir = _export_one(result, MERGED_DIR, engine, loaded, runtime, folder, merge_lora=True)
     reporter.note(f"final model saved: {result.final_dir}")
+    _note_missing_base(config, loaded.source.kind, result.final_dir, runtime)
+
+
+def _note_missing_base(config, source_kind: str, final_dir: Path, runtime: Runtime) -> None:
+    """final/NO_BASE_MODEL.txt beside an adapter that has no base to load (lstune.train.preflight)."""
+    from lstune.train.preflight import NO_BASE_NOTE, adapter_without_base
+
+    warning = adapter_without_base(config, source_kind)
+    if warning and runtime.is_main:
+        (final_dir / NO_BASE_NOTE).write_text(warning.removeprefix("warning: ") + "\n", encoding="utf-8")
 
 
 def _point_adapter_at_base(folder: Path, source) -> None:
