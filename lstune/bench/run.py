@@ -177,10 +177,19 @@ def host_cap(options: BenchOptions, fp: dict[str, Any]) -> int | None:
 
 
 def _measure_rung(session: "_Session", rung: Rung, config: TrainConfig, options: BenchOptions, given: TrainConfig):
+    """The measurements at each length, then the --find-max-len search, which takes a measurement that completed
+    two steps (a warmup step and a timed one) as its probe at that length rather than running it again."""
     from lstune.bench.search import find_max_len
 
+    measured = {n: session.run("step", rung.name, config, seq_len=n, warmup=options.warmup, steps=options.steps,
+                               plain_hf=rung.plain_hf)
+                for n in options.lengths or [given.data.seq_len]}
     if options.find_max_len:
+        two_steps = options.warmup >= 1
+
         def probe(n: int) -> dict[str, Any]:
+            if two_steps and measured.get(n, {}).get("outcome") == "ok":
+                return measured[n]
             # Two steps: the second runs with the optimizer state the first one created (a full fine-tune's
             # Adam moments are not there during the first step's backward).
             return session.run("step", rung.name, config, seq_len=n, purpose="search", warmup=1, steps=1,
@@ -188,9 +197,6 @@ def _measure_rung(session: "_Session", rung: Rung, config: TrainConfig, options:
 
         found = find_max_len(probe, start=given.data.seq_len, step=options.len_step, max_len=options.max_len)
         session.result.searches[rung.name] = found.to_dict()
-    for n in options.lengths or [given.data.seq_len]:
-        session.run("step", rung.name, config, seq_len=n, warmup=options.warmup, steps=options.steps,
-                    plain_hf=rung.plain_hf)
 
 
 class _Session:

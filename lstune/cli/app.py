@@ -54,12 +54,13 @@ def _root(
 
 
 def _register_commands() -> None:
-    from lstune.cli import bench, data, estimate, plot, presets, train
+    from lstune.cli import bench, data, estimate, plot, presets, recipes, train
 
     train.register(app)
     estimate.register(app)
     data.register(app)
     presets.register(app)
+    recipes.register(app)
     plot.register(app)
     bench.register(app)
 
