@@ -63,4 +63,4 @@ def test_real_model_recipes_say_what_access_they_need(path):
     preset = config.model.name.split("/")[-1].lower()
     assert f"--model {preset}" in text, "how to try the shapes with the preset"
     if config.model.name.startswith("meta-llama/"):
-        assert "HF_TOKEN" in text and "licence" in text
+        assert "HF_TOKEN" in text and "Community License" in text and "gated" in text
