@@ -9,6 +9,7 @@ text never has to fit in RAM.
 
 from __future__ import annotations
 
+import errno
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -188,12 +189,17 @@ def _read_files(builder: str, files: list[Path]) -> Dataset:
     from datasets import load_dataset
 
     names = ", ".join(str(p) for p in files[:3]) + (" ..." if len(files) > 3 else "")
+    _check_cache_room(files, names)
     try:
         with _quiet_datasets():  # its parse errors are reported below, once, with the file and line
             dataset = load_dataset(builder, data_files=[str(p) for p in files], split="train")
         # Arrow keeps text bytes as they were read; invalid UTF-8 would only fail later, mid-tokenization.
         dataset.data.table.validate(full=True)
         return dataset
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise _unreadable(names, builder, e, files) from e
+        raise _no_cache_room(names, sum(p.stat().st_size for p in files)) from e
     except ValueError as e:
         # datasets refuses to build a split of zero rows with this message; it is the user's empty data.
         if "corresponds to no data" not in str(e):
@@ -202,6 +208,38 @@ def _read_files(builder: str, files: list[Path]) -> Dataset:
                         "Point the data source at a non-empty dataset.") from e
     except Exception as e:  # any parse failure of user files is a data problem, not an lstune bug
         raise _unreadable(names, builder, e, files) from e
+
+
+def _check_cache_room(files: list[Path], names: str) -> None:
+    """Sources larger than memory need no streaming: datasets converts them once to Arrow files in its cache and
+    memory-maps those, so RAM is not the limit; the cache's disk is. A source larger than that disk's free space
+    cannot be converted (its Arrow copy is at least about its size): refused with both sizes, before the
+    conversion fills the disk."""
+    import shutil
+
+    from datasets import config
+
+    total = sum(p.stat().st_size for p in files)
+    cache = Path(config.HF_DATASETS_CACHE)
+    existing = next((parent for parent in (cache, *cache.parents) if parent.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    if total > free:
+        raise _no_cache_room(names, total, free, cache)
+
+
+def _no_cache_room(names: str, total: int, free: int | None = None, cache: Path | None = None) -> DataError:
+    from datasets import config
+
+    cache = cache or Path(config.HF_DATASETS_CACHE)
+    room = f" and {_gib(free)} is free there" if free is not None else ", and that disk filled up"
+    return DataError(f"data source {names} is {_gib(total)}: datasets converts it once to memory-mapped Arrow files "
+                     f"in its cache ({cache}){room}. Point HF_DATASETS_CACHE at a disk with room for at least "
+                     f"{_gib(total)}, or train on a part of the files.")
+
+
+def _gib(n: int) -> str:
+    unit, size = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1)) if n >= s or s == 1)
+    return f"{n / size:.1f} {unit}" if size > 1 else f"{n} bytes"
 
 
 @contextmanager

@@ -120,3 +120,19 @@ def test_the_config_knows_every_record_field_the_data_layer_reads():
     data_fields = {f for fields in KIND_FIELDS.values() for f in fields}
     data_fields |= {f for fields in OPTIONAL_FIELDS.values() for f in fields}
     assert set(RECORD_FIELDS) == data_fields
+
+
+def test_a_source_larger_than_the_cache_disk_is_refused_with_its_size(body_file, monkeypatch):
+    """Sources are memory-mapped (RAM is no limit), but datasets converts them into its cache first: a source
+    larger than that disk's free space is refused, stating both sizes, before any conversion."""
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**6, 10**6 - 100, 100))
+    size = body_file.stat().st_size
+    with pytest.raises(DataError, match=rf"is {size} bytes: datasets converts it once .* 100 bytes is free "
+                                        r"there\. Point HF_DATASETS_CACHE"):
+        load_records(str(body_file))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 0, 10**12))
+    assert len(load_records(str(body_file)).dataset) == 4
