@@ -56,3 +56,21 @@ def test_the_variants_change_the_model():
     dora = _lstune(copy.deepcopy(base), 4, 8, dora=True)
     assert any("lora_magnitude_vector" in n for n, _ in dora.named_parameters())
     assert not any("lora_magnitude_vector" in n for n, _ in plain.named_parameters())
+
+
+@pytest.mark.parametrize("variant", ["lora_dora", "lora_rslora"])
+def test_the_startup_self_check_passes_with_the_variant(variant, monkeypatch):
+    """The self-check prepares a copy of the model as the run does (the adapters from the config, then every
+    technique) and compares it with the unmodified model."""
+    from lstune.config.schema import MemorySection, ModelSection, TrainConfig
+    from lstune.train import prepare, self_check
+    from lstune.train.runtime import Runtime
+
+    asked = []
+    monkeypatch.setattr(prepare, "apply_lora", lambda model, **kw: asked.append(kw) or apply_lora(model, **kw))
+
+    config = TrainConfig(model=ModelSection(lora_r=4, **{variant: True}),
+                         memory=MemorySection(tiled_mlp=2, tiled_loss=2, offload_checkpoints=True))
+    result = self_check.run_self_check(build_model("tiny-llama", seed=0), config, Runtime(torch.device("cpu"), None))
+    assert result.ok and result.loss_rel < 1e-5
+    assert asked and all(kw[variant.removeprefix("lora_")] for kw in asked)
