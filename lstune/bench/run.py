@@ -112,6 +112,7 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
     folder = output_dir(options, config)
     observer = observer or _Quiet()
     started = time.monotonic()
+    loads = [_load_average()]
     limits = Limits(options.trial_timeout, host_cap(options, fp))
     runner = TrialRunner(limits, folder.path / "trials", cuda=bool(fp["gpus"]), on_tick=observer.tick,
                          claim=folder.claim)
@@ -127,6 +128,8 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
         for rung in rungs:
             curve = session.run("estimates", rung.name, configs[rung.name], lengths=_curve_lengths(result, rung.name))
             result.estimates[rung.name] = curve.get("points", [])
+        loads.append(_load_average())
+        result.notes += load_notes(loads, fp)
     except (Terminated, KeyboardInterrupt) as exc:  # a bench stopped part-way keeps what it measured
         what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
         result.notes.append(f"Interrupted ({what}) during trial {len(result.trials) + 1}: only the trials before it "
@@ -237,6 +240,25 @@ def _options_view(options: BenchOptions, limits) -> dict[str, Any]:
     view = asdict(options)
     view["max_host_mem_applied"] = limits.max_host_mem
     return view
+
+
+def _load_average() -> float | None:
+    import os
+
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def load_notes(loads: list[float | None], fp: dict[str, Any]) -> list[str]:
+    """A note when other work loaded the machine's CPUs while the trials ran (1-minute load average at the start and
+    the end past the usable cores): the step times then follow that load as much as the configurations (seen on a
+    2-core machine shared six ways: plain HF's steps 29 times lstune's, from the load alone)."""
+    known = [load for load in loads if load is not None]
+    cores = fp.get("cpu_cores_usable") or fp.get("cpu_cores") or 1
+    if not known or max(known) <= cores:
+        return []
+    return [f"the machine was loaded while the trials ran (load average {min(known):.1f} to {max(known):.1f} on "
+            f"{cores} usable cores): step times and tokens/s follow that load, not only the configurations; compare "
+            "them from an idle machine"]
 
 
 def _notes(config: TrainConfig, rungs: list[Rung]) -> list[str]:

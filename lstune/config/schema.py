@@ -96,6 +96,7 @@ class ModelSection:
         "Modules LoRA adapts: comma-separated names, or 'auto' = every linear layer but the output head.",
         partial(p.parse_str_list, items="module names", hint="module names like q_proj,v_proj or auto"),
         accepts_list=True,
+        metavar="auto|NAMES",
     )
     merge_lora: bool = _opt(
         False, "With LoRA: also write the merged full model to OUTPUT_DIR/final-merged.", p.parse_bool

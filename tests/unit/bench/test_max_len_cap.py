@@ -71,3 +71,12 @@ def test_longest_png_labels_do_not_overlap(tmp_path):
     overlaps = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
     assert not overlaps
     assert all(fig.bbox.contains(b.x0, b.y0) and fig.bbox.contains(b.x1, b.y1) for b in boxes)
+
+
+def test_a_loaded_machine_is_noted_since_step_times_follow_its_load():
+    from lstune.bench.run import load_notes
+
+    fp = {"cpu_cores": 2, "cpu_cores_usable": 2}
+    assert load_notes([1.0, 1.5], fp) == [] and load_notes([None, None], fp) == []
+    note = load_notes([9.2, 15.8], fp)[0]
+    assert "load average 9.2 to 15.8 on 2 usable cores" in note and "idle machine" in note
