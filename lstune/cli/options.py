@@ -54,6 +54,7 @@ def field_parameter(key: str, f, panel: str) -> inspect.Parameter:
     """The Typer option of one field: flag, help with its default, metavar, help panel from its metadata."""
     default = field_default(f)
     shown = f.metadata["show"](default) if "show" in f.metadata else default
+    shown = {True: "on", False: "off"}.get(shown, shown) if isinstance(shown, bool) else shown
     # Escaped: typer renders help as rich markup, which would swallow "[default: 4k]" and "[seq, vocab]".
     # No default (None) is said by the help text itself ("required", "default: one epoch", ...).
     text = f.metadata["help"] if default is None else f"{f.metadata['help']} [default: {shown}]"

@@ -405,7 +405,7 @@ class ParallelSection:
     )
     hostfile: str | None = _opt(
         None, "DeepSpeed hostfile for multi-node runs (one line per node: `node-1 slots=8`).",
-        p.parse_optional_str,
+        p.parse_optional_str, metavar="FILE",
     )
 
     def problems(self) -> list[str]:
