@@ -122,5 +122,5 @@ def adapter_without_base(config: TrainConfig, source_kind: str) -> str | None:
         return None
     return (f"warning: LoRA on a randomly initialised base ({model.name}): OUTPUT_DIR/final will hold only the "
             "adapter, and no saved weights exist for its base, so it cannot be loaded on its own. Add --merge-lora "
-            "to also write the full model (OUTPUT_DIR/final-merged), or train a pretrained model "
-            f"(--init pretrained). {NO_BASE_NOTE} in final/ says so too.")
+            "to also write the full model (OUTPUT_DIR/final-merged), or adapt a model with pretrained weights "
+            f"(a hub id or a local folder, without --init random). {NO_BASE_NOTE} in final/ says so too.")
