@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 import textwrap
 
-from typer.core import TyperCommand
+from typer.core import TyperCommand, TyperGroup
 
 SIDE_BY_SIDE = 100  # columns from which flag and help sit side by side
 FLAG_COLUMN = 34  # the flag column's width when they do
@@ -65,16 +65,35 @@ def _option_lines(names: str, text: str, width: int) -> list[str]:
     return [f"  {names}", *(" " * STACKED_INDENT + line for line in wrapped)]
 
 
+def _head(command, ctx, usage: str, width: int) -> list[str]:
+    lines = [f"Usage: {ctx.command_path} {usage}", ""]
+    for paragraph in (command.help or "").split("\n\n"):
+        lines += _wrap(" ".join(paragraph.split()), width - 2, initial_indent="  ", subsequent_indent="  ") + [""]
+    return lines
+
+
 class HelpCommand(TyperCommand):
     """A Typer command whose `--help` is laid out by `format_options` (see the module doc)."""
 
     def format_help(self, ctx, formatter) -> None:
         width = help_width()
-        lines = [f"Usage: {ctx.command_path} [OPTIONS]", ""]
-        for paragraph in (self.help or "").split("\n\n"):
-            lines += _wrap(" ".join(paragraph.split()), width - 2, initial_indent="  ",
-                                   subsequent_indent="  ") + [""]
-        lines += format_options(self.get_params(ctx), width)[1:]
+        lines = _head(self, ctx, "[OPTIONS]", width) + format_options(self.get_params(ctx), width)[1:]
+        formatter.write("\n".join(lines) + "\n")
+
+
+class HelpGroup(TyperGroup):
+    """`lstune --help` in the same layout: the global options, then each command with its first sentence."""
+
+    def format_help(self, ctx, formatter) -> None:
+        width = help_width()
+        lines = _head(self, ctx, "[OPTIONS] COMMAND [ARGS]...", width) + format_options(self.get_params(ctx), width)[1:]
+        commands = [(name, self.get_command(ctx, name)) for name in self.list_commands(ctx)]
+        commands = [(name, command) for name, command in commands if command is not None and not command.hidden]
+        column = max(len(name) for name, _ in commands) + 4
+        lines += ["", "Commands:"]
+        for name, command in commands:
+            body = _wrap(" ".join((command.help or "").split("\n\n")[0].split()), width - column - 2) or [""]
+            lines += [f"  {name:<{column - 2}}{body[0]}", *(" " * column + line for line in body[1:])]
         formatter.write("\n".join(lines) + "\n")
 
 

@@ -60,3 +60,15 @@ def test_switches_show_both_names_and_no_metavar(width, monkeypatch, capsys):
 def test_help_is_under_300_lines_at_80_columns(monkeypatch, capsys):
     """Issue 38 found 487 lines at 80 columns (a four-column table squeezing the help into a few words a line)."""
     assert len(_help("train", 80, monkeypatch, capsys).splitlines()) < 300
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_root_help_lists_every_command_within_the_width(width, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", str(width))
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert all(len(line) <= width for line in text.splitlines())
+    assert "<bool>" not in text and "--log-level LEVEL" in text
+    for command in ("train", "estimate", "data", "presets", "recipes", "plot", "bench"):
+        assert re.search(rf"^  {command} +\S", text, re.M), command
