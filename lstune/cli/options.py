@@ -34,7 +34,8 @@ def _is_switch(f) -> bool:
 
 
 def config_parameter() -> inspect.Parameter:
-    return _param("config", Optional[Path], typer.Option(None, "--config", "-c", metavar="RECIPE", help="A YAML recipe (see recipes/)."))
+    text = "A YAML recipe: its path, or the name of one shipped with lstune (`lstune recipes`)."
+    return _param("config", Optional[Path], typer.Option(None, "--config", "-c", metavar="RECIPE", help=text))
 
 
 def section_parameters(sections: Iterable[str] | None = None) -> list[inspect.Parameter]:

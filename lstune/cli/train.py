@@ -14,7 +14,7 @@ from lstune.cli.options import config_parameter, given_flags, section_parameters
 HELP = (
     "Fine-tune a causal LM on long sequences.\n\n"
     "Flags override the recipe given with --config; every config problem is reported at once, before any "
-    "model or data is loaded. The demo: lstune train --config recipes/tiny-llama/4k-cpu-demo.yaml."
+    "model or data is loaded. The demo: lstune train --config tiny-llama/4k-cpu-demo."
 )
 
 
