@@ -10,7 +10,9 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
-from lstune.models.mixers import DocumentMixer, DocumentPositions, check_token_mixers, family_of, mixer_sites, probe_mixer
+from lstune.models.mixers import (
+    DocumentMixer, DocumentPositions, check_token_mixers, family_of, mixer_sites, probe_mixer,
+)
 
 if TYPE_CHECKING:
     from torch import nn
