@@ -156,8 +156,9 @@ class SequenceExchange:
     def unit_counts(self, units: int) -> tuple[int, ...]:
         """How many of `units` heads (or channel groups) each rank holds: Ulysses' balanced, possibly uneven plan."""
         if units < self.sp:
-            raise ModelError(f"SP degree {self.sp} is larger than the {units} heads of a linear-attention / state-space "
-                             f"layer, which sequence parallelism splits like attention heads; use --sp {units} or less.")
+            raise ModelError(f"SP degree {self.sp} is larger than the {units} heads of a linear-attention / "
+                             "state-space layer, which sequence parallelism splits like attention heads; use "
+                             f"--sp {units} or less.")
         return _plan(units, units, self.sp).q_counts
 
     def seq_to_units(self, x_BsUw, counts):

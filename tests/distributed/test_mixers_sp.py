@@ -1,8 +1,8 @@
 """Linear-attention and state-space mixers under SP 2 and 4 on gloo, head-parallel (lstune.models.mixers): loss and
-every gradient equal to plain HF (fp32) — the whole sequence for one long sample, each document alone for packed ones —
-for Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), KDA (Kimi-Linear), Mamba-2 (Bamba, GraniteMoeHybrid, Falcon-H1,
-Nemotron-H), Mamba-1 (Jamba), ShortConv (LFM2) and lightning attention (MiniMax); with lstune's attention alone, with the memory techniques (checkpoint recompute repeats the
-all-to-alls), and with LoRA. The tiny configs split 6 heads over 4 ranks unevenly (2, 2, 1, 1), two Mamba-2 groups
+every gradient equal to plain HF (fp32) — the whole sequence for one long sample, each document alone for packed
+ones — for Gated DeltaNet (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), KDA (Kimi-Linear), Mamba-2 (Bamba, GraniteMoeHybrid,
+Falcon-H1, Nemotron-H), Mamba-1 (Jamba), ShortConv (LFM2) and lightning attention (MiniMax); with lstune's attention
+alone, with the memory techniques (checkpoint recompute repeats the all-to-alls), and with LoRA. The tiny configs split 6 heads over 4 ranks unevenly (2, 2, 1, 1), two Mamba-2 groups
 across ranks; each rank's shard (16 tokens at SP 4) is shorter than the documents and longer than the convolution."""
 
 from __future__ import annotations

@@ -77,7 +77,8 @@ MIXER_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
                         conv_kernel=4, hybrid_override_pattern="M*", head_dim=8), {}),
     "lfm2": ARCHS["lfm2"],
     # KDA beside multi-head latent attention
-    "kimi_linear": (dict(num_key_value_heads=4, linear_num_heads=6, linear_head_dim=8, linear_conv_kernel_dim=4, kv_lora_rank=16,
+    "kimi_linear": (dict(num_key_value_heads=4, linear_num_heads=6, linear_head_dim=8, linear_conv_kernel_dim=4,
+                         kv_lora_rank=16,
                          qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_token=2,
                          moe_intermediate_size=32, mlp_layer_types=["dense", "sparse"],
                          layer_types=["linear_attention", "full_attention"]), {}),

@@ -20,8 +20,8 @@ from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, ru
 
 SEQ = 70
 DOCS = [29, 24, 17]
-# Mamba-1 without attention heads (SP refused by ParallelDims), packed through their own forward per document; the sweep's
-# generic tiny configs (tests/support/arch_sweep.py).
+# Mamba-1 without attention heads (SP refused by ParallelDims), packed through their own forward per document; the
+# sweep's generic tiny configs (tests/support/arch_sweep.py).
 SWEEP_TYPES = ["mamba", "falcon_mamba"]
 
 
