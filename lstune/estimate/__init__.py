@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from lstune.config.schema import FLAT_FIELDS, TrainConfig, flag_name, zero_problems
 from lstune.errors import ConfigError
 from lstune.estimate.copies import StepCopies, step_copies
-from lstune.estimate.flops import StepFlops, step_flops
+from lstune.estimate.flops import KernelFlops, StepFlops, kernel_flops, step_flops
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import (LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
                                     host_reserve_bytes, loss_backend, reserve_bytes, saved_checkpoint_min_bytes,
@@ -52,6 +52,8 @@ class Estimate:
     copies: StepCopies = field(default_factory=StepCopies)  # host <-> device bytes of one step
     suggestions: list["Suggestion"] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The step's FLOPs by kernel, (with recompute as run, without any): lstune.estimate.flops.kernel_flops.
+    kernels: tuple[KernelFlops, KernelFlops] | None = None
 
     @property
     def device_peak_bytes(self) -> int:
@@ -84,6 +86,33 @@ class Estimate:
         dp = self.hardware.world_size // self.sp
         return dp * self.flops.tokens / self.step_seconds if self.step_seconds else 0.0
 
+    @property
+    def mfu(self) -> float:
+        """Predicted model FLOPs per device and second over the device's bf16 dense peak (docs/bench.md)."""
+        return self._utilisation(self.flops.model)
+
+    @property
+    def hfu(self) -> float:
+        """The same with the hardware FLOPs: recompute counted."""
+        return self._utilisation(self.flops.hardware)
+
+    def _utilisation(self, flops: float) -> float:
+        if not self.step_seconds:
+            return 0.0
+        return flops / self.sp / self.step_seconds / (self.hardware.device.peak_tflops * 1e12)
+
+    @property
+    def ideal_seconds(self) -> tuple[float, float] | None:
+        """(with recompute as run, without any): the step's kernels alone at the device's measured kernel rates
+        (lstune.estimate.hardware), one device's share; None without rates (a CPU)."""
+        d = self.hardware.device
+        if not (self.kernels and d.gemm_kernel_tflops):
+            return None
+        rates = (d.gemm_kernel_tflops * 1e12, d.attention_forward_kernel_tflops * 1e12,
+                 d.attention_backward_kernel_tflops * 1e12)
+        run, bare = (k.ideal_seconds(*rates) / self.sp for k in self.kernels)
+        return run, bare
+
     def verdict(self) -> str:
         if self.fits:
             margin = self.device_capacity - self.device_peak_bytes
@@ -106,6 +135,9 @@ class Estimate:
             "saved_checkpoint_min_bytes": self.saved_checkpoint_min_bytes,
             "checkpoint_placement": placement_summary(self.breakdown.placement, self.flops),
             "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu, "hfu": self.hfu,
+            "ideal_seconds": self.ideal_seconds[0] if self.ideal_seconds else None,
+            "ideal_no_recompute_seconds": self.ideal_seconds[1] if self.ideal_seconds else None,
             "host_copies": self.copies.to_dict(),
             "memory_choice": self.memory_choice.to_dict() if self.memory_choice else None,
             "suggestions": [s.to_dict() for s in self.suggestions], "notes": list(self.notes),
@@ -515,7 +547,7 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
     flops = _scaled(flops, rounds)
     return Estimate(
         model=config.model.name, seq_len=config.data.seq_len, hardware=hardware, engine=engine, sp=sp, breakdown=b,
-        params=params, flops=flops, copies=copies,
+        params=params, flops=flops, copies=copies, kernels=kernel_flops(flops, model_config, config.data.seq_len),
         step_seconds=step_seconds(flops, hardware, sp, engine, params) + copies.exposed_seconds,
         device_capacity=device_capacity(hardware), host_capacity=host_capacity(hardware), longest_seq_len=0,
         notes=_notes(config, shape, sp),

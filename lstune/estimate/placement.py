@@ -9,7 +9,7 @@ which the step's FLOPs read for the layers backward re-runs (`extra_layer_forwar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 from lstune.estimate.shapes import ModelShape
@@ -58,6 +58,7 @@ def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
     )
 
 
+@lru_cache(maxsize=1 << 16)  # the placement search asks ~100,000 times for a few thousand sizes
 def _pinned_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
     return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
 
