@@ -196,8 +196,14 @@ def traced_settings_estimate(config: TrainConfig, hardware: Cluster, model_confi
 
 
 def _model_config(config: TrainConfig):
+    """The model's config: a preset's resolved attributes kept with lstune (no torch, lstune.estimate.preset_facts),
+    else transformers' config."""
+    from lstune.estimate.preset_facts import preset_config_facts
     from lstune.models.loading import resolve_model
 
+    facts = preset_config_facts(config.model.name)
+    if facts is not None:
+        return facts
     return resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code).config
 
 
@@ -425,7 +431,7 @@ def _offload_options(config, hardware, shape, sp, engine) -> list[bool]:
         return [bool(m.offload_checkpoints)]
     if not (m.checkpointing and hardware.on_cuda):
         return [False]
-    from lstune.memory.checkpoint import offload_min_tokens
+    from lstune.memory.offload_math import offload_min_tokens
 
     res = 2 if settings(config, hardware, sp, engine).bf16 else 4
     local = config.optim.micro_batch_size * math.ceil(config.data.seq_len / sp)
@@ -439,7 +445,7 @@ def _chunk_options(config: TrainConfig, hardware: Cluster, shape: ModelShape, sp
     setting = config.memory.attn_chunks
     if setting != "auto":
         return [setting]
-    from lstune.memory.attention_chunks import auto_chunk_tokens  # imports torch: only when chunking may be chosen
+    from lstune.memory.offload_math import auto_chunk_tokens
 
     d = hardware.device
     tokens = auto_chunk_tokens(shape.q_width, shape.kv_width, pcie_bytes_per_s=d.host_link_gbps * 1e9,

@@ -193,7 +193,7 @@ def attn_chunk_count(setting: str | int, shape: ModelShape, local_seq: int) -> i
     """`--attn-chunks` resolved as lstune.memory.apply resolves it (the same functions) for `local_seq` tokens."""
     if setting == "off":
         return 1
-    from lstune.memory import attention_chunks as chunked  # imports torch: only when chunking is asked for
+    from lstune.memory import offload_math as chunked
 
     return chunked.chunk_count(setting, local_seq, chunked.auto_chunk_tokens(shape.q_width, shape.kv_width))
 

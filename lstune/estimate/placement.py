@@ -43,7 +43,7 @@ def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
                       device_budget: int | None) -> CheckpointPlacement:
     """`plan_placement` with train's inputs (lstune.memory.apply.checkpoint_placement): the host budget (none
     without offload), the device budget, and on CUDA the fraction whose copy hides under one layer's forward."""
-    from lstune.memory import checkpoint as ckpt_mod  # imports torch: only when checkpoints are placed
+    from lstune.memory import offload_math as ckpt_mod
 
     tokens = s.local_tokens // max(s.micro_batch, 1)
     forward_s = None
