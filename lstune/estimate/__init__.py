@@ -24,7 +24,8 @@ from lstune.estimate.memory import (LOSS_TILE_BYTES, Breakdown, Engine, Settings
                                     host_reserve_bytes, loss_backend, reserve_bytes, saved_checkpoint_min_bytes,
                                     size_text)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
-from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
+from lstune.estimate.preset_facts import counts_for, preset_config_facts
+from lstune.estimate.shapes import ModelShape, ParamCounts
 
 MIN_SEQ = 1024
 # `auto` tiling stops cutting once the predicted peak is at most this share of the device: tiles cost time, and
@@ -168,9 +169,8 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
     bench ladder rung runs. `reach=False`: no longest sequence searched (`longest_seq_len` 0), for a suggestion."""
     model_config = model_config if model_config is not None else _model_config(config)
     shape = ModelShape.from_config(model_config)
-    params = params or count_parameters(model_config, lora_r=config.model.lora_r,
-                                        lora_targets=config.model.lora_targets,
-                                        trust_remote_code=config.model.trust_remote_code)
+    params = params or counts_for(model_config, lora_r=config.model.lora_r, lora_targets=config.model.lora_targets,
+                                  trust_remote_code=config.model.trust_remote_code)
     sp = resolve_sp(config, hardware, model_config)
     engine = choose_engine(config, hardware, shape, params, sp)
     choice = choose_memory(config, hardware, shape, params, sp, engine) if resolve_auto else None
@@ -198,7 +198,6 @@ def traced_settings_estimate(config: TrainConfig, hardware: Cluster, model_confi
 def _model_config(config: TrainConfig):
     """The model's config: a preset's resolved attributes kept with lstune (no torch, lstune.estimate.preset_facts),
     else transformers' config."""
-    from lstune.estimate.preset_facts import preset_config_facts
     from lstune.models.loading import resolve_model
 
     facts = preset_config_facts(config.model.name)

@@ -19,7 +19,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from lstune.estimate.shapes import ParamCounts
+from lstune.estimate.shapes import ParamCounts, count_parameters
 
 FACTS_PATH = Path(__file__).with_name("preset_facts.json")
 _RANK_FIELDS = ("total", "trainable", "adapters")  # ParamCounts' fields that count adapter parameters (r · ...)
@@ -67,6 +67,19 @@ def preset_counts(config: Any, *, lora_r: int, lora_targets: Any) -> ParamCounts
     return _counts(values)
 
 
+def counts_for(config: Any, *, lora_r: int, lora_targets: Any, trust_remote_code: bool = False) -> ParamCounts:
+    """The parameter counts of `config`: kept ones for a PresetConfig where the file has them, else
+    `count_parameters` of the model built from it (a PresetConfig's transformers config first)."""
+    known = preset_counts(config, lora_r=lora_r, lora_targets=lora_targets)
+    if known is not None:
+        return known
+    if isinstance(config, PresetConfig):
+        from lstune.models.presets import preset_config
+
+        config = preset_config(config._preset_name)
+    return count_parameters(config, lora_r=lora_r, lora_targets=lora_targets, trust_remote_code=trust_remote_code)
+
+
 def _counts(values: dict[str, Any]) -> ParamCounts:
     fields = dict(values)
     fields["trainable_tensors"] = tuple(fields.get("trainable_tensors", ()))
@@ -78,7 +91,6 @@ def _entry(name: str) -> dict[str, Any]:
     """One preset's facts, from transformers and peft (module doc)."""
     from dataclasses import asdict
 
-    from lstune.estimate.shapes import count_parameters
     from lstune.models.presets import preset_config
 
     config = preset_config(name)

@@ -159,17 +159,7 @@ class ParamCounts:
 def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto",
                      trust_remote_code: bool = False) -> ParamCounts:
     """Count on a meta-device build of `config` (nothing is allocated), with LoRA applied by peft itself
-    (lstune.models.loading.apply_lora), so adapters are counted wherever peft puts them (MoE experts too). A preset's
-    config from lstune.estimate.preset_facts brings its counts, made the same way beforehand."""
-    from lstune.estimate.preset_facts import preset_counts
-
-    known = preset_counts(config, lora_r=lora_r, lora_targets=lora_targets)
-    if known is not None and not trust_remote_code:
-        return known
-    if hasattr(config, "_preset_name"):  # counts not kept for these settings: the preset's transformers config
-        from lstune.models.presets import preset_config
-
-        config = preset_config(config._preset_name)
+    (lstune.models.loading.apply_lora), so adapters are counted wherever peft puts them (MoE experts too)."""
     import torch
     from transformers import AutoModelForCausalLM
 

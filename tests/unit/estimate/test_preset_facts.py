@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lstune.estimate.preset_facts import preset_config_facts, preset_counts
+from lstune.estimate.preset_facts import counts_for, preset_config_facts, preset_counts
 from lstune.estimate.shapes import ModelShape, count_parameters
 from lstune.models.presets import list_presets, preset_config
 from tests.integration.conftest import REPO
@@ -33,7 +33,7 @@ def test_the_kept_counts_are_count_parameters_of_the_built_model(name):
         kept = preset_counts(facts, lora_r=lora_r, lora_targets="auto")
         assert kept == count_parameters(live, lora_r=lora_r), (name, lora_r)
     assert preset_counts(facts, lora_r=16, lora_targets=["o_proj"]) is None  # other targets: the full path
-    assert count_parameters(facts, lora_r=16, lora_targets=["o_proj"]) == count_parameters(
+    assert counts_for(facts, lora_r=16, lora_targets=["o_proj"]) == count_parameters(
         live, lora_r=16, lora_targets=["o_proj"])
 
 
