@@ -21,7 +21,7 @@ from lstune.estimate.copies import StepCopies, step_copies
 from lstune.estimate.flops import KernelFlops, StepFlops, kernel_flops, step_flops
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import (LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
-                                    host_reserve_bytes, loss_backend, reserve_bytes, saved_checkpoint_min_bytes,
+                                    forget_byte_models, host_reserve_bytes, loss_backend, reserve_bytes, saved_checkpoint_min_bytes,
                                     size_text)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
 from lstune.estimate.preset_facts import counts_for, preset_config_facts
@@ -166,7 +166,11 @@ def estimate(config: TrainConfig, hardware: Cluster, *, model_config: Any = None
     transformers config when already resolved (else read from `config.model.name`); `params`: counts when
     already made (a search calls this many times). `resolve_auto=False`: the memory settings as the memory plan
     applies them unresolved (`auto` tiles at ALST's counts, `auto` offload off; no `memory_choice`) — what a
-    bench ladder rung runs. `reach=False`: no longest sequence searched (`longest_seq_len` 0), for a suggestion."""
+    bench ladder rung runs. `reach=False`: no longest sequence searched (`longest_seq_len` 0), for a suggestion.
+    A call without `params` starts with no byte model kept from before (memory.forget_byte_models); one with them
+    is part of a search and keeps them."""
+    if params is None:
+        forget_byte_models()
     model_config = model_config if model_config is not None else _model_config(config)
     shape = ModelShape.from_config(model_config)
     params = params or counts_for(model_config, lora_r=config.model.lora_r, lora_targets=config.model.lora_targets,

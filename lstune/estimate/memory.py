@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
+from lstune.estimate.placement import cache_clear as placement_cache_clear
 from lstune.estimate.placement import checkpoint_terms
 from lstune.estimate.shapes import ModelShape, ParamCounts, ceil_div
 from lstune.memory.host_copies import host_copy_bytes, pinned_bytes
@@ -220,6 +221,13 @@ def breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
     and handed out as a copy, which the caller may change."""
     b = _breakdown(shape, params, s)
     return replace(b, items=[replace(i) for i in b.items], dtypes=dict(b.dtypes))
+
+
+def forget_byte_models() -> None:
+    """Drop the byte models made so far (`breakdown`'s cache and the placement's): each estimate starts afresh, so
+    a constant changed between two (a test's monkeypatch, a recalibration) is never answered from before it."""
+    _breakdown.cache_clear()
+    placement_cache_clear()
 
 
 @lru_cache(maxsize=8192)

@@ -63,6 +63,10 @@ def _pinned_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
     return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
 
 
+def cache_clear() -> None:
+    _pinned_bytes.cache_clear()
+
+
 def extra_layer_forwards(placement: CheckpointPlacement | None) -> int:
     """Layer forwards backward adds for checkpoints not stored (0 without a placement)."""
     return placement.extra_layer_forwards() if placement is not None else 0
