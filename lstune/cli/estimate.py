@@ -168,9 +168,12 @@ def _render(e) -> None:
         table.add_row(item.name, _bytes(item.device), _bytes(item.host), item.detail)
     table.add_row("[bold]total[/bold]", human_bytes(e.device_peak_bytes), human_bytes(b.host_peak),
                   f"host per node: {human_bytes(e.host_peak_bytes)} ({hw.gpus} ranks)")
+    m = e.margin
     table.add_row("capacity", human_bytes(e.device_capacity), human_bytes(e.host_capacity),
-                  f"margin: device {human_bytes(e.device_capacity - e.device_peak_bytes)}, "
+                  f"left: device {human_bytes(e.device_capacity - e.device_peak_bytes)}, "
                   f"host {human_bytes(e.host_capacity - e.host_peak_bytes)}")
+    table.add_row("margin a fit keeps", human_bytes(m.device), human_bytes(m.host),
+                  f"{m.device_share:.0%} of the device, {m.host_share:.0%} of the usable host (docs/estimate.md)")
     con.print(table)
     colour = "green" if e.fits else "red"
     con.print(f"verdict: [{colour}]{e.verdict()}[/{colour}]")

@@ -20,6 +20,7 @@ from lstune.errors import ConfigError
 from lstune.estimate.copies import StepCopies, step_copies
 from lstune.estimate.flops import KernelFlops, StepFlops, kernel_flops, step_flops
 from lstune.estimate.hardware import Cluster
+from lstune.estimate.margin import Margin, margin
 from lstune.estimate.memory import (LOSS_TILE_BYTES, Breakdown, Engine, Settings, attn_chunk_count, breakdown,
                                     forget_byte_models, host_reserve_bytes, loss_backend, reserve_bytes, saved_checkpoint_min_bytes,
                                     size_text)
@@ -66,12 +67,17 @@ class Estimate:
         return self.breakdown.host_peak * self.hardware.gpus
 
     @property
+    def margin(self) -> Margin:
+        """What a fit leaves free (lstune.estimate.margin): `fits` means the peaks stay this far below capacity."""
+        return run_margin(self.hardware, self.breakdown)
+
+    @property
     def fits_device(self) -> bool:
-        return self.device_peak_bytes <= self.device_capacity
+        return self.device_peak_bytes <= self.device_capacity - self.margin.device
 
     @property
     def fits_host(self) -> bool:
-        return self.host_peak_bytes <= self.host_capacity
+        return self.host_peak_bytes <= self.host_capacity - self.margin.host
 
     @property
     def fits(self) -> bool:
@@ -115,11 +121,15 @@ class Estimate:
         return run, bare
 
     def verdict(self) -> str:
+        m = self.margin
         if self.fits:
-            margin = self.device_capacity - self.device_peak_bytes
-            return f"fits: {margin / 2**30:,.1f} GiB to spare per device"
+            spare = self.device_capacity - m.device - self.device_peak_bytes
+            return (f"fits: {spare / 2**30:,.1f} GiB to spare per device beyond the {m.device_share:.0%} margin "
+                    f"({m.device / 2**30:,.1f} GiB)")
         where = [w for w, ok in (("device", self.fits_device), ("host", self.fits_host)) if not ok]
-        return f"does not fit ({' and '.join(where)} memory)"
+        within = (self.device_peak_bytes <= self.device_capacity and self.host_peak_bytes <= self.host_capacity)
+        return (f"does not fit ({' and '.join(where)} memory" + (", inside the capacity but not its margin: "
+                "--force to try" if within else "") + ")")
 
     def to_dict(self) -> dict:
         return {
@@ -132,6 +142,7 @@ class Estimate:
             "device_peak_bytes": self.device_peak_bytes, "device_capacity_bytes": self.device_capacity,
             "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
+            "margin": self.margin.to_dict(),
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
             "saved_checkpoint_min_bytes": self.saved_checkpoint_min_bytes,
             "checkpoint_placement": placement_summary(self.breakdown.placement, self.flops),
@@ -295,11 +306,33 @@ def longest_reach(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     the most of `longest_seq_len` over the engines it may pick (at a longer sequence it may pick a more offloaded
     engine than at this one — Llama-3.1-8B LoRA on one H100: 730K with AdamW on the device, 886K with ZeRO-3 and
     the parameters on the host), of the partial offloads AUTO_OFFLOAD_RATIOS' and `chosen`'s (the engine picked at
-    the requested length; each search costs ~20 byte models, too many to make for all 31 ratios)."""
-    engines = _reach_candidates(engine_candidates(config, hardware))
+    the requested length; each search costs ~20 byte models, too many to make for all 31 ratios) — and then the
+    fine ratios beside the best partial one (`_finer_ratios`): a ratio's longest rises with it while the device
+    binds and falls while the host does, so the best lies between its coarse neighbours."""
+    candidates = engine_candidates(config, hardware)
+    engines = _reach_candidates(candidates)
     if chosen is not None and chosen not in engines:
         engines.append(chosen)
-    return max(longest_seq_len(config, hardware, shape, params, sp, e) for e in engines)
+    reach = {e: longest_seq_len(config, hardware, shape, params, sp, e) for e in engines}
+    best = max(reach, key=reach.get)
+    for e in _finer_ratios(best, candidates):
+        if e not in reach:
+            reach[e] = longest_seq_len(config, hardware, shape, params, sp, e)
+    return max(reach.values())
+
+
+def _finer_ratios(best: Engine, candidates: list[Engine]) -> list[Engine]:
+    """The partial offloads among `candidates` whose ratio lies strictly between the coarse ratios around `best`'s
+    (AUTO_OFFLOAD_RATIOS and the whole offload, 1), when `best` is a partial offload or the whole one."""
+    if not (best.offload_optimizer and best.zero_stage == 3):
+        return []
+    coarse = sorted({1.0, *AUTO_OFFLOAD_RATIOS, 0.0})
+    i = coarse.index(best.offload_ratio) if best.offload_ratio in coarse else None
+    if i is None:
+        return []
+    low, high = coarse[max(i - 1, 0)], coarse[min(i + 1, len(coarse) - 1)]
+    return [e for e in candidates if e.offload_params == best.offload_params and e.offload_optimizer
+            and low < e.offload_ratio < high and e.offload_ratio not in coarse]
 
 
 def _reach_candidates(candidates: list[Engine]) -> list[Engine]:
@@ -370,7 +403,7 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     peaks = [breakdown(shape, params, s) for s, _ in placed]
     fitting = [i for i, b in enumerate(peaks) if _fits(b, hardware)]
     # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
-    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_capacity(hardware)] or [0]
+    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_limit(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
     (offload, chunks, mini), (base, budgets) = options[pick], placed[pick]
     mlp, loss, settled = _choose_tiles(_resolved(config, chunks, mini), hardware, shape, params, base)
@@ -412,15 +445,16 @@ def placement_budgets(shape: ModelShape, params: ParamCounts, s: Settings,
     why = []
     if host is None:
         elsewhere = breakdown(shape, params, replace(s, host_mem_budget=0, checkpoint_device_budget=None)).host_peak
-        host = max(host_capacity(hardware) // hardware.gpus - elsewhere, 0)
+        host = max(host_limit(hardware) // hardware.gpus - elsewhere, 0)
         ranks = f" / {hardware.gpus} ranks" if hardware.gpus > 1 else ""
-        why.append(f"host {size_text(host)} (the host's usable {size_text(host_capacity(hardware))}{ranks} less "
+        why.append(f"host {size_text(host)} (the host's usable {size_text(host_limit(hardware))} within the margin"
+                   f"{ranks} less "
                    f"{size_text(elsewhere)} else on it)")
     if device is None:
         b = breakdown(shape, params, replace(s, host_mem_budget=host, checkpoint_device_budget=None))
         every = breakdown(shape, params, replace(s, host_mem_budget=None, checkpoint_device_budget=None)).placement
         if b.placement is not None and b.placement.host_bytes() < every.host_bytes():
-            target = int(AUTO_HEADROOM * device_capacity(hardware))
+            target = device_target(hardware, b)
             device = max(target - b.device_besides_checkpoints, 0)
             why.append(f"device {size_text(device)} ({AUTO_HEADROOM:.0%} of the device less "
                        f"{size_text(b.device_besides_checkpoints)} else at the peak)")
@@ -499,10 +533,10 @@ def _choose_tiles(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     m = config.memory
     mlp_auto = m.tiled_mlp == "auto" and m.mini_sequence is not True
     loss_auto = m.tiled_loss == "auto" and loss_backend(base) == "alst"
-    target = AUTO_HEADROOM * device_capacity(hardware)
-
     def peak(mlp, loss) -> int:
         return breakdown(shape, params, replace(base, tiled_mlp=mlp, tiled_loss=loss)).device_peak
+
+    target = device_target(hardware, breakdown(shape, params, base))
 
     if not (mlp_auto or loss_auto):
         return m.tiled_mlp, m.tiled_loss, peak(m.tiled_mlp, m.tiled_loss) <= target
@@ -529,7 +563,28 @@ def _tile_setting(value):
 
 
 def _fits(b: Breakdown, hardware: Cluster) -> bool:
-    return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= host_capacity(hardware)
+    """Whether the peaks of `b` leave the margin free (lstune.estimate.margin): what "fits" means everywhere."""
+    m = run_margin(hardware, b)
+    return (b.device_peak <= device_capacity(hardware) - m.device
+            and b.host_peak * hardware.gpus <= host_capacity(hardware) - m.host)
+
+
+def run_margin(hardware: Cluster, b: Breakdown) -> Margin:
+    """The margin of a run with breakdown `b` on `hardware` (chunked attention keeps more of the device)."""
+    return margin(device_capacity(hardware), host_capacity(hardware), on_cuda=hardware.on_cuda,
+                  chunked=b.attn_chunks > 1)
+
+
+def host_limit(hardware: Cluster) -> int:
+    """A node's usable host less the margin: what its ranks may plan to use together."""
+    return host_capacity(hardware) - run_margin(hardware, Breakdown()).host
+
+
+def device_target(hardware: Cluster, b: Breakdown) -> int:
+    """The device peak `auto` plans for (tiles, the placement's device budget): AUTO_HEADROOM of the device, or
+    less where the margin asks more (chunked attention)."""
+    capacity = device_capacity(hardware)
+    return int(min(AUTO_HEADROOM * capacity, capacity - run_margin(hardware, b).device))
 
 
 def device_capacity(hardware: Cluster) -> int:
@@ -599,21 +654,79 @@ def step_seconds(flops: StepFlops, hardware: Cluster, sp: int, engine: Engine, p
 
 
 def longest_seq_len(config, hardware, shape, params, sp, engine) -> int:
-    """The longest sequence (a multiple of 1024 · SP) whose peaks fit, with everything else unchanged."""
+    """The longest sequence (a multiple of 1024 · SP) whose peaks fit with `engine`, everything else unchanged but
+    what `auto` chooses at each length (checkpoint offload, attention chunks, mini-sequence). One bisection over
+    all lengths could stop short: `auto` may take a choice only from some length on (offload once its copies hide,
+    more chunks as the sequence grows), so "fits" is not monotone in the length. With the kind of choice held fixed
+    (`_choice_kinds`) it is, from the first length that kind is open (`_longest_of_kind`): the longest is the most
+    of theirs."""
+    return max((_longest_of_kind(config, hardware, shape, params, sp, engine, kind)
+                for kind in _choice_kinds(config)), default=0)
+
+
+def _choice_kinds(config: TrainConfig) -> list[tuple[bool, str, bool]]:
+    """(checkpoint offload, "off" or "most" chunks, mini-sequence) kinds of choice `auto` may make at some length:
+    among chunk counts the most is enough (more chunks only lower the device peak and keep one margin)."""
+    m = config.memory
+    offloads = [False, True] if m.offload_checkpoints == "auto" else [bool(m.offload_checkpoints)]
+    chunks = ["off", "most"] if m.attn_chunks == "auto" else [m.attn_chunks]
+    return [(offload, n, mini) for offload in offloads for n in chunks for mini in _mini_sequence_options(config)]
+
+
+def _longest_of_kind(config, hardware, shape, params, sp, engine, kind) -> int:
+    """The longest length one kind of choice fits: open from its first length on (a bisection for that), then
+    fitting up to its longest (another), the peaks only growing with the length."""
     step = MIN_SEQ * sp
+    top = 2**24
+
+    def settings_at(n: int):
+        return _kind_settings(_at_length(config, n), hardware, shape, params, sp, engine, kind)
 
     def fits(n: int) -> bool:
-        return _fits_some_choice(_with(config, seq_len=n), hardware, shape, params, sp, engine)
+        s = settings_at(n * step)
+        return s is not None and _fits(breakdown(shape, params, s), hardware)
 
-    if not fits(step):
+    first = _first(lambda n: settings_at(n * step) is not None, top)
+    if first is None or not fits(first):
         return 0
-    low, high = 1, 2
-    while fits(high * step) and high < 2**24:
+    low, high = first, first * 2
+    while high < top and fits(high):
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid * step) else (low, mid)
+        low, high = (mid, high) if fits(mid) else (low, mid)
     return low * step
+
+
+def _first(is_open, top: int) -> int | None:
+    """The smallest n in 1..top with is_open(n), for an is_open that stays true once true (None when never)."""
+    high = 1
+    while not is_open(high):
+        if high >= top:
+            return None
+        high *= 2
+    low = high // 2  # closed (or 0)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if is_open(mid) else (mid, high)
+    return high
+
+
+def _kind_settings(config, hardware, shape, params, sp, engine, kind) -> Settings | None:
+    """The byte model's settings of `kind` at `config`'s length, or None where `auto` cannot take it there."""
+    offload, chunk_kind, mini = kind
+    if offload not in _offload_options(config, hardware, shape, sp, engine):
+        return None
+    chunks = chunk_kind
+    if chunk_kind == "most":
+        chunks = _chunk_options(config, hardware, shape, sp)[-1]
+        if chunks == "off":
+            return None
+    return placed_settings(_resolved(config, chunks, mini), hardware, shape, params, sp, engine, offload)[0]
+
+
+def _at_length(config: TrainConfig, n: int) -> TrainConfig:
+    return replace(config, data=replace(config.data, seq_len=n))
 
 
 def _with(config: TrainConfig, **flat: Any) -> TrainConfig:

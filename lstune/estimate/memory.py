@@ -148,6 +148,7 @@ class Breakdown:
     placement: Any = None  # the checkpoint placement (lstune.memory.placement), None without an offloader
     # Device bytes the peak would shed with no checkpoint on the device (the phase peaking without them may differ).
     checkpoint_share: int = 0
+    attn_chunks: int = 1  # FPDT chunks of the local sequence (1: unchunked): the margin a fit keeps depends on it
 
     def add(self, name: str, device: int = 0, host: int = 0, detail: str = "") -> None:
         self.items.append(Item(name, int(device), int(host), detail))
@@ -233,7 +234,7 @@ def forget_byte_models() -> None:
 @lru_cache(maxsize=8192)
 def _breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
     s = replace(s, attn_chunk_count=attn_chunk_count(s.attn_chunks, shape, ceil_div(s.seq_len, s.sp)))
-    b = Breakdown(dtypes=dtypes(s))
+    b = Breakdown(dtypes=dtypes(s), attn_chunks=s.attn_chunk_count)
     _static(b, params, s)
     _activations(b, shape, params, s)
     b.add("CUDA context and allocator reserve" if s.on_cuda else "process", *_overheads(s))
