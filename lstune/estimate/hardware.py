@@ -99,6 +99,10 @@ class Cluster:
     host_bytes: int
     source: str  # where the device came from: "local CUDA device", "--gpu h100-80gb", ...
     host_source: str = "--host-mem"  # where the host's size came from (`resolve_hardware`)
+    # The step as `lstune estimate --trace` runs it in this cluster's place, on this CPU with fake tensors: the ALST
+    # loss tiles (no Liger), mini-sequence without fused norms, offloaded attention chunks read in place, no CUDA
+    # context (lstune.estimate.settings.settings). A plan made for it is the plan the trace runs.
+    traced: bool = False
 
     @property
     def world_size(self) -> int:
@@ -111,7 +115,7 @@ class Cluster:
     def to_dict(self) -> dict:
         return {"device": self.device.to_dict(), "gpus": self.gpus, "nodes": self.nodes,
                 "world_size": self.world_size, "host_bytes": self.host_bytes, "source": self.source,
-                "host_source": self.host_source}
+                "host_source": self.host_source, **({"traced": True} if self.traced else {})}
 
 
 def resolve_hardware(

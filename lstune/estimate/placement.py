@@ -9,12 +9,11 @@ which the step's FLOPs read for the layers backward re-runs (`extra_layer_forwar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache, partial
 from typing import Any
 
 from lstune.estimate.shapes import ModelShape
-from lstune.memory.host_copies import host_copy_bytes
-from lstune.memory.placement import CheckpointPlacement, plan_placement
+from lstune.memory.offload_math import forget_sizes, place_checkpoints
+from lstune.memory.placement import CheckpointPlacement
 
 
 @dataclass(frozen=True)
@@ -41,30 +40,18 @@ def checkpoint_terms(shape: ModelShape, s: Any, ckpt: int, element_size: int) ->
 
 def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
                       device_budget: int | None) -> CheckpointPlacement:
-    """`plan_placement` with train's inputs (lstune.memory.apply.checkpoint_placement): the host budget (none
-    without offload), the device budget, and on CUDA the fraction whose copy hides under one layer's forward."""
-    from lstune.memory import offload_math as ckpt_mod
-
-    tokens = s.local_tokens // max(s.micro_batch, 1)
-    forward_s = None
-    if s.on_cuda:
-        flops = 2 * shape.layer_matmul_params() * tokens + 2 * tokens**2 * shape.q_width
-        forward_s = flops / ckpt_mod.SUSTAINED_FLOPS
-    host_bytes_of = partial(_pinned_bytes, element_size, s.on_cuda)
-    return plan_placement(
-        shape.layers, ckpt, host_budget=s.host_mem_budget if s.offload_checkpoints else 0,
-        device_budget=device_budget, copy_bytes_per_s=ckpt_mod.PCIE_BYTES_PER_S if s.on_cuda else None,
-        layer_forward_s=forward_s, host_bytes_of=host_bytes_of, tokens=tokens,
+    """`place_checkpoints` on the inputs train gives it (lstune.memory.apply.checkpoint_placement), from the
+    config's shapes: the host budget (none without offload), the device budget, the copy that hides on CUDA."""
+    return place_checkpoints(
+        shape.layers, ckpt, tokens=s.local_tokens // max(s.micro_batch, 1),
+        layer_matmul_params=shape.layer_matmul_params(), attention_width=shape.q_width, element_size=element_size,
+        on_cuda=s.on_cuda, host_budget=s.host_mem_budget if s.offload_checkpoints else 0, device_budget=device_budget,
     )
 
 
-@lru_cache(maxsize=1 << 16)  # the placement search asks ~100,000 times for a few thousand sizes
-def _pinned_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
-    return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
-
-
 def cache_clear() -> None:
-    _pinned_bytes.cache_clear()
+    """Forget the host sizes the placements remembered (lstune.estimate.memory.forget_byte_models)."""
+    forget_sizes()
 
 
 def extra_layer_forwards(placement: CheckpointPlacement | None) -> int:

@@ -52,7 +52,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lstune.memory.host_copies import HostBlocks, host_copy_bytes
 from lstune.memory.offload_math import (  # noqa: F401  (re-exported: the offload's threshold lives with its math)
-    MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS, offload_min_tokens)
+    MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS, offload_min_tokens, place_checkpoints)
 from lstune.memory.patching import Undo, patch_forward
 from lstune.memory.placement import CheckpointPlacement
 
@@ -280,13 +280,7 @@ class CheckpointOffloader:
             handle.host.write(source)
             return handle
         handle = _HostCopy(index, tensor, pinned=True)
-        stream = self._stream("d2h", tensor.device)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            handle.host.write(source, non_blocking=True)
-            handle.ready = torch.cuda.Event()
-            handle.ready.record(stream)
-        source.record_stream(stream)
+        handle.ready = handle.host.from_device(source, self._stream("d2h", tensor.device))
         return handle
 
     def _copy_in(self, handle: _HostCopy) -> tuple[torch.Tensor, object]:

@@ -6,7 +6,10 @@ it (an estimate stays a second or two). The modules that run the offloads import
 from __future__ import annotations
 
 import math
+from functools import lru_cache, partial
 
+from lstune.memory.host_copies import host_copy_bytes
+from lstune.memory.placement import CheckpointPlacement, plan_placement
 from lstune.models.chunk_layout import AttentionChunks
 
 # Offload threshold constants (MEMO Eq. 1). Not measured here (no GPU on the development machine):
@@ -104,3 +107,34 @@ def chunk_count(setting: str | int, seq_len: int, auto_tokens: int) -> int:
     without listing the bounds (the estimate asks this of absurd lengths too, and must answer at once)."""
     step = math.ceil(seq_len / AttentionChunks(setting, auto_tokens).count(seq_len))
     return math.ceil(seq_len / step)
+
+
+def place_checkpoints(n_layers: int, checkpoint_bytes: int, *, tokens: int, layer_matmul_params: int,
+                      attention_width: int, element_size: int, on_cuda: bool, host_budget: int | None,
+                      device_budget: int | None) -> CheckpointPlacement:
+    """`plan_placement` with the inputs both `lstune train` (lstune.memory.apply, from the model) and `lstune
+    estimate` (lstune.estimate.placement, from the config's shapes) give it, computed here once: on CUDA the copy
+    rate (PCIe) and one layer's forward time at `tokens` (its matmuls and causal attention at a sustained rate),
+    whose ratio is the fraction of a checkpoint whose copy hides (MEMO Eq. 1); host bytes in pinned power-of-two
+    pieces on CUDA (lstune.memory.host_copies; lstune.memory.placement.plan_placement). `host_budget` 0: nothing on the host (no offload)."""
+    forward_s = None
+    if on_cuda:
+        flops = 2 * layer_matmul_params * tokens + 2 * tokens**2 * attention_width
+        forward_s = flops / SUSTAINED_FLOPS
+
+    host_bytes_of = partial(_pinned_copy_bytes, element_size, on_cuda)
+    return plan_placement(
+        n_layers, checkpoint_bytes, host_budget=host_budget, device_budget=device_budget,
+        copy_bytes_per_s=PCIE_BYTES_PER_S if on_cuda else None, layer_forward_s=forward_s,
+        host_bytes_of=host_bytes_of, tokens=tokens,
+    )
+
+
+@lru_cache(maxsize=1 << 16)  # the estimate's placement searches ask ~100,000 times for a few thousand sizes
+def _pinned_copy_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
+    return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
+
+
+def forget_sizes() -> None:
+    """Drop the remembered host sizes (an estimate starts afresh: lstune.estimate.memory.forget_byte_models)."""
+    _pinned_copy_bytes.cache_clear()

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from lstune.config.schema import TrainConfig
-from lstune.estimate import (MIN_SEQ, _fits, _memory_options, _resolved, engine_candidates, estimate, longest_seq_len,
-                             placed_settings, resolve_sp)
+from lstune.estimate import estimate, longest_seq_len
+from lstune.estimate.choice import _memory_options, engine_candidates, placed_settings, resolved
+from lstune.estimate.settings import MIN_SEQ, fits, resolve_sp
 from lstune.estimate.hardware import resolve_hardware
 from lstune.estimate.memory import Engine, breakdown
 from lstune.estimate.preset_facts import counts_for, preset_config_facts
@@ -27,8 +28,8 @@ def _setup(model: str, device_gib: float, host_gib: float, **flat):
 
 def _some_choice_fits(config, hardware, shape, params, sp, engine) -> bool:
     """By brute force: any offload, chunk count and mini-sequence setting `auto` may take at this length."""
-    return any(_fits(breakdown(shape, params, placed_settings(_resolved(config, chunks, mini), hardware, shape, params,
-                                                              sp, engine, offload)[0]), hardware)
+    return any(fits(breakdown(shape, params, placed_settings(resolved(config, chunks, mini), hardware, shape, params,
+                                                             sp, engine, offload)[0]), hardware)
                for offload, chunks, mini in _memory_options(config, hardware, shape, sp, engine))
 
 

@@ -6,7 +6,8 @@ layer: at 256K tokens 2 GiB each, 31 of them offloadable (the last layer's stays
 from __future__ import annotations
 
 from lstune.config.schema import TrainConfig
-from lstune.estimate import AUTO_HEADROOM, device_capacity, estimate, host_capacity, host_limit
+from lstune.estimate import AUTO_HEADROOM, device_capacity, estimate, host_capacity
+from lstune.estimate.settings import host_limit
 from lstune.estimate.hardware import resolve_hardware
 from lstune.estimate.memory import HOST_PROCESS_BYTES
 
