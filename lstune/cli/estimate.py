@@ -81,9 +81,11 @@ def _estimate_command(**kwargs: Any) -> int:
 
         result = trace_estimate(config, hardware)
     else:
+        from lstune.estimate.preset_facts import preset_spec
         from lstune.train.plan import plan
 
-        result = plan(config, hardware).estimate  # the run's plan: train's refusals, then the estimate
+        # The run's plan: train's refusals, then the estimate; a preset's config and counts from the kept facts.
+        result = plan(config, hardware, spec=preset_spec(config)).estimate
     if as_json:
         import json
 

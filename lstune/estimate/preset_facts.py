@@ -80,6 +80,18 @@ def counts_for(config: Any, *, lora_r: int, lora_targets: Any, trust_remote_code
     return count_parameters(config, lora_r=lora_r, lora_targets=lora_targets, trust_remote_code=trust_remote_code)
 
 
+def preset_spec(config: Any):
+    """The run's model for `lstune estimate` (lstune.train.plan's `spec`) from the kept facts: a preset's
+    ModelSpec with its PresetConfig, or None where transformers' own config is needed (not a preset, none kept,
+    --rope-scaling, which writes into the config)."""
+    from lstune.models.loading import ModelSpec, resolve_source
+
+    facts = preset_config_facts(config.model.name)
+    if facts is None or config.model.rope_scaling != "none":
+        return None
+    return ModelSpec(resolve_source(config.model.name), facts)
+
+
 def _counts(values: dict[str, Any]) -> ParamCounts:
     fields = dict(values)
     fields["trainable_tensors"] = tuple(fields.get("trainable_tensors", ()))
