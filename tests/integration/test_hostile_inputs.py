@@ -406,3 +406,87 @@ def test_a_one_step_run_trains_at_its_lr(cli, tmp_path, text_data):
 
     steps = [m for m in read_metrics(out) if "lr" in m]
     assert steps and steps[0]["lr"] > 0, steps
+
+
+# --- a model folder lstune did not write ------------------------------------------------------------------------
+
+
+def _model_folder(tmp_path, name="model", **changes) -> Path:
+    from lstune.models.presets import preset_config
+
+    folder = tmp_path / name
+    preset_config("tiny-llama").save_pretrained(folder)
+    values = json.loads((folder / "config.json").read_text())
+    values.update(changes)
+    (folder / "config.json").write_text(json.dumps(values))
+    return folder
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("num_hidden_layers", -2, "num_hidden_layers is -2, not a positive size"),
+    ("hidden_size", 0, "hidden_size is 0, not a positive size"),
+    ("hidden_size", float("nan"), "hidden_size is nan, not a finite number"),
+    ("intermediate_size", "big", "intermediate_size is 'big', not a number"),
+    ("hidden_size", 10**15, "hidden_size is 1000000000000000, beyond any model"),
+    ("intermediate_size", float("inf"), "intermediate_size is inf, not a finite number"),
+    ("num_attention_heads", 0, "num_attention_heads is 0"),
+    ("vocab_size", 0, "vocab_size is 0"),
+])
+@pytest.mark.parametrize("command", ["estimate", "train"])
+def test_impossible_model_sizes_are_refused_before_anything_is_built(cli, tmp_path, user_files, command, key, value,
+                                                                    fragment):
+    folder = _model_folder(tmp_path, **{key: value})
+    args = ["--model", folder, "--seq-len", "256"]
+    if command == "train":
+        args += ["--data", "builtin:passkey", "--max-steps", "1", "--output-dir", tmp_path / "out", "--init", "random"]
+    refused(cli(command, *args), f"{folder / 'config.json'}: {fragment}")
+
+
+def test_a_model_config_nested_too_deeply_is_refused(cli, tmp_path, user_files):
+    folder = _model_folder(tmp_path)
+    (folder / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    refused(cli("estimate", "--model", folder, "--seq-len", "256"), "config.json is nested too deeply")
+
+
+def _weights_folder(tmp_path, name: str) -> Path:
+    from lstune.models.loading import load_model
+
+    folder = _model_folder(tmp_path, name)
+    load_model("tiny-llama", init="random").model.save_pretrained(folder)
+    return folder
+
+
+def _lying_header(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    name = next(key for key in header if key != "__metadata__")
+    header[name]["data_offsets"][1] += 10**12
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def _pickle_payload(folder: Path) -> None:
+    import torch
+
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": _Payload()}, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    (_lying_header, ["model.safetensors is not a valid safetensors file", "invalid shape, data type, or offset"]),
+    (_pickle_payload, ["pytorch_model.bin cannot be loaded", "posix.system"]),
+])
+def test_a_model_folders_broken_weights_are_refused_naming_the_file(cli, tmp_path, user_files, damage, fragments):
+    folder = _weights_folder(tmp_path, "weights")
+    damage(folder)
+    result = cli("train", "--model", folder, "--seq-len", "64", "--data", "builtin:passkey", "--max-steps", "1",
+                 "--output-dir", tmp_path / "out")
+    refused(result, *fragments)
+    assert "weights_only" not in result.err and not (tmp_path / "out" / "checkpoint-1").exists()
