@@ -490,3 +490,20 @@ def test_a_model_folders_broken_weights_are_refused_naming_the_file(cli, tmp_pat
                  "--output-dir", tmp_path / "out")
     refused(result, *fragments)
     assert "weights_only" not in result.err and not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def test_overwrite_never_removes_what_a_crafted_run_record_names(cli, tmp_path, text_data):
+    from lstune.config.record import RECORD_FORMAT, RECORD_NAME
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    (out / "results").mkdir()
+    (out / "results" / "table.csv").write_text("1,2")
+    crafted = {"format": RECORD_FORMAT, "version": 1, "entries": ["thesis.tex", "results", "config.yaml", RECORD_NAME]}
+    (out / RECORD_NAME).write_text(json.dumps(crafted))
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite")
+    assert result.code == 0, result.err[-2000:]
+    assert (out / "thesis.tex").read_text() == "years of work"
+    assert (out / "results" / "table.csv").read_text() == "1,2"
+    assert "thesis.tex" not in json.loads((out / RECORD_NAME).read_text())["entries"]
