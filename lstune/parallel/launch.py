@@ -36,6 +36,7 @@ from typing import Iterator, Mapping
 
 from lstune.config.schema import ParallelSection
 from lstune.errors import ConfigError
+from lstune.parallel.lifetime import preexec
 
 # After a signal, how long torchrun lets the processes finish (save a checkpoint) before it kills them: its default,
 # 30 s, is shorter than writing a large model's ZeRO checkpoint.
@@ -156,23 +157,26 @@ def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module:
         if problems:
             raise ConfigError(problems)
     command = launch_command(argv, gpus, hostfile, module=module)
-    process = subprocess.Popen(command, env=env)
+    # The launcher ends with this process, even one killed with -9: SIGTERM, which it passes on to the ranks (which
+    # save a checkpoint and end, lstune.parallel.lifetime).
+    process = subprocess.Popen(command, env=env, preexec_fn=preexec(signal.SIGTERM))
     with _passing_signals_to(process):
         return process.wait()
 
 
 @contextmanager
 def _passing_signals_to(process: subprocess.Popen) -> Iterator[None]:
-    """While `process` (the launcher) runs: SIGTERM is passed to it (it passes it to the ranks, which save a
+    """While `process` (the launcher) runs: SIGTERM and SIGHUP are passed to it (it passes them to the ranks, which save a
     checkpoint), and SIGINT is ignored here — a Ctrl-C reaches every process of the terminal's group, the ranks
     included, and this process must wait for them to save rather than end (or kill the launcher) at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {
-        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)),
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        sig: signal.signal(sig, lambda signum, frame: process.send_signal(signum))
+        for sig in (signal.SIGTERM, signal.SIGHUP)
     }
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:
