@@ -57,7 +57,7 @@ def _train_command(**kwargs: Any) -> int:
 
         check_parallel_layout(config)
         argv = _relaunch_argv(ctx, flags, config_path)
-        return relaunch(argv, config.parallel.gpus, config.parallel.hostfile)
+        return relaunch(argv, config.parallel.gpus, config.parallel.hostfile, force=config.run.force)
 
     from lstune.parallel.comm import close_process_group
     from lstune.train.run import train

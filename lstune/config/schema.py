@@ -502,8 +502,9 @@ class RunSection:
     )
     force: bool = _opt(
         False,
-        "Train even when the memory estimate (`lstune estimate`) predicts the run will not fit on this GPU, or "
-        "--output-dir's disk has no room for one of its checkpoints.",
+        "Train even when the memory estimate (`lstune estimate`) predicts the run will not fit on this GPU, "
+        "--output-dir's disk has no room for one of its checkpoints, or --gpus N on CPU asks more processes than "
+        "cores.",
         p.parse_bool,
     )
     trust_checkpoint: bool = _opt(

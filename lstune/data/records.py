@@ -194,11 +194,27 @@ def _text_documents(texts: list, tokenizer: Any) -> list[tuple[np.ndarray, np.nd
 
 
 def _int_array(value: Any, column: str, index: int) -> np.ndarray:
+    """`value` as int64 token ids; DataError for anything but whole numbers: a float column (Parquet's double, JSON's
+    1.5) would otherwise be truncated to other ids silently, and a bool column read as ids 0 and 1."""
     try:
-        return np.asarray(value, dtype=np.int64).reshape(-1)
+        found = np.asarray(value)
+        if found.dtype.kind in "fcb" or (found.dtype == object and any(isinstance(v, (float, bool)) for v in
+                                                                       found.reshape(-1).tolist())):
+            raise TypeError
+        return np.asarray(found, dtype=np.int64).reshape(-1)
     except (TypeError, ValueError, OverflowError):
         raise DataError(f"record {index}: '{column}' must be a list of whole numbers (token ids), not "
-                        f"{type(value).__name__} values like {str(value)[:40]!r}.") from None
+                        f"{_element_type(value)} values like {str(value)[:40]!r}.") from None
+
+
+def _element_type(value: Any) -> str:
+    """The type of a column's non-integer elements, for the message ('float' for Parquet's doubles)."""
+    items = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(items, (list, tuple)):
+        odd = [v for v in items if isinstance(v, bool) or not isinstance(v, int)]
+        if odd:
+            return type(odd[0]).__name__
+    return type(value).__name__
 
 
 def _pretokenized_document(batch: Mapping[str, list], row: int, index: int) -> tuple[np.ndarray, np.ndarray]:

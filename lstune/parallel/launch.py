@@ -110,6 +110,23 @@ def gpu_count_problems(gpus: int, visible: int) -> list[str]:
             f"use --gpus {visible} or fewer, or --hostfile for several machines."]
 
 
+def cpu_count_problems(processes: int, cores: int) -> list[str]:
+    """--gpus N without CUDA starts N gloo processes on this machine: more than its cores and they only take turns
+    on them (each with torch's threads: the run crawls, memory is N models' worth), the machine frozen meanwhile."""
+    if processes <= cores:
+        return []
+    return [f"--gpus {processes} on CPU starts {processes} processes, and this machine gives lstune {cores} core"
+            f"{'s' if cores != 1 else ''}; use --gpus {cores} or fewer, or --force to start them anyway."]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as taskset or a container's cpuset narrow it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> list[str]:
     """The command that runs `python -m <module> <argv>` once per process (see the module docstring)."""
     problems = ParallelSection(gpus=gpus, hostfile=hostfile).problems()
@@ -136,10 +153,11 @@ def module_entry(module: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> int:
+def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune",
+             force: bool = False) -> int:
     """Re-run `lstune <argv>` (argv without the program name) in `gpus` processes per node; their exit code.
 
-    Without CUDA the processes run on CPU with gloo. The children see the launcher's environment, so
+    Without CUDA the processes run on CPU with gloo, at most one per core unless `force`. The children see the launcher's environment, so
     `detect_launch_env` is not None there and they run instead of relaunching.
     """
     env = dict(os.environ)
@@ -149,6 +167,9 @@ def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module:
     if not _cuda_available():
         if hostfile is not None:
             raise ConfigError(["--hostfile needs CUDA GPUs on every node; on CPU use --gpus N on one machine."])
+        problems = [] if force else cpu_count_problems(gpus, usable_cores())
+        if problems:
+            raise ConfigError(problems)
         env["DS_ACCELERATOR"] = "cpu"
     elif hostfile is None:
         import torch

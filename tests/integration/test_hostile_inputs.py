@@ -160,11 +160,16 @@ def _data_cases(tmp_path):
         "parquet_int_text": (_parquet(tmp_path / "it.parquet", {"text": [1, 2, 3]}), ["'text' field holds int"]),
         "parquet_str_ids": (_parquet(tmp_path / "si.parquet", {"input_ids": [["a", "b"], ["c"]]}),
                             ["'input_ids' must be a list of whole numbers"]),
+        "parquet_float_ids": (_parquet(tmp_path / "fi.parquet", {"input_ids": [[5.7, 6.2, 7.0], [8.0, 9.0]]}),
+                              ["'input_ids' must be a list of whole numbers", "float"]),
+        "json_float_labels": (_write(tmp_path / "fl.jsonl", [{"input_ids": [5, 6, 7], "labels": [5, 6.5, 7]}]),
+                              ["'labels' must be a list of whole numbers"]),
     }
 
 
 @pytest.mark.parametrize("case", ["non_utf8", "bad_json_deep", "negative_id", "label_beyond_vocab", "negative_label",
-                                  "text_is_list", "text_is_mapping", "parquet_int_text", "parquet_str_ids"])
+                                  "text_is_list", "text_is_mapping", "parquet_int_text", "parquet_str_ids",
+                                  "parquet_float_ids", "json_float_labels"])
 def test_bad_data(cli, tmp_path, user_files, case):
     data, fragments = _data_cases(tmp_path)[case]
     result = cli("train", *TINY_MODEL, "--max-steps", "1", "--data", data, "--output-dir", tmp_path / "out")
