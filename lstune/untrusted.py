@@ -12,6 +12,7 @@ payload — so that advice is never shown: `describe` keeps only the reason.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +39,22 @@ def describe(exc: BaseException) -> str:
     text = _UNSAFE_ADVICE.sub("", text)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def path_kind(path: Path) -> str:
+    """What is at `path`, in words for a message: "a folder", "a file", "a FIFO (named pipe)", "a socket", "a device",
+    "nothing" (a FIFO is neither a file nor a folder: reading one blocks until something writes to it)."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return "nothing"
+    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return kind
+    return "not a file or folder"
 
 
 def parser_errors() -> tuple[type[BaseException], ...]:

@@ -92,6 +92,11 @@ def _load_builtin(name: str) -> Records:
 
 
 def _load_local(path: Path) -> Records:
+    from lstune.untrusted import path_kind
+
+    if path_kind(path) not in ("a file", "a folder"):
+        raise DataError(f"data source {path} is {path_kind(path)}, not a file or folder of records; pass a "
+                        ".jsonl/.json/.parquet/.arrow file or a folder of them.")
     if path.is_file():
         builder = _builder_for(path)
         if path.stat().st_size == 0:

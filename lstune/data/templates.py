@@ -42,8 +42,12 @@ def read_chat_template(value: str) -> str:
         return KNOWN_TEMPLATES[value.lower()]
     path = Path(value).expanduser()
     if not path.is_file():
-        raise DataError(f"--chat-template {value!r} is neither a known template ({', '.join(KNOWN_TEMPLATES)}) nor a "
-                        "file; give one of those names or the path of a Jinja chat template.")
+        from lstune.untrusted import path_kind
+
+        what = path_kind(path)
+        said = "is neither a known template" if what == "nothing" else f"is {what}, not a known template"
+        raise DataError(f"--chat-template {value!r} {said} ({', '.join(KNOWN_TEMPLATES)}) nor a file; give one of "
+                        "those names or the path of a Jinja chat template.")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

@@ -77,7 +77,7 @@ from typing import Any
 from lstune.train.atomic import apply_umask
 from lstune.errors import CheckpointError
 from lstune.parallel.comm import Communicator
-from lstune.untrusted import describe, parser_errors, read_json
+from lstune.untrusted import describe, parser_errors, path_kind, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +246,11 @@ def resolve_resume(output_dir: Path, resume: str | Path | bool | None) -> Path |
             raise CheckpointError(_nothing_to_resume(output_dir))
         return latest
     path = Path(resume).expanduser()
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(
+            f"Cannot resume from {path}: it is {path_kind(path)}, not a folder. Pass a checkpoint folder "
+            f"(OUTPUT_DIR/checkpoint-STEP) or an output folder that holds checkpoints."
+        )
     if not path.exists():
         raise CheckpointError(
             f"Cannot resume from {path}: it does not exist. Pass a checkpoint folder "

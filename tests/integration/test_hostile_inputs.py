@@ -512,3 +512,21 @@ def test_overwrite_never_removes_what_a_crafted_run_record_names(cli, tmp_path, 
     assert (out / "thesis.tex").read_text() == "years of work"
     assert (out / "results" / "table.csv").read_text() == "1,2"
     assert "thesis.tex" not in json.loads((out / RECORD_NAME).read_text())["entries"]
+
+
+@pytest.mark.parametrize("flag, fragment", [
+    ("--data", "data source {path} is a FIFO (named pipe), not a file or folder of records"),
+    ("--output-dir", "--output-dir '{path}' is a FIFO (named pipe); give a folder"),
+    ("--config", "--config '{path}' is a FIFO (named pipe), not a file"),
+    ("--chat-template", "--chat-template '{path}' is a FIFO (named pipe), not a known template"),
+])
+def test_a_fifo_is_called_a_fifo_and_never_read(cli, tmp_path, user_files, flag, fragment):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    args = [*TINY_MODEL, "--data", "builtin:passkey", "--max-steps", "1", "--output-dir", tmp_path / "out", flag, fifo]
+    refused(cli("train", *args), fragment.format(path=fifo))
+
+
+def test_resume_at_a_file_says_it_is_a_file(cli, tmp_path, user_files):
+    refused(cli("train", *TINY, "--max-steps", "1", "--resume", user_files / "notes.txt", "--output-dir", tmp_path / "o"),
+            f"Cannot resume from {user_files / 'notes.txt'}: it is a file, not a folder")
