@@ -493,10 +493,17 @@ def _diagnose(probe: Any, config: Any, runtime: Any, batch: dict, result: SelfCh
             "separate by position_ids (a linear-attention or recurrent state, or positions counted from the row's "
             "start rather than read from position_ids); train without --pack"
         )
+    elif culprit is None and runtime.sp > 1:
+        fix = (
+            f"it differs with every memory technique off under sequence parallelism (--sp {runtime.sp}): this model "
+            "mixes positions outside its attention (a linear-attention or recurrent state, as MiniMax's), which "
+            "sharding the sequence cannot split; train with --sp 1 (the other processes then split the data), where "
+            "this check runs again"
+        )
     elif culprit is None:
         fix = (
-            "it differs with every memory technique off, so lstune's attention / sequence parallelism gets this "
-            "model wrong; this model cannot be trained exactly by lstune (please report it)"
+            "it differs with every memory technique off, so lstune's attention gets this model wrong; this model "
+            "cannot be trained exactly by lstune (please report it)"
         )
     elif culprit == "all":
         flags = ", ".join(flag for _, flag in _TECHNIQUES.values())
@@ -533,6 +540,12 @@ def _find_culprit(probe: Any, config: Any, runtime: Any, batch: dict) -> str | N
     """The first technique whose removal alone makes the check pass; "all" when only all off passes; None when even
     all off fails."""
     def with_memory(**changes):
+        # A technique turned off takes the settings that only it reads along, or the variant is no valid config
+        # (--host-mem-budget without offload) and the run stops on that instead of the real mismatch.
+        if changes.get("offload_checkpoints") is False:
+            changes.setdefault("host_mem_budget", None)
+        if changes.get("checkpointing") is False:
+            changes.setdefault("checkpoint_device_budget", None)
         return dataclasses.replace(config, memory=dataclasses.replace(config.memory, **changes))
 
     if not _compare(probe, with_memory(**{k: off for k, (off, _) in _TECHNIQUES.items()}), runtime, batch).ok:

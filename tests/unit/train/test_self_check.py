@@ -232,3 +232,18 @@ def test_a_multimodal_config_is_truncated_and_probed_through_its_text_config():
     assert small_text.sliding_window == 16 and small_text.vocab_size == 512
     assert self_check.named_windows(config) == {"sliding_window": text.sliding_window}
     assert text.num_hidden_layers > 6  # the model's own config is untouched
+
+
+def test_the_diagnosis_under_a_host_budget_names_the_real_mismatch(monkeypatch):
+    """Turning offload off in the diagnosis drops its --host-mem-budget too: else the variant is an invalid config
+    and the run's message is a config error about the budget instead of the technique at fault."""
+    from lstune.config.schema import MemorySection
+    from lstune.memory import mlp
+
+    original = mlp.TiledForward._run_tile
+    monkeypatch.setattr(mlp.TiledForward, "_run_tile", lambda self, x, start, end, **kw: original(
+        self, x, start, end, **kw) * 1.001)
+    config = TrainConfig(memory=MemorySection(tiled_mlp=3, offload_checkpoints=True, host_mem_budget=2**30))
+    with pytest.raises(ModelError, match="matches with --tiled-mlp off") as caught:
+        self_check.run_self_check(tiny_model("llama"), config, CPU)
+    assert "--host-mem-budget" not in str(caught.value)
