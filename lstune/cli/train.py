@@ -119,7 +119,8 @@ def _check_layout_and_positions(config, spec, device) -> None:
     else:  # the world size comes from the hostfile at launch: only a fixed degree is known here
         sp = parallel.sp if isinstance(parallel.sp, int) else 1
     apply_rope_scaling(copy.deepcopy(spec.config), model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,
-                       original=model.original_max_position_embeddings, sp=sp, model_name=model.name)
+                       original=model.original_max_position_embeddings, sp=sp, model_name=model.name,
+                       pack=config.data.pack)
 
 
 def _check_attention(config, spec, device) -> None:

@@ -5,7 +5,8 @@ Order (each step sees the result of the previous one):
 2. LoRA adapters (peft) — before anything wraps modules, so peft finds the plain linear layers;
    token mixers that are not attention (convolutions) refuse --pack and SP here (lstune.models.mixers);
 3. attention backend: lstune's attention function (no 4D mask, packed documents from position_ids);
-4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1;
+4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1, and LongRoPE's factors chosen
+   from the whole sample, not each shard (lstune.parallel.rope_sp);
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
    sized for the per-rank sequence length.
 The engine (optimizer, ZeRO) is built last, over the parameters that remain trainable.
@@ -39,6 +40,7 @@ class PreparedModel:
     attention: Any  # lstune.models.attention.AttentionHandle
     ulysses: Any  # lstune.parallel.ulysses.UlyssesHandle, None without sequence parallelism
     memory: Any  # lstune.memory.apply.MemoryPlan
+    rope: Any = None  # lstune.parallel.rope_sp.RopeHandle under SP (LongRoPE's factors of the whole sample)
 
     def loss_sum(self, batch: dict, model: Any = None):
         """(summed token loss, label count) of `batch` with the planned loss head; `model` may be the engine's
@@ -56,6 +58,8 @@ class PreparedModel:
     def undo(self) -> None:
         """Remove the techniques in reverse order of application; the adapted model (device, LoRA) remains."""
         self.memory.undo()
+        if self.rope is not None:
+            self.rope.undo()
         if self.ulysses is not None:
             self.ulysses.undo()
         self.attention.undo()
@@ -98,18 +102,22 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     parts = find_parts(model)
     check_token_mixers(parts.layers, pack=config.data.pack, sp=runtime.sp)
     attention = use_lstune_attention(model, backend=config.model.attn)
-    ulysses = None
+    ulysses = rope = None
     try:
         if runtime.sp > 1:
+            from lstune.parallel.rope_sp import whole_sample_longrope
             from lstune.parallel.ulysses import apply_ulysses
 
             ulysses = apply_ulysses(model, runtime.dims)
+            rope = whole_sample_longrope(model, runtime.dims.sp_group)
         seq_len = math.ceil(config.data.seq_len / runtime.sp)
         memory = apply_memory_techniques(model, config.memory, seq_len=seq_len, parts=parts)
     except BaseException:
+        if rope is not None:
+            rope.undo()
         if ulysses is not None:
             ulysses.undo()
         attention.undo()
         raise
     model.train()
-    return PreparedModel(model, parts, attention, ulysses, memory)
+    return PreparedModel(model, parts, attention, ulysses, memory, rope)

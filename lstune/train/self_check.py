@@ -128,7 +128,7 @@ def _long_windows(config: Any) -> bool:
     keeping tiny-gemma2's 1M-token window asked for 1.1 TB. A built model's window cannot be cut afterwards (layers
     copy it from the config at init, e.g. Gemma-2's `self.sliding_window`), so such a model is probed on a truncated
     copy built from a config with its windows cut, like a big one."""
-    return any(window > _PROBE_WINDOW for window in named_windows(config).values())
+    return any(length > _PROBE_WINDOW for length in probe_lengths(config).values())
 
 
 def _fp32_compute(model: Any) -> None:
@@ -176,6 +176,11 @@ def truncated_config(config: Any) -> Any:
         setattr(small, key, values[: small.num_hidden_layers])
     for key, window in named_windows(small).items():  # a short window is as good a test, on a short probe
         setattr(small, key, min(window, _PROBE_WINDOW))
+    if _ROPE_THRESHOLD in probe_lengths(small):  # so is a short original context for length-dependent RoPE
+        original = min(probe_lengths(small)[_ROPE_THRESHOLD], _PROBE_WINDOW)
+        small.rope_parameters = {**small.rope_parameters, "original_max_position_embeddings": original}
+        if isinstance(getattr(small, "original_max_position_embeddings", None), int):  # Phi-3 keeps it here too
+            small.original_max_position_embeddings = original
     if getattr(small, "vocab_size", 0) > _PROBE_VOCAB:
         small.vocab_size = _PROBE_VOCAB
         if (getattr(small, "pad_token_id", None) or 0) >= _PROBE_VOCAB:
@@ -214,11 +219,29 @@ def named_windows(config: Any) -> dict[str, int]:
     }
 
 
+_ROPE_THRESHOLD = "rope: original_max_position_embeddings"
+
+
+def probe_lengths(config: Any) -> dict[str, int]:
+    """The lengths past which the model behaves otherwise, which the probe must cross: its named windows, and the
+    original context of RoPE that picks its frequencies from the length (LongRoPE's short and long factors,
+    dynamic NTK; lstune.models.rope.length_dependent_rope). A 64-token probe never crossed Phi-3's 4K: a run whose
+    ranks chose other factors than the whole sample passed the check."""
+    from lstune.models.rope import length_dependent_rope
+
+    lengths = dict(named_windows(config))
+    found = length_dependent_rope(config)
+    if found is not None:
+        lengths[_ROPE_THRESHOLD] = found[1]
+    return lengths
+
+
 def probe_batch(config: Any, *, pack: bool, sp: int, vocab: int) -> dict[str, Any]:
-    """One row crossing every named window; two documents (an odd split) when packing. Length a multiple of 2·sp."""
+    """One row crossing every length past which the model changes (`probe_lengths`); two documents (an odd split)
+    when packing. Length a multiple of 2·sp."""
     import torch
 
-    windows = named_windows(config)
+    windows = probe_lengths(config)
     length = max([_MIN_PROBE, *(w + 16 for w in windows.values())])
     length += -length % (2 * sp)
     gen = torch.Generator().manual_seed(0)
