@@ -33,7 +33,7 @@ from lstune.data.records import (
     document_features,
     tokenize_batch,
 )
-from lstune.data.sources import load_records
+from lstune.data.sources import load_records, record_byte_limit
 from lstune.errors import DataError
 
 if TYPE_CHECKING:
@@ -260,7 +260,7 @@ def _build_one(
 ) -> LongContextDataset:
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
-    records = load_records(source, max_records=max_records)
+    records = load_records(source, max_records=max_records, max_record_bytes=record_byte_limit(seq_len))
     kind = detect_kind(records.dataset.column_names)
     check_one_kind(records.dataset, kind, source)
     check_tokenizer(kind, tokenizer)
