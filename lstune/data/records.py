@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from lstune.data.batch import IGNORE_INDEX
+from lstune.data.templates import render
 from lstune.errors import DataError
 
 IGNORE = IGNORE_INDEX  # the name data's modules use
@@ -377,14 +378,12 @@ def _not_rendered(index: int, turn: int, message: Mapping, how: str) -> str:
 def _render_text(tokenizer: Any, messages: list, index: int, *, probe: bool = False) -> str | None:
     """The rendered text; for a `probe` (a variant of the record, not the record), None if the template fails."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    except Exception as e:  # as in `_render`
+        return render(tokenizer, messages, index, "Fix the record (roles, order, contents) or use a template that "
+                      "accepts it.", tokenize=False, add_generation_prompt=False)
+    except DataError:
         if probe:
             return None
-        raise DataError(
-            f"record {index}: the tokenizer's chat template failed on this conversation ({type(e).__name__}: {e}). "
-            "Fix the record (roles, order, contents) or use a tokenizer whose template accepts it."
-        ) from e
+        raise
 
 
 def _prefix_length(
@@ -402,19 +401,11 @@ def _prefix_length(
 
 
 def _render(tokenizer: Any, messages: list, generation_prompt: bool, index: int) -> np.ndarray:
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages,
-            tokenize=True,
-            add_generation_prompt=generation_prompt,
-            tokenizer_kwargs={"verbose": False},  # long conversations are intended: no length warning
-        )
-    except Exception as e:  # templates raise arbitrary errors (jinja raise_exception) on data they reject
-        raise DataError(
-            f"record {index}: the tokenizer's chat template failed on this conversation "
-            f"({type(e).__name__}: {e}). Fix the record (roles, order) or use a tokenizer whose "
-            "template accepts it."
-        ) from e
+    ids = render(
+        tokenizer, messages, index, "Fix the record (roles, order) or use a template that accepts it.",
+        tokenize=True, add_generation_prompt=generation_prompt,
+        tokenizer_kwargs={"verbose": False},  # long conversations are intended: no length warning
+    )
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding by default
         ids = ids["input_ids"]
     return np.asarray(ids, dtype=np.int64).reshape(-1)
