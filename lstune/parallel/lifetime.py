@@ -32,11 +32,20 @@ PARENT_ENV = "LSTUNE_PARENT_PID"
 def die_with_parent(sig: int = signal.SIGTERM, parent: int | None = None) -> bool:
     """Ask the kernel to send `sig` to this process when its parent ends. If the parent (pid `parent`, when given)
     is no longer this process's parent, it ended already: send `sig` now. False where the platform cannot."""
+    libc = _libc()
+    return libc is not None and _ask(libc, sig, parent)
+
+
+def _libc():
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _ask(libc, sig: int, parent: int | None) -> bool:
+    """The prctl call and the check, nothing else: run between fork and exec too, where no import may happen."""
     if libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
         return False
     if parent is not None and os.getppid() != parent:
@@ -77,9 +86,11 @@ def end_with(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def preexec(sig: int = signal.SIGTERM):
-    """A `subprocess.Popen(preexec_fn=...)` that makes the child die with this process (by `sig`)."""
-    parent = os.getpid()
-    return lambda: die_with_parent(sig, parent)
+    """A `subprocess.Popen(preexec_fn=...)` that makes the child die with this process (by `sig`). The C library is
+    loaded here, in the parent: the child, between fork and exec, only calls it (an import there could wait
+    forever on a lock another thread of the parent held at the fork)."""
+    libc, parent = _libc(), os.getpid()
+    return (lambda: None) if libc is None else (lambda: _ask(libc, sig, parent))
 
 
 def die_with_launcher() -> None:
