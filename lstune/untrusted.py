@@ -36,6 +36,8 @@ def describe(exc: BaseException) -> str:
                    if line.strip() and "weights_only" not in line and not line.startswith(("Check the doc", "Weights"))]
         reason = reasons[0] if reasons else "it holds Python objects other than tensors"
         return f"it holds objects lstune does not load from files it did not write ({reason.rstrip('.')})"
+    if isinstance(exc, KeyError):
+        return f"it has no {text} entry"
     text = _UNSAFE_ADVICE.sub("", text)
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
