@@ -51,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     from lstune.parallel.lifetime import PARENT_ENV
 
     os.environ[PARENT_ENV] = str(os.getpid())  # the ranks end with this launcher (lstune.parallel.lifetime)
+    try:
+        return _run(argv, debug)
+    finally:
+        os.environ.pop(PARENT_ENV, None)
+
+
+def _run(argv: list[str], debug: bool) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

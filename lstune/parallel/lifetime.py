@@ -96,5 +96,5 @@ def preexec(sig: int = signal.SIGTERM):
 def die_with_launcher() -> None:
     """In a rank started by lstune's launcher: end (SIGTERM: save, then exit) when the launcher ends."""
     parent = os.environ.pop(PARENT_ENV, None)  # not for this rank's own children (their parent is this rank)
-    if parent and parent.isdigit():
+    if parent and parent.isdigit() and "TORCHELASTIC_RUN_ID" in os.environ:  # started by the launcher's torchrun
         die_with_parent(signal.SIGTERM, int(parent))

@@ -77,3 +77,18 @@ def test_a_lost_peer_is_told_by_gloos_error_or_what_it_came_from():
     wrapped.__cause__ = gloo
     assert agent.lost_a_peer(wrapped)
     assert not agent.lost_a_peer(RuntimeError("CUDA out of memory"))
+
+
+def test_the_launcher_tells_its_ranks_its_pid_and_no_one_else(monkeypatch):
+    """The ranks (torchrun's children) read the launcher's pid to end with it; the variable must not outlive the
+    launch in this process, where a later lstune command would take itself for a rank whose launcher died."""
+    import os
+
+    import torch.distributed.run
+
+    from lstune.parallel.lifetime import PARENT_ENV
+
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.append(os.environ.get(PARENT_ENV)))
+    assert agent.main(["--standalone", "--nproc-per-node", "2", "--no-python", "true"]) == 0
+    assert seen == [str(os.getpid())] and PARENT_ENV not in os.environ
