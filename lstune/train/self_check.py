@@ -129,7 +129,8 @@ def _long_windows(config: Any) -> bool:
     keeping tiny-gemma2's 1M-token window asked for 1.1 TB. A built model's window cannot be cut afterwards (layers
     copy it from the config at init, e.g. Gemma-2's `self.sliding_window`), so such a model is probed on a truncated
     copy built from a config with its windows cut, like a big one."""
-    return any(length > _PROBE_WINDOW for length in probe_lengths(config).values())
+    return any(length > (_PROBE_ROPE if key == _ROPE_THRESHOLD else _PROBE_WINDOW)
+               for key, length in probe_lengths(config).items())
 
 
 def _fp32_compute(model: Any) -> None:
@@ -178,7 +179,7 @@ def truncated_config(config: Any) -> Any:
     for key, window in named_windows(small).items():  # a short window is as good a test, on a short probe
         setattr(small, key, min(window, _PROBE_WINDOW))
     if _ROPE_THRESHOLD in probe_lengths(small):  # so is a short original context for length-dependent RoPE
-        original = min(probe_lengths(small)[_ROPE_THRESHOLD], _PROBE_WINDOW)
+        original = min(probe_lengths(small)[_ROPE_THRESHOLD], _PROBE_ROPE)
         small.rope_parameters = {**small.rope_parameters, "original_max_position_embeddings": original}
         if isinstance(getattr(small, "original_max_position_embeddings", None), int):  # Phi-3 keeps it here too
             small.original_max_position_embeddings = original
@@ -221,6 +222,9 @@ def named_windows(config: Any) -> dict[str, int]:
 
 
 _ROPE_THRESHOLD = "rope: original_max_position_embeddings"
+# The original context a probe model keeps for length-dependent RoPE: the 64-token probe crosses it, while each
+# rank's shard under SP (32 tokens at SP 2) stays within it, so a rank choosing from its shard differs and is caught.
+_PROBE_ROPE = 48
 
 
 def probe_lengths(config: Any) -> dict[str, int]:

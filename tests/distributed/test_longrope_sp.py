@@ -23,7 +23,7 @@ def _worker(rank: int, world: int, patched: bool) -> tuple[bool, float, float, i
 
     import torch
 
-    from lstune.config.schema import TrainConfig
+    from lstune.config.schema import MemorySection, TrainConfig
     from lstune.errors import ModelError
     from lstune.parallel import rope_sp
     from lstune.parallel.dims import ParallelDims
@@ -36,7 +36,10 @@ def _worker(rank: int, world: int, patched: bool) -> tuple[bool, float, float, i
     dims = ParallelDims(world, sp=world).build_groups()
     runtime = Runtime(torch.device("cpu"), None, launch=SimpleNamespace(rank=rank, world_size=world), dims=dims)
     try:
-        result = self_check.run_self_check(longrope_model(), TrainConfig(), runtime)
+        # Contiguous shards (no attention chunks, whose FPDT layout gives each rank pieces from both halves): the
+        # first rank's positions all stay within the original context.
+        config = TrainConfig(memory=MemorySection(attn_chunks="off"))
+        result = self_check.run_self_check(longrope_model(), config, runtime)
     except ModelError:
         return False, float("nan"), float("nan"), 0
     finally:

@@ -156,4 +156,4 @@ def test_the_self_check_probe_crosses_a_length_dependent_ropes_original_context(
     assert max(probe_lengths(config).values()) == 100
     assert probe_batch(config, pack=True, sp=2, vocab=320)["input_ids"].shape[1] > 100
     small = truncated_config(_longrope_config(original=4096))  # a big model's copy: a short original is as good
-    assert small.rope_parameters["original_max_position_embeddings"] == 16
+    assert small.rope_parameters["original_max_position_embeddings"] == 48
