@@ -524,9 +524,8 @@ def _diagnose(probe: Any, config: Any, runtime: Any, batch: dict, result: SelfCh
     elif culprit is None and runtime.sp > 1:
         fix = (
             f"it differs with every memory technique off under sequence parallelism (--sp {runtime.sp}): this model "
-            "mixes positions outside its attention (a linear-attention or recurrent state, as MiniMax's), which "
-            "sharding the sequence cannot split; train with --sp 1 (the other processes then split the data), where "
-            "this check runs again"
+            "mixes positions outside what lstune shards (a linear-attention or recurrent state lstune does not run "
+            "head-parallel); train with --sp 1 (the other processes then split the data), where this check runs again"
         )
     elif culprit is None:
         fix = (

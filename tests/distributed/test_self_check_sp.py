@@ -27,36 +27,3 @@ def test_self_check_passes_under_sp_with_chunked_attention(pools):
         for ok, loss_rel, grad_rel in pools[2].run(_self_check_worker, {"attn_chunks": 5}, pack):
             assert ok and loss_rel < 1e-5 and grad_rel < 1e-4, (pack, loss_rel, grad_rel)
 
-
-def _minimax_worker(rank: int, world: int) -> str:
-    from types import SimpleNamespace
-
-    import torch
-
-    from lstune.config.schema import TrainConfig
-    from lstune.errors import ModelError
-    from lstune.parallel.dims import ParallelDims
-    from lstune.train import self_check
-    from lstune.train.runtime import Runtime
-    from tests.support.archs import tiny_model
-
-    dims = ParallelDims(world, sp=world).build_groups()
-    runtime = Runtime(torch.device("cpu"), None, launch=SimpleNamespace(rank=rank, world_size=world), dims=dims)
-    try:
-        self_check.run_self_check(tiny_model("minimax"), TrainConfig(), runtime)
-    except ModelError as exc:
-        return str(exc)
-    return "passed"
-
-
-def test_a_model_wrong_only_under_sp_is_told_to_use_sp_1(pools):
-    """MiniMax's linear attention runs on each rank's shard alone: the fix is --sp 1, not a bug report."""
-    from transformers import CONFIG_MAPPING
-
-    if "minimax" not in CONFIG_MAPPING:
-        import pytest
-
-        pytest.skip("this transformers has no MiniMax")
-    for message in pools[2].run(_minimax_worker):
-        assert "self-check failed" in message and "train with --sp 1" in message, message
-        assert "please report" not in message

@@ -262,3 +262,16 @@ def test_the_diagnosis_under_a_host_budget_names_the_real_mismatch(monkeypatch):
     with pytest.raises(ModelError, match="matches with --tiled-mlp off") as caught:
         self_check.run_self_check(tiny_model("llama"), config, CPU)
     assert "--host-mem-budget" not in str(caught.value)
+
+
+def test_a_model_wrong_only_under_sp_is_told_to_use_sp_1(monkeypatch):
+    """With every technique off it still differs, under SP: the fix to name is --sp 1, not a bug report."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(self_check, "_find_culprit", lambda *args: None)
+    result = SimpleNamespace(tokens=64, documents=1, loss_rel=1e-2, grad_rel=1e-1, first_bad_layer=None)
+    message = self_check._diagnose(None, _config(), SimpleNamespace(sp=2), {}, result)
+    assert "under sequence parallelism (--sp 2)" in message and "train with --sp 1" in message
+    assert "please report" not in message
+    single = self_check._diagnose(None, _config(), SimpleNamespace(sp=1), {}, result)
+    assert "please report" in single and "--sp 1" not in single
