@@ -11,11 +11,12 @@ transformers' own `find_packed_sequence_indices` uses). What the mask was for is
 * ``sdpa`` — `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` on each document span (one call
   when every row is one document: PyTorch's flash kernel on CUDA and on CPU). A sliding window shorter than a
   document is run as query blocks against only the keys in reach, with a small banded mask per block.
-  Cannot softcap logits.
+  Cannot softcap logits: softcapped calls run lstune's block kernel instead (`local_attention`), as do calls with
+  learned attention sinks on every backend (`attention_sinks`).
 * ``flex`` — `flex_attention` with a document-causal (and windowed) `BlockMask` and a softcap `score_mod`; compiled on
   CUDA. PyTorch has no flex backward on CPU, so on CPU it only runs without gradients.
 
-``auto`` takes flash_attention_2 where it can run, else flex when logits must be softcapped, else sdpa.
+``auto`` takes flash_attention_2 where it can run, else flex when logits must be softcapped on CUDA, else sdpa.
 
 Memory: the attention path allocates O(B·S) index tensors and the kernels' own O(B·S·H·D) buffers; no O(S²) tensor
 (per-block band masks of the windowed sdpa path are O(block·(block+window))). Removed versus HF eager/SDPA with a
@@ -210,7 +211,8 @@ def _auto_backend(device_type: str, dtype: torch.dtype | None, softcap: float | 
     half = dtype is None or dtype in (torch.float16, torch.bfloat16)
     if device_type == "cuda" and half and _flash_attn_importable():
         return "flash_attention_2"
-    return "flex" if softcap is not None else "sdpa"
+    # Softcapping: flex's compiled kernel on CUDA; elsewhere sdpa, whose softcapped calls run lstune's block kernel.
+    return "flex" if softcap is not None and device_type == "cuda" else "sdpa"
 
 
 def _why_backend_cannot_run(
@@ -226,20 +228,15 @@ def _why_backend_cannot_run(
             )
         if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
             return UserError, f"flash-attn runs in fp16/bf16 only, not {dtype}; train in bf16 or use backend 'sdpa'."
-    if backend == "sdpa" and softcap is not None:
-        return ModelError, (
-            f"the model softcaps attention logits (attn_logit_softcapping={softcap}) and SDPA cannot; use attention "
-            "backend 'flex' or 'flash_attention_2' on a CUDA GPU."
-        )
     if backend == "flex":
         if not _flex_importable():
             return UserError, "this torch has no flex_attention; install torch>=2.7.1 or use attention backend 'sdpa'."
         if device_type != "cuda" and needs_grad:
             if softcap is not None:
                 return ModelError, (
-                    f"the model softcaps attention logits (attn_logit_softcapping={softcap}): only the flex and "
-                    f"flash_attention_2 backends can, and neither trains on {device_type} (PyTorch has no flex "
-                    "backward there). Train this model on a CUDA GPU."
+                    f"the model softcaps attention logits (attn_logit_softcapping={softcap}) and PyTorch has no flex "
+                    f"backward on {device_type}; use attention backend 'auto' or 'sdpa' (lstune's block kernel "
+                    "softcaps there) or train on a CUDA GPU."
                 )
             return UserError, (
                 f"PyTorch has no flex_attention backward on {device_type}; train on a CUDA GPU or use attention "
@@ -269,13 +266,20 @@ def local_attention(
     softcap: float | None = None,
     dropout: float = 0.0,
     backend: str = "auto",
+    sinks: Tensor | None = None,
+    block_kernel: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """Per-document causal attention of full-sequence q/k/v; returns `[B, S, H, D]` like HF's attention functions.
 
     `key_BHSD`/`value_BHSD` may have fewer heads than the query (GQA/MQA; H must be a multiple). `position_ids_BS`
     (full sequence, [B, S] or [1, S]) delimit documents; None means one document per row. `sliding_window` w lets a
     token see itself and the w-1 tokens before it, as transformers defines it. `softcap` c maps each scaled logit x to
-    c·tanh(x/c) before the softmax (Gemma-2). This is the kernel the Ulysses wrapper calls on head-sharded q/k/v.
+    c·tanh(x/c) before the softmax (Gemma-2). `sinks`: learned attention-sink logits, one per query head (gpt-oss;
+    `attention_sinks`). This is the kernel the Ulysses wrapper calls on head-sharded q/k/v.
+
+    Sinks, and softcapping on the sdpa backend (SDPA cannot softcap), run `block_kernel`: lstune's block attention
+    (`lstune.memory.block_attention.block_attention`, which returns and merges log-sum-exps), handed in by the
+    layer that composes models and memory (`use_lstune_attention(..., block_kernel=...)`, as `lstune train` does).
     """
     _check_qkv(query_BHSD, key_BHSD, value_BHSD)
     position_ids_BS = _position_ids_for(query_BHSD, position_ids_BS)
@@ -286,6 +290,12 @@ def local_attention(
         needs_grad=needs_grad,
     )
     _log_backend_choice(requested, backend, device_type, query_BHSD.dtype)
+    if sinks is not None or (softcap is not None and backend == "sdpa"):
+        if block_kernel is None:
+            what = "learned attention sinks" if sinks is not None else f"softcapped logits (softcap={softcap}) on sdpa"
+            raise ModelError(_BLOCK_KERNEL_MESSAGE.format(what=what))
+        return block_kernel(query_BHSD, key_BHSD, value_BHSD, position_ids_BS=position_ids_BS, scaling=scaling,
+                            sliding_window=sliding_window, softcap=softcap, sinks=sinks, dropout=dropout)
     if backend == "flash_attention_2":
         return _flash_varlen_attention(
             query_BHSD, key_BHSD, value_BHSD, position_ids_BS, scaling, sliding_window, softcap, dropout
@@ -491,24 +501,24 @@ def lstune_attention_forward(
     position_ids: Tensor | None = None,
     s_aux: Tensor | None = None,
     is_causal: bool | None = None,
+    block_kernel: Callable[..., Tensor] | None = None,
     **_unused: Any,
 ) -> tuple[Tensor, None]:
     """An attention function with transformers' signature (`AttentionInterface`): refuses what it cannot honour, then
     runs `local_attention`. Other HF kwargs (output_attentions, cu_seq_lens_*, ...) are ignored: documents always
-    come from `position_ids`, and no attention weights are ever materialised."""
+    come from `position_ids`, and no attention weights are ever materialised. `s_aux`: gpt-oss's attention sinks
+    (under Ulysses, the rank's heads' slice)."""
     sliding_window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
-    if s_aux is not None:
-        raise ModelError(_SINKS_MESSAGE.format(name=type(module).__name__))
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ModelError(_BIDIRECTIONAL_MESSAGE.format(name=type(module).__name__))
     sink = _CHUNK_SINK.get()
     if sink is not None:
         out_BSHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
-                        softcap=softcap, dropout=dropout)
+                        softcap=softcap, dropout=dropout, sinks=s_aux)
         return out_BSHD, None
     out_BSHD = local_attention(
         query, key, value, position_ids_BS=position_ids, scaling=scaling, sliding_window=sliding_window,
-        softcap=softcap, dropout=dropout, backend=backend,
+        softcap=softcap, dropout=dropout, backend=backend, sinks=s_aux, block_kernel=block_kernel,
     )
     return out_BSHD, None
 
@@ -529,9 +539,10 @@ def chunked_attention_calls(sink: Any) -> Iterator[None]:
         _CHUNK_SINK.reset(token)
 
 
-_SINKS_MESSAGE = (
-    "{name} uses learned attention sinks, which lstune's attention backends do not implement; this model cannot be "
-    "trained with lstune attention."
+_BLOCK_KERNEL_MESSAGE = (
+    "this model's attention has {what}, which lstune runs through its block attention kernel, and this attention "
+    "function was installed without one: pass block_kernel=lstune.memory.block_attention.block_attention to "
+    "use_lstune_attention (lstune train does)."
 )
 _BIDIRECTIONAL_MESSAGE = (
     "{name} attends bidirectionally (is_causal=False / use_bidirectional_attention); lstune attention is causal only. "
@@ -757,11 +768,15 @@ def register_attention_function(
     return handle
 
 
-def use_lstune_attention(model: PreTrainedModel, *, backend: str = "auto") -> AttentionHandle:
+def use_lstune_attention(
+    model: PreTrainedModel, *, backend: str = "auto", block_kernel: Callable[..., Tensor] | None = None
+) -> AttentionHandle:
     """Make `model` run lstune's per-document causal attention (see module doc); `.undo()` restores it.
 
     `backend` is "auto" or one of BACKENDS; an unavailable one is refused now, the rest is decided per call from the
-    tensors' device and dtype. Applied after LoRA and before the memory techniques (the order of application in docs/memory.md).
+    tensors' device and dtype. `block_kernel`: lstune's block attention (`lstune.memory.block_attention`), for
+    attention sinks and softcapping on sdpa (`local_attention`); without it a model with sinks is refused now.
+    Applied after LoRA and before the memory techniques (the order of application in docs/memory.md).
     """
     _check_backend_name(backend)
     if backend != "auto":
@@ -769,8 +784,18 @@ def use_lstune_attention(model: PreTrainedModel, *, backend: str = "auto") -> At
         device = "cuda" if torch.cuda.is_available() else "cpu"
         softcap = getattr(model.config, "attn_logit_softcapping", None)
         resolve_backend(backend, device_type=device, dtype=None, softcap=softcap, needs_grad=False)
-    attention_fn = functools.partial(lstune_attention_forward, backend=backend)
+    if block_kernel is None and (where := sinks_module(model)):
+        raise ModelError(_BLOCK_KERNEL_MESSAGE.format(what=f"learned attention sinks ({where})"))
+    attention_fn = functools.partial(lstune_attention_forward, backend=backend, block_kernel=block_kernel)
     return register_attention_function(model, attention_fn, description=f"backend={backend}")
+
+
+def sinks_module(model: Any) -> str | None:
+    """The name of the first module with learned attention sinks (a `sinks` tensor: gpt-oss), or None."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            return f"{type(module).__name__} {name}"
+    return None
 
 
 def _attention_configs(model: PreTrainedModel) -> list[tuple[Any, str | None]]:
@@ -787,10 +812,7 @@ def _attention_configs(model: PreTrainedModel) -> list[tuple[Any, str | None]]:
 
 
 def _refuse_unsupported_model(model: PreTrainedModel) -> None:
-    """Structural refusals that must come before any forward: learned sinks, bidirectional attention."""
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            raise ModelError(_SINKS_MESSAGE.format(name=f"{type(model).__name__} ({name})"))
+    """Structural refusals that must come before any forward: bidirectional attention."""
     problem = _bidirectional_problem(model.config)
     if problem:
         raise ModelError(problem)

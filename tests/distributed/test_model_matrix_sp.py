@@ -16,7 +16,9 @@ TOL = 2e-5
 def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.block_attention import block_attention
     from lstune.memory.loss import causal_lm_loss_sum
+    from lstune.models.attention import use_lstune_attention
     from lstune.models.introspect import decoder_layers
     from lstune.models.mixers import check_token_mixers
     from lstune.parallel.dims import ParallelDims
@@ -29,6 +31,7 @@ def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
     def variant(memory: bool):
         def run(model, batch, data):
             check_token_mixers(decoder_layers(model), pack=data == "packed", sp=world)
+            use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)  # as lstune train does
             apply_ulysses(model, dims)
             step = causal_lm_loss_sum
             if memory:

@@ -47,6 +47,10 @@ ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
                          n_group=1, topk_group=1, num_key_value_heads=4), {}),
     "opt": (dict(ffn_dim=64, word_embed_proj_dim=32),
             {"tiled_mlp": "cannot tell which part of OPTDecoderLayer is its MLP"}),
+    # learned attention sinks, alternating 16-token windows: lstune's block kernel (memory/block_attention.py)
+    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=WINDOW), {}),
+    # softcapped logits: the block kernel on CPU
+    "gemma2": (dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), {}),
     "lfm2": (dict(layer_types=["conv", "full_attention"], block_dim=32, block_ff_dim=64, conv_L_cache=3),
              {"pack": "packed documents would leak", "sp": "miss the previous rank's last tokens"}),
     "bloom": (dict(n_layer=2, n_head=4), {"attention": "does not route attention through", "tiled_mlp": "residual"}),
