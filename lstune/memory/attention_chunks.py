@@ -207,9 +207,13 @@ class ChunkStats:
 
 def install_chunked_attention(
     layers: nn.ModuleList, setting: str | int, *, auto_tokens: int | None = None, offload: bool, stats: ChunkStats | None = None,
-    fused: dict[int, tuple[str | None, str | None]] | None = None,
+    fused: dict[int, tuple[str | None, str | None]] | None = None, names: tuple[str | None, ...] | None = None,
 ) -> list[Undo]:
     """Make every layer's attention module run in chunks (module doc); returns the undos.
+
+    `names`: each layer's attention attribute (`introspect.attention_names`), None for a hybrid's layer without
+    softmax attention (linear attention, state-space, convolution: O(S) already), which is left alone; looked up
+    structurally when not given (`layer_attention`).
 
     `fused[i] = (pre_norm_name, post_norm_name)`: layer i's norms feeding only the attention / fed only by it (found
     by `mlp.find_fusable_norms` from a probe) run inside each chunk instead — the layer calls them as identities —
@@ -218,8 +222,11 @@ def install_chunked_attention(
     if setting == "off":
         return []
     undos = []
+    names = names or tuple(layer_attention(layer) for layer in layers)
     for index, layer in enumerate(layers):
-        module = getattr(layer, layer_attention(layer))
+        if names[index] is None:
+            continue
+        module = getattr(layer, names[index])
         norms = [getattr(layer, name) if name else None for name in (fused or {}).get(index, (None, None))]
         for norm, side in zip(norms, ("pre", "post")):
             if norm is not None:
@@ -227,7 +234,8 @@ def install_chunked_attention(
                 undos.append(FusedNorm.install(norm, what=what))
         chunked = ChunkedAttention(module, module.forward, chunks, offload=offload, stats=stats, norms=norms)
         undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
-    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused", len(layers),
+    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused",
+                sum(n is not None for n in names),
                 chunks.describe(), "offloaded to host" if offload else "on the device",
                 sum(n is not None for pair in (fused or {}).values() for n in pair))
     return undos

@@ -175,6 +175,8 @@ def install_tiled_blocks(
     `names`: each layer's block attribute (`ModelParts.mlp_names`), looked up here when not given."""
     installed = []
     for index, (layer, name) in enumerate(zip(layers, names or mlp_names(layers))):
+        if name is None:  # a hybrid's block with no MLP (only a token mixer): nothing to tile
+            continue
         pre_name, post_name = (fused or {}).get(index, (None, None))
         installed.append(_install_one(index, layer, getattr(layer, name), policy, pre_name, post_name))
     return installed
@@ -205,6 +207,8 @@ def check_call_signature(layers: "nn.ModuleList", names: tuple[str, ...] | None 
     import inspect
 
     for layer, name in zip(layers, names or mlp_names(layers)):
+        if name is None:
+            continue
         block = getattr(layer, name)
         params = list(inspect.signature(block.forward).parameters.values())[1:]
         required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
@@ -228,6 +232,8 @@ def check_per_token(layers: "nn.ModuleList", hidden_size: int, names: tuple[str,
     """
     checked = set()
     for layer, name in zip(layers, names or mlp_names(layers)):
+        if name is None:
+            continue
         block = getattr(layer, name)
         if type(block) in checked:
             continue

@@ -508,6 +508,9 @@ def lstune_attention_forward(
     runs `local_attention`. Other HF kwargs (output_attentions, cu_seq_lens_*, ...) are ignored: documents always
     come from `position_ids`, and no attention weights are ever materialised. `s_aux`: gpt-oss's attention sinks
     (under Ulysses, the rank's heads' slice)."""
+    recorder = _ATTENTION_MODULES.get()
+    if recorder is not None:
+        recorder.append(getattr(module, "_module", module))  # the module itself, also inside Ulysses' view of it
     sliding_window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ModelError(_BIDIRECTIONAL_MESSAGE.format(name=type(module).__name__))
@@ -527,6 +530,22 @@ def lstune_attention_forward(
 # chunk of the sequence, its q/k/v go to this sink instead of a kernel. The sink has `mask_positions` / `mask_seq`
 # (the whole sequence the module got, for the model-mask check) and is called like `local_attention`.
 _CHUNK_SINK: ContextVar[Any] = ContextVar("lstune_chunk_sink", default=None)
+
+
+# While set, lstune's attention function appends the module calling it: which modules of a model are softmax
+# attention, found by running it (a hybrid's linear-attention and state-space mixers never call it).
+_ATTENTION_MODULES: ContextVar[list | None] = ContextVar("lstune_attention_modules", default=None)
+
+
+@contextmanager
+def recording_attention_modules() -> Iterator[list]:
+    """Within the block, every module that calls lstune's attention function is appended to the yielded list."""
+    calls: list = []
+    token = _ATTENTION_MODULES.set(calls)
+    try:
+        yield calls
+    finally:
+        _ATTENTION_MODULES.reset(token)
 
 
 @contextmanager
