@@ -75,6 +75,8 @@ class TiledForward:
             run, hidden_states, tiles=tiles, dim=dim, params=params, preserve_rng=self.block.training
         )
         recorded, extras.tiles = extras.tiles, None  # the backward's recomputes record nothing
+        if extras.flat:  # the block returns its output flat, [B·S, D] (Llama-4's MoE): so does the tiled one
+            out = out.reshape(-1, out.shape[-1])
         if not recorded:
             return out
         if len(recorded) == 1:  # one tile: plain autograd, the block's own outputs
@@ -98,9 +100,17 @@ class TiledForward:
             if extras.tiles is not None:
                 extras.tiles.append((x.shape[-2] if x.dim() >= 3 else x.shape[0], y[1:]))
             y = y[0]
+        if _flat_output(x, y):  # tiles are stitched along the sequence: back to [B, t, D]
+            y = y.view(*x.shape[:-1], y.shape[-1])
+            extras.flat = True
         if self.post_norm is not None:
             y = FusedNorm.call(self.post_norm, y)
         return y
+
+
+def _flat_output(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The block took [B, t, D] and returned [B·t, D] (MoE blocks that flatten the batch)."""
+    return x.dim() == 3 and y.dim() == 2 and y.shape[0] == x.shape[0] * x.shape[1]
 
 
 @dataclass
@@ -108,6 +118,7 @@ class _Extras:
     """The extra outputs (router logits) of each tile in forward; None once forward is done."""
 
     tiles: list | None
+    flat: bool = False  # the block returns its output flattened to [B·t, D]
 
 
 def stitch_extras(tiles: list[tuple[int, tuple]], leading: torch.Size, block: str, anchor: torch.Tensor) -> list:
@@ -269,7 +280,8 @@ def _probe_block(block: "nn.Module", hidden: int, *, tokens: int, start: int = 0
     x = torch.randn(1, 6, hidden, generator=gen)[:, start:start + tokens].to(device=param.device, dtype=dtype)
     with eval_mode(block):
         y = block(x.contiguous())
-    return y[0] if isinstance(y, tuple) and y and torch.is_tensor(y[0]) else y  # an MoE's router outputs beside
+    y = y[0] if isinstance(y, tuple) and y and torch.is_tensor(y[0]) else y  # an MoE's router outputs beside
+    return y.view(*x.shape[:-1], y.shape[-1]) if torch.is_tensor(y) and _flat_output(x, y) else y
 
 
 def find_fusable_norms(calls: list["LayerCall"], block_name: str) -> tuple[str | None, str | None]:

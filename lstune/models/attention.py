@@ -514,11 +514,16 @@ def lstune_attention_forward(
     sliding_window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ModelError(_BIDIRECTIONAL_MESSAGE.format(name=type(module).__name__))
+    chunk = attention_mask.chunk if isinstance(attention_mask, ModelMask) else None
     sink = _CHUNK_SINK.get()
     if sink is not None:
+        if chunk:
+            raise ModelError(_CHUNKED_MASK_FPDT_MESSAGE.format(chunk=chunk))
         out_BSHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
                         softcap=softcap, dropout=dropout, sinks=s_aux)
         return out_BSHD, None
+    if chunk:
+        position_ids = chunk_positions(_position_ids_for(query, position_ids), chunk)
     out_BSHD = local_attention(
         query, key, value, position_ids_BS=position_ids, scaling=scaling, sliding_window=sliding_window,
         softcap=softcap, dropout=dropout, backend=backend, sinks=s_aux, block_kernel=block_kernel,
@@ -558,6 +563,11 @@ def chunked_attention_calls(sink: Any) -> Iterator[None]:
         _CHUNK_SINK.reset(token)
 
 
+_CHUNKED_MASK_FPDT_MESSAGE = (
+    "this model's layers with chunked attention ({chunk}-token chunks, Llama-4) cannot run under lstune's chunked "
+    "attention (FPDT), which tells documents apart by position; use --attn-chunks off (lstune's limitation: cutting "
+    "FPDT's chunks at the model's chunk edges would lift it)."
+)
 _BLOCK_KERNEL_MESSAGE = (
     "this model's attention has {what}, which lstune runs through its block attention kernel, and this attention "
     "function was installed without one: pass block_kernel=lstune.memory.block_attention.block_attention to "
@@ -608,6 +618,7 @@ class ModelMask:
 
     mask_function: Callable
     local_size: int | None
+    chunk: int | None = None  # set by `window_for` when the mask is chunked attention (Llama-4) of this size
     _checked: Any = field(default=None, repr=False)
 
     def __getattr__(self, name: str) -> Any:
@@ -622,7 +633,7 @@ class ModelMask:
 
     def window_for(self, position_ids_BS: Tensor | None, seq: int, device: Any = None) -> int | None:
         if self._checked is not None and self._checked[0] is position_ids_BS and self._checked[1] == seq:
-            return self.local_size
+            return None if self.chunk else self.local_size
         from torch._subclasses.fake_tensor import is_fake
 
         if position_ids_BS is None:
@@ -630,13 +641,24 @@ class ModelMask:
             # right only if the model's own mask agrees (it separates packed documents when it detects them).
             positions_BS = torch.arange(seq, device=device)[None]
             try:
-                _check_model_mask(self.mask_function, positions_BS, self.local_size)
+                self._check(positions_BS)
             except ModelError:
                 raise ModelError(_NO_POSITIONS_MESSAGE) from None
         elif not is_fake(position_ids_BS) and position_ids_BS.shape[-1] == seq:
-            _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
+            self._check(position_ids_BS)
         self._checked = (position_ids_BS, seq)
-        return self.local_size
+        return None if self.chunk else self.local_size
+
+    def _check(self, position_ids_BS: Tensor) -> None:
+        """The mask is causal per document with the named window — or, failing that, chunked attention in chunks
+        of the named size (`chunk`: every document cut every `local_size` positions, Llama-4)."""
+        try:
+            _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
+        except ModelError:
+            if self.local_size is None:
+                raise
+            _check_model_mask(self.mask_function, position_ids_BS, None, chunk=self.local_size)
+            self.chunk = self.local_size
 
 
 class MaskTensorUse(ModelError, AttributeError):
@@ -652,11 +674,12 @@ _MASK_TENSOR_MESSAGE = (
 )
 
 
-def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: int | None) -> None:
+def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: int | None,
+                      chunk: int | None = None) -> None:
     """ModelError unless `mask_function`, within each document, allows exactly causal (windowed) attention on sample
-    rows."""
+    rows — or with `chunk`, causal attention within each document's chunks of `chunk` positions."""
     seq = position_ids_BS.shape[-1]
-    doc_BS = document_ids(position_ids_BS)
+    doc_BS = document_ids(chunk_positions(position_ids_BS, chunk))
     rows_R = _sample_rows(doc_BS, window)
     kv_S = torch.arange(seq, device=position_ids_BS.device)
     batch_B = torch.arange(doc_BS.shape[0], device=kv_S.device)
@@ -677,19 +700,26 @@ def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: 
 
 
 _UNKNOWN_MASK_MESSAGE = (
-    "this model's attention mask is not causal per document{window_note}: it masks differently (e.g. chunked "
-    "attention, or a pattern set in its own mask code). lstune's attention kernels implement causal masks with "
-    "sliding windows only, so it cannot train this model exactly; supporting that mask pattern in lstune's kernels "
-    "would lift this."
+    "this model's attention mask is not causal per document{window_note}: it masks differently (a pattern set in "
+    "its own mask code). lstune's attention kernels implement causal masks with sliding windows or chunks only, "
+    "so it cannot train this model exactly; supporting that mask pattern in lstune's kernels would lift this."
 )
 
 
 _NO_POSITIONS_MESSAGE = (
     "this model does not pass position_ids to its attention layers, and its mask differs from one causal "
-    "(windowed) document per row — packed documents, or a mask pattern lstune's kernels do not implement (e.g. "
-    "chunked attention). lstune's attention takes documents from position_ids, so it cannot train this exactly: "
-    "train without --pack, or, for another mask pattern, this model is not supported (lstune's limitation)."
+    "(windowed or chunked) document per row — packed documents, or a mask pattern lstune's kernels do not "
+    "implement. lstune's attention takes documents from position_ids, so it cannot train this exactly: "
+    "train without --pack, or, for another mask pattern, this model is not supported (lstune's limitation: "
+    "passing position_ids on to the attention layers would lift the first)."
 )
+
+
+def chunk_positions(position_ids_BS: Tensor, chunk: int | None) -> Tensor:
+    """position_ids under chunked attention (Llama-4's `attention_chunk_size`): each document restarts every `chunk`
+    positions, so lstune's per-document causal kernels see each chunk as a document (a reset to 0 starts one).
+    HF's mask cuts by the same positions in packed rows (remap_positions_for_packed_sequence)."""
+    return position_ids_BS if chunk is None else position_ids_BS % chunk
 
 
 def _sample_rows(doc_BS: Tensor, window: int | None) -> Tensor:

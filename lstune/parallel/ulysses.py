@@ -174,6 +174,10 @@ class UlyssesAttention:
                                   query.shape[2], query.device)
         kwargs["sliding_window"] = window
         positions = self.full_positions(kwargs.get("position_ids"))
+        if getattr(attention_mask, "chunk", None):  # chunked attention (Llama-4): each chunk a document
+            from lstune.models.attention import chunk_positions
+
+            positions = chunk_positions(positions, attention_mask.chunk)
         self._check_kernel_fits(positions, window)
         q_BhSD = self.seq_to_heads(query, plan.q_counts, plan.q_counts[self.sp_rank])
         kv_index = plan.kv_send_index

@@ -57,7 +57,7 @@ ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "llama4_text": (dict(attention_chunk_size=WINDOW, head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
                          interleave_moe_layer_step=1, no_rope_layers=[1, 0], layer_types=["chunked_attention",
                          "full_attention"]),
-                    {"attention": "does not pass position_ids to its attention", "tiled_mlp": "more than one tensor",
+                    {"pack": "does not pass position_ids to its attention",
                      "sp": "needs position_ids at every attention call"}),
 }
 
