@@ -879,10 +879,11 @@ def check_attention_support(
     """Refuse, before anything heavy is loaded, model/backend combinations lstune attention would get wrong.
 
     Raises ConfigError for an unknown backend and ModelError/UserError (every problem listed) for: bidirectional
-    attention, softcapped logits on a backend that cannot softcap (sdpa, or anything on CPU when training),
-    attention dropout under flex, and a backend that cannot run here. Learned attention sinks are only visible on the
-    built model and are refused by `use_lstune_attention`. Sliding windows need no refusal (every backend honours
-    them exactly); they and the packed-on-sdpa cost are logged. `device` defaults to cuda when available.
+    attention, softcapped logits on flex where it cannot train (CPU; sdpa softcaps through lstune's block kernel),
+    attention dropout under flex, and a backend that cannot run here. Learned attention sinks need lstune's block
+    kernel, which `use_lstune_attention` is given (or refuses the model without). Sliding windows need no refusal
+    (every backend honours them exactly); they and the packed-on-sdpa cost are logged. `device` defaults to cuda
+    when available.
     """
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     softcap = getattr(model_config, "attn_logit_softcapping", None)
