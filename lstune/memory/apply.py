@@ -189,11 +189,11 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
     if setting == "off":
         return
     plan.attn_chunk_stats = chunked_attn.ChunkStats()
-    names = _attention_names(plan.parts, probing)
+    names, calls = _probe_attention(plan.parts, probing)
     install = partial(chunked_attn.install_chunked_attention, plan.parts.layers, setting,
                       auto_tokens=auto_tokens, names=names,
                       offload=memory.offload_checkpoints is True, stats=plan.attn_chunk_stats)
-    fused = _attention_norms(plan.parts, names) if probing else {}
+    fused = _attention_norms(calls, names) if calls is not None else {}
     if fused:
         inputs = probe_inputs(plan.parts, chunks=plan.attn_chunking)
         reference = probe_hidden_states(plan.parts, inputs)
@@ -213,26 +213,26 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
     plan._undos.extend(install())
 
 
-def _attention_names(parts: ModelParts, probing: bool) -> tuple[str | None, ...]:
-    """Each layer's softmax attention child (None: none, a hybrid's linear or state-space layer): the child that
-    calls lstune's attention function on a probe forward; structural without real weights (meta / fake)."""
+def _probe_attention(parts: ModelParts, probing: bool) -> tuple[tuple[str | None, ...], list | None]:
+    """From one probe forward: each layer's softmax attention child (None: none, a hybrid's linear or state-space
+    layer) — the child that calls lstune's attention function — and every layer's recorded child calls (for the
+    norms around it). Without real weights (meta / fake), or on HF's own attention (refused per chunk: it builds a
+    mask), the structural guess and no calls."""
     from lstune.models import hf_internals
     from lstune.models.attention import recording_attention_modules
     from lstune.models.introspect import attention_names
 
     on_lstune = str(hf_internals.attention_implementation(parts.lm.config)).startswith("lstune_")
-    if not (probing and on_lstune):  # no probe, or HF's own attention (refused per chunk: it builds a mask)
-        return attention_names(parts.layers)
+    if not probing:
+        return attention_names(parts.layers), None
     inputs = probe_inputs(parts)
     with recording_attention_modules() as calling:
-        probe_hidden_states(parts, inputs)
-    return attention_names(parts.layers, calling)
+        calls = tiled_mlp_mod.record_child_calls(parts.layers, lambda: probe_hidden_states(parts, inputs))
+    return attention_names(parts.layers, calling if on_lstune else None), calls
 
 
-def _attention_norms(parts: ModelParts, names: tuple[str | None, ...]) -> dict[int, tuple[str | None, str | None]]:
-    """Per layer, the norms feeding only / fed only by the attention, from one recorded probe forward."""
-    inputs = probe_inputs(parts)
-    calls = tiled_mlp_mod.record_child_calls(parts.layers, lambda: probe_hidden_states(parts, inputs))
+def _attention_norms(calls: list, names: tuple[str | None, ...]) -> dict[int, tuple[str | None, str | None]]:
+    """Per layer, the norms feeding only / fed only by the attention, from the recorded probe forward."""
     fused = {}
     for index, name in enumerate(names):
         if name is None:
