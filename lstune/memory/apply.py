@@ -115,6 +115,13 @@ class MemoryPlan:
         logger.info("memory techniques undone")
 
 
+def _patched_here(module: "nn.Module") -> bool:
+    """A forward patched by a memory technique (the token mixers' per-document forward is not one: it comes first)."""
+    from lstune.models.mixers import DocumentMixer
+
+    return "forward" in vars(module) and not isinstance(vars(module)["forward"], DocumentMixer)
+
+
 def apply_memory_techniques(
     model: "nn.Module", memory: MemorySection | None = None, *, seq_len: int, parts: ModelParts | None = None
 ) -> MemoryPlan:
@@ -132,7 +139,7 @@ def apply_memory_techniques(
     _validate(memory, seq_len)
     parts = parts or find_parts(model)
     patched = [*parts.layers.modules(), *([parts.final_norm] if parts.final_norm is not None else [])]
-    if any("forward" in vars(module) for module in patched):
+    if any(_patched_here(module) for module in patched):
         raise UserError("memory techniques are already applied to this model; call plan.undo() first.")
     # 'auto' mini-sequence, like 'auto' offload, is the estimate's to resolve; unresolved it stays off.
     plan = MemoryPlan(seq_len=seq_len, parts=parts, tiled_mlp=memory.tiled_mlp,

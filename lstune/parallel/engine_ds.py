@@ -267,6 +267,8 @@ class DeepSpeedEngine:
         )
         optimizer = _adamw(params, optim, on_host=zero.offload_optimizer)
         scheduler = make_scheduler(optimizer, optim)
+        if zero_stage == 3:
+            _register_mixer_children(model)
         self.dims = dims
         self.zero_stage = zero_stage
         self._ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -378,6 +380,26 @@ def without_inference_shm_op():
         yield
     finally:
         ds_torch.build_shm_op = build
+
+
+def _register_mixer_children(model) -> None:
+    """ZeRO-3 gathers a module's own parameters when that module is called. The token mixers (lstune.models.mixers)
+    read some of their children's weights directly, never calling them — the convolution, Mamba-1's x_proj and
+    dt_proj: transformers' code does, and so do lstune's head-parallel views — so their children's parameters are
+    registered as the mixer's external parameters (DeepSpeed then gathers them whenever the mixer runs)."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    from lstune.models.introspect import decoder_layers
+    from lstune.models.mixers import mixer_sites
+
+    try:
+        layers = decoder_layers(model)
+    except Exception:  # noqa: BLE001 - a model without decoder layers has no mixers to register
+        return
+    for _, mixer in mixer_sites(layers):
+        for child in mixer.children():
+            for parameter in child.parameters():
+                register_external_parameter(mixer, parameter)
 
 
 def _adamw(params, cfg: OptimConfig, *, on_host: bool):

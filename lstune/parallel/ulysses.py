@@ -144,53 +144,46 @@ def _all_to_all(x: "torch.Tensor", out_splits: list[int], in_splits: list[int], 
         return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
-class UlyssesAttention:
-    """The attention-interface function that runs any kernel under Ulysses SP. Created by `apply_ulysses`."""
+class SequenceExchange:
+    """The all-to-alls between sequence shards and head shards over one SP group, and the gathered position_ids:
+    what Ulysses attention and the head-parallel token mixers (lstune.models.mixers) share."""
 
-    def __init__(self, core: Callable, core_name: str, dims: "ParallelDims"):
-        self.core = core
-        self.core_name = core_name
+    def __init__(self, dims: "ParallelDims"):
         self.sp = dims.sp
         self.sp_rank = dims.sp_rank
         self.group = dims.sp_group
         self._positions_in: Any = None
         self._positions_out: Any = None
-        self._documents_checked: Any = None
 
-    def plan(self, q_heads: int, kv_heads: int) -> HeadPlan:
-        return _plan(q_heads, kv_heads, self.sp)
+    def unit_counts(self, units: int) -> tuple[int, ...]:
+        """How many of `units` heads (or channel groups) each rank holds: Ulysses' balanced, possibly uneven plan."""
+        if units < self.sp:
+            raise ModelError(f"SP degree {self.sp} is larger than the {units} heads of a linear-attention / "
+                             "state-space layer, which sequence parallelism splits like attention heads; use "
+                             f"--sp {units} or less.")
+        return _plan(units, units, self.sp).q_counts
 
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None). v may have its own head
-        dim (multi-head latent attention); each tensor is exchanged with its own."""
-        from lstune.models.attention import window_from_mask
-        from lstune.models.attention_sinks import head_sinks
+    def seq_to_units(self, x_BsUw, counts):
+        """`[B, S/sp, U, w]` (all units, my shard) → `[B, S, u, w]` (my units, whole sequence)."""
+        return self.seq_to_heads(x_BsUw.transpose(1, 2), counts, counts[self.sp_rank]).transpose(1, 2)
 
-        plan = self.plan(query.shape[1], key.shape[1])
-        if kwargs.get("s_aux") is not None:  # learned sinks (gpt-oss): one per q head, the rank's slice
-            kwargs["s_aux"] = head_sinks(kwargs["s_aux"], plan.q_starts[self.sp_rank], plan.q_counts[self.sp_rank])
-        # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
-        window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
-                                  query.shape[2], query.device)
-        kwargs["sliding_window"] = window
-        positions = self.full_positions(kwargs.get("position_ids"))
-        if getattr(attention_mask, "chunk", None):  # chunked attention (Llama-4): each chunk a document
-            from lstune.models.attention import chunk_positions
+    def units_to_seq(self, y_BSuw, counts):
+        """`[B, S, u, w]` (my units, whole sequence) → `[B, S/sp, U, w]` (all units, my shard)."""
+        return self.heads_to_seq(y_BSuw.contiguous(), counts)
 
-            positions = chunk_positions(positions, attention_mask.chunk)
-        self._check_kernel_fits(positions, window)
-        q_BhSD = self.seq_to_heads(query, plan.q_counts, plan.q_counts[self.sp_rank])
-        kv_index = plan.kv_send_index
-        k_BhSD = self.seq_to_heads(key, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
-        v_BhSD = self.seq_to_heads(value, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
-        expand = plan.local_kv_index(self.sp_rank)
-        if expand is not None:
-            index = _index_tensor(expand, k_BhSD.device)
-            k_BhSD, v_BhSD = k_BhSD.index_select(1, index), v_BhSD.index_select(1, index)
-        view = _LocalHeads(module, q_BhSD.shape[1] // k_BhSD.shape[1])
-        kwargs["position_ids"] = positions
-        out_BShD, _ = self.core(view, q_BhSD, k_BhSD, v_BhSD, None, **kwargs)
-        return self.heads_to_seq(out_BShD, plan.q_counts), None
+    def sum_over_group(self, x):
+        """The sum of `x` over the SP group's ranks, differentiable (its backward sums the gradients the same way)."""
+        from torch.distributed.nn.functional import all_reduce
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return all_reduce(x, group=self.group)
+
+    def all_agree(self, ok: bool) -> bool:
+        """True when `ok` holds on every rank of the SP group."""
+        from lstune.parallel.comm import Communicator
+
+        return not Communicator.of(self.group).any(not ok)
 
     def seq_to_heads(self, x_BHsD, counts, my_count, send_index=None):
         """`[B, H, S/sp, D]` (all heads, my shard) → `[B, h, S, D]` (my heads, whole sequence)."""
@@ -243,6 +236,51 @@ class UlyssesAttention:
         full = torch.cat(gathered, dim=1)
         self._positions_in, self._positions_out = position_ids_Bs, full
         return full
+
+
+class UlyssesAttention(SequenceExchange):
+    """The attention-interface function that runs any kernel under Ulysses SP. Created by `apply_ulysses`."""
+
+    def __init__(self, core: Callable, core_name: str, dims: "ParallelDims"):
+        super().__init__(dims)
+        self.core = core
+        self.core_name = core_name
+        self._documents_checked: Any = None
+
+    def plan(self, q_heads: int, kv_heads: int) -> HeadPlan:
+        return _plan(q_heads, kv_heads, self.sp)
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None). v may have its own head
+        dim (multi-head latent attention); each tensor is exchanged with its own."""
+        from lstune.models.attention import window_from_mask
+        from lstune.models.attention_sinks import head_sinks
+
+        plan = self.plan(query.shape[1], key.shape[1])
+        if kwargs.get("s_aux") is not None:  # learned sinks (gpt-oss): one per q head, the rank's slice
+            kwargs["s_aux"] = head_sinks(kwargs["s_aux"], plan.q_starts[self.sp_rank], plan.q_counts[self.sp_rank])
+        # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
+        window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
+                                  query.shape[2], query.device)
+        kwargs["sliding_window"] = window
+        positions = self.full_positions(kwargs.get("position_ids"))
+        if getattr(attention_mask, "chunk", None):  # chunked attention (Llama-4): each chunk a document
+            from lstune.models.attention import chunk_positions
+
+            positions = chunk_positions(positions, attention_mask.chunk)
+        self._check_kernel_fits(positions, window)
+        q_BhSD = self.seq_to_heads(query, plan.q_counts, plan.q_counts[self.sp_rank])
+        kv_index = plan.kv_send_index
+        k_BhSD = self.seq_to_heads(key, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
+        v_BhSD = self.seq_to_heads(value, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
+        expand = plan.local_kv_index(self.sp_rank)
+        if expand is not None:
+            index = _index_tensor(expand, k_BhSD.device)
+            k_BhSD, v_BhSD = k_BhSD.index_select(1, index), v_BhSD.index_select(1, index)
+        view = _LocalHeads(module, q_BhSD.shape[1] // k_BhSD.shape[1])
+        kwargs["position_ids"] = positions
+        out_BShD, _ = self.core(view, q_BhSD, k_BhSD, v_BhSD, None, **kwargs)
+        return self.heads_to_seq(out_BShD, plan.q_counts), None
 
     def _check_kernel_fits(self, positions_BS, sliding_window) -> None:
         """A position-blind kernel (HF SDPA with no mask) is only right for one document per row, no window."""

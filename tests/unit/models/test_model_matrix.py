@@ -60,10 +60,11 @@ def _apply(model, technique: str, data: str):
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.block_attention import block_attention
     from lstune.models.attention import use_lstune_attention
-    from lstune.models.introspect import decoder_layers
-    from lstune.models.mixers import check_token_mixers
+    from lstune.models.introspect import find_parts
+    from lstune.train.mixers import install_mixers
 
-    check_token_mixers(decoder_layers(model), pack=data == "packed", sp=1)
+    parts = find_parts(model)
+    install_mixers(parts.body, parts.layers, pack=data == "packed")
     use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
     if TECHNIQUES[technique] is None:
         return lstune_step

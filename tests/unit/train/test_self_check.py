@@ -149,9 +149,22 @@ def _all_techniques(pack: bool) -> TrainConfig:
                        memory=MemorySection(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True))
 
 
-def test_documents_that_see_each_other_through_a_linear_attention_state_are_caught():
-    """MiniMax's lightning-attention layers carry a state across a packed row; the model run on the packed row errs
-    exactly as lstune's copy does, so the reference runs each document alone."""
+def _without_lstune_mixers(monkeypatch):
+    """An injected bug: lstune's per-document token mixers (lstune.train.mixers) left out, so MiniMax's
+    lightning-attention layers carry their state across a packed row as in plain transformers."""
+    from lstune.train import mixers
+
+    monkeypatch.setattr(mixers, "install_mixers", lambda *args, **kwargs: None)
+
+
+def test_packed_documents_through_a_linear_attention_state_pass_with_lstune_mixers():
+    assert self_check.run_self_check(tiny_model("minimax"), _config(True), CPU).ok
+
+
+def test_documents_that_see_each_other_through_a_linear_attention_state_are_caught(monkeypatch):
+    """Without lstune's per-document mixers, MiniMax's lightning-attention layers carry a state across a packed row;
+    the model run on the packed row errs exactly as lstune's copy does, so the reference runs each document alone."""
+    _without_lstune_mixers(monkeypatch)
     assert self_check.run_self_check(tiny_model("minimax"), _config(False), CPU).ok
     with pytest.raises(ModelError, match=r"layer 1 \(MiniMaxDecoderLayer, layer type 'linear_attention'\).*"
                                          r"matches on one document.*train without --pack"):
@@ -159,11 +172,12 @@ def test_documents_that_see_each_other_through_a_linear_attention_state_are_caug
 
 
 def test_a_reference_on_the_packed_row_would_have_missed_the_leak(monkeypatch):
-    """The same check with the old reference (the unmodified model on the whole packed row) passes MiniMax: the
-    per-document reference is what catches it."""
+    """The same check with the old reference (the unmodified model on the whole packed row) passes the leaking MiniMax:
+    the per-document reference is what catches it."""
     def whole_row(batch):
         return [0]
 
+    _without_lstune_mixers(monkeypatch)
     monkeypatch.setattr(self_check, "_doc_starts", whole_row)
     assert self_check.run_self_check(tiny_model("minimax"), _config(True), CPU).ok
 
