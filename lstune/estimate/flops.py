@@ -92,6 +92,32 @@ def attention_split(flops: StepFlops, model_config: Any, seq_len: int) -> tuple[
     return flops.hardware_attention - backward, backward
 
 
+@dataclass(frozen=True)
+class KernelFlops:
+    """A step's FLOPs by the kernel that runs them, so that each part can be timed at its kernel's rate."""
+
+    matmul: float
+    attention_forward: float
+    attention_backward: float  # the kernel's backward, P recomputed: 2.5 forwards (ATTENTION_BACKWARD_KERNEL)
+
+    def ideal_seconds(self, gemm: float, attention_forward: float, attention_backward: float) -> float:
+        """At these rates (FLOP/s), back to back: the step's kernels and nothing else."""
+        return (self.matmul / gemm + self.attention_forward / attention_forward
+                + self.attention_backward / attention_backward)
+
+
+def kernel_flops(flops: StepFlops, model_config: Any, seq_len: int) -> tuple[KernelFlops, KernelFlops]:
+    """`flops` by kernel two ways: (as lstune runs the step, recompute counted: `hardware`'s matmuls and attention
+    forwards; the step with no recompute at all: `model`'s matmuls, one attention forward). Both keep the attention
+    kernel's own backward (2.5 forwards): no FlashAttention-class kernel runs without recomputing P. The "× ideal" of
+    lstune.bench.metrics and the estimate divide a step by each: the first says what the step spends beyond its
+    kernels, the second also what its recompute costs."""
+    forward, backward = attention_split(flops, model_config, seq_len)
+    once = backward / ATTENTION_BACKWARD_KERNEL
+    return (KernelFlops(flops.hardware_matmul, forward, backward),
+            KernelFlops(flops.model - (1 + ATTENTION_BACKWARD) * once, once, backward))
+
+
 def _attention_forward(shape: ModelShape, seq_len: int) -> int:
     """One forward of causal attention over one sequence, all layers: QKᵀ and PV, 2·head_dim FLOPs each per
     (query, key) pair and head."""

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from lstune.models.introspect import attention_heads
+from lstune.models.introspect import attention_heads, is_norm
 
 # Architectures whose MLP is a plain up/act/down (two matrices); every other one is gated (SwiGLU/GeGLU: three).
 _UNGATED_MLP = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "opt", "falcon", "bloom", "phi", "starcoder2", "gptj",
@@ -231,15 +231,23 @@ class ParamCounts:
     # The trainable tensors' sizes in the order model.parameters() yields them (each once), which is the order
     # DeepSpeed cuts its optimizer sub-groups in (lstune.estimate.memory.ds_sub_groups); () where not known.
     trainable_tensors: tuple[int, ...] = ()
+    # Per token, the input width of each norm of a decoder layer (`norm_widths`); () where not known: every norm
+    # then counts at the hidden width.
+    norm_widths: tuple[int, ...] = ()
 
     @property
     def frozen(self) -> int:
         return self.total - self.trainable
 
+    def layer_norm_widths(self, hidden: int) -> tuple[int, ...]:
+        """`norm_widths`, or `norms_per_layer` norms of `hidden` where they are not known."""
+        return self.norm_widths or (hidden,) * self.norms_per_layer
+
     def to_dict(self) -> dict:
         return {"total": self.total, "trainable": self.trainable, "frozen": self.frozen, "adapters": self.adapters,
                 "adapted_linears": self.adapted_linears, "largest_layer": self.largest_layer,
-                "norms_per_layer": self.norms_per_layer, "embeddings": self.embeddings,
+                "norms_per_layer": self.norms_per_layer, "norm_widths": list(self.norm_widths),
+                "embeddings": self.embeddings,
                 "lora_wrapped": self.lora_wrapped, "lora_wrapped_largest": self.lora_wrapped_largest}
 
 
@@ -250,7 +258,7 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lstune.models.introspect import decoder_layers, is_norm
+    from lstune.models.introspect import decoder_layers
     from lstune.models.loading import apply_lora
 
     with torch.device("meta"):
@@ -258,10 +266,12 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     base = _unique_numel(model.parameters())
     layers = decoder_layers(model)
     largest = max(_unique_numel(layer.parameters()) for layer in layers)
-    norms = sum(1 for m in layers[0].modules() if m is not layers[0] and is_norm(m))
+    widths = norm_widths(layers[0], ModelShape.from_config(config))
+    norms = len(widths)
     embeddings = _unique_numel([*model.get_input_embeddings().parameters(), *model.get_output_embeddings().parameters()])
     if not lora_r:
-        return ParamCounts(base, base, 0, 0, largest, norms, embeddings, trainable_tensors=_numels(model.parameters()))
+        return ParamCounts(base, base, 0, 0, largest, norms, embeddings, trainable_tensors=_numels(model.parameters()),
+                           norm_widths=widths)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecations peft trips; noise here
         peft_model = apply_lora(model, r=lora_r, alpha=None, dropout=0.0, targets=lora_targets)
@@ -270,7 +280,25 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     wrapped = _wrapped(peft_model)
     return ParamCounts(base + adapters, adapters, adapters, adapted, largest, norms, embeddings,
                        _unique_numel(wrapped), max((p.numel() for p in wrapped), default=0),
-                       _numels(p for p in peft_model.parameters() if p.requires_grad))
+                       _numels(p for p in peft_model.parameters() if p.requires_grad), widths)
+
+
+def norm_widths(layer, shape: ModelShape) -> tuple[int, ...]:
+    """Per token, the input width of each norm in `layer` (found structurally, lstune.models.introspect.is_norm): a
+    norm's weight spans what it normalises, so a norm of `head_dim` is a per-head one (Qwen3's, Gemma-3's q_norm and
+    k_norm) over every query head or every key head — the key's when its name says k (the one naming convention this
+    relies on: nothing in the module tells a query norm from a key norm). Any other norm spans its own width (hidden;
+    OLMo-2's q_norm and k_norm over the whole q and k widths)."""
+    widths = []
+    for name, module in layer.named_modules():
+        if module is layer or not is_norm(module):
+            continue
+        width = max(p.numel() for p in module.parameters())
+        if width == shape.head_dim and width != shape.hidden:
+            key = name.rsplit(".", 1)[-1].startswith("k")
+            width = shape.kv_width if key else shape.q_width
+        widths.append(width)
+    return tuple(widths)
 
 
 def _wrapped(peft_model) -> list:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -70,7 +69,8 @@ from torch.autograd.function import once_differentiable
 
 from lstune.errors import DataError, ModelError, UserError
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
-from lstune.memory.checkpoint import MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS
+from lstune.memory.offload_math import (  # noqa: F401  (re-exported: chunked attention's sizes live with their math)
+    auto_chunk_tokens, chunk_count, offload_copy_bytes)
 from lstune.memory.host_copies import HostBlocks
 from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.tiling import (
@@ -97,57 +97,8 @@ logger = logging.getLogger("lstune")
 _PER_TOKEN_ARGS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
 
 
-def auto_chunk_tokens(q_width: int, kv_width: int, *, pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
-                      flops_per_s: float = SUSTAINED_FLOPS, bytes_per_element: int = 2) -> int:
-    """`--attn-chunks auto`'s chunk length where the estimate does not choose the count (lstune.estimate.choose_memory
-    does for train): the shortest whose host copies hide under the attention they serve (FPDT), from the constants
-    of the checkpoint offload threshold (lstune.memory.checkpoint). Two bounds, c tokens a chunk, b bytes an element,
-    F/BW the compute rate over the copy bandwidth:
-    - forward, block (m, i): fetch chunk i's k and v (c · 2 · h_kv · b bytes) under c queries against its c keys
-      (4 · c² · h_q FLOPs, QKᵀ and PV): c >= h_kv · b · F / (2 · h_q · BW);
-    - backward, inner iteration (j, i): fetch q_j, dO_j and the merged output o_j (3 · c · h_q · b: the flash
-      kernel's backward recomputes the rowsums from o_j; the PyTorch kernel reads them instead, less) and read and
-      write the fp32 dq_j accumulator (8 · c · h_q; lse_j, 4 · c · heads, is under 1% of it and left out) under
-      FlashAttention's backward of the block (2.5 × the forward: 10 · c² · h_q FLOPs): c >= (3 · b + 8) · F / (10 · BW).
-    The backward bound is the larger whenever h_kv <= h_q in bf16: with F/BW = 16000 FLOP/B, 22,400 tokens → 32,768
-    after rounding up to a power of two, for every model (a PCIe Gen5 host, 50 GB/s: 16,384). A chunk's k copy is
-    at least MIN_COPY_BYTES. FPDT measured a ~64K-token sweet spot for its kernels."""
-    forward = kv_width * bytes_per_element * flops_per_s / (2 * q_width * pcie_bytes_per_s)
-    backward = (3 * bytes_per_element + 8) * flops_per_s / (10 * pcie_bytes_per_s)
-    floor = MIN_COPY_BYTES / (kv_width * bytes_per_element)
-    return 1 << math.ceil(math.log2(max(forward, backward, floor, 1)))
 
 
-def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, heads: int, element_size: int,
-                       forward_runs: int = 1, flash: bool = False) -> tuple[int, int]:
-    """(device→host, host→device) bytes one layer's chunked attention copies in one step when its saved chunks live
-    on the host (`_ChunkStore` with offload), for `tokens` local tokens (batch × sequence) in `chunks` equal chunks
-    of c tokens, P = M(M+1)/2 (query, key) blocks, activations of `element_size` bytes (fp32 lse, delta, dq, dk,
-    dv). Under Ulysses pass the local tokens and the full widths: a rank's gathered chunk has SP times the tokens
-    and 1/SP of the heads. `forward_runs`: 2 when checkpointing re-runs the forward in backward. `flash`: every
-    block takes the flash kernel (`attention_blocks.block_kind`: one document, no window cut, no softcap, a probed
-    kernel), else the PyTorch kernel.
-    - forward, per run: out k, v, o and lse of every chunk; in the keys/values of earlier chunks, (P - M) · c;
-    - backward (a): in o, out q and dO; for the PyTorch kernel the rowsums: in o and dO, out delta; (b) per key chunk
-      in k, v, per block in q, dO, lse, delta (flash: the output o instead, its kernel recomputes the rowsums) and
-      (after the first key chunk) the fp32 dq accumulator, out dq but for the diagonal block's (the last of its key
-      chunk: dq_i is final and stays on the device for (c)); (c) the PyTorch kernel's in o once more (the module's
-      re-run; the flash kernels' diagonal block kept it on the device). dk and dv stay on the device: chunk i's
-      projections run right after outer iteration i.
-    `tests/unit/memory/test_attention_chunks.py` checks the store's copies against this."""
-    if chunks <= 1:
-        return 0, 0
-    b, S, M = element_size, tokens, chunks
-    c, blocks = tokens / chunks, chunks * (chunks + 1) // 2
-    lse = 4 * S * heads
-    rowsums_out, rowsums_in = (0, 0) if flash else (lse, 2 * S * q_width * b)
-    per_block_rows = q_width * b if flash else 4 * heads  # o, or delta
-    forward_out = S * (2 * kv_width + q_width) * b + lse
-    forward_in = (blocks - M) * c * 2 * kv_width * b
-    backward_out = 2 * S * q_width * b + rowsums_out + (blocks - M) * c * 4 * q_width
-    backward_in = ((1 if flash else 2) * S * q_width * b + rowsums_in + M * c * 2 * kv_width * b
-                   + blocks * c * (2 * q_width * b + 4 * heads + per_block_rows) + (blocks - M) * c * 4 * q_width)
-    return (int(forward_runs * forward_out + backward_out), int(forward_runs * forward_in + backward_in))
 
 
 def attention_widths(config: Any) -> tuple[int, int]:
@@ -168,11 +119,6 @@ def attention_chunking(setting: str | int, config: Any) -> AttentionChunks:
     return AttentionChunks(setting, auto_chunk_tokens(*widths))
 
 
-def chunk_count(setting: str | int, seq_len: int, auto_tokens: int) -> int:
-    """Chunks one (local) sequence of `seq_len` tokens is cut into (1 = unchunked): `len(chunk_bounds(...))`, counted
-    without listing the bounds (the estimate asks this of absurd lengths too, and must answer at once)."""
-    step = math.ceil(seq_len / AttentionChunks(setting, auto_tokens).count(seq_len))
-    return math.ceil(seq_len / step)
 
 
 def chunk_bounds(chunks: AttentionChunks, seq_len: int) -> list[tuple[int, int]]:

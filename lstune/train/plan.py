@@ -227,7 +227,7 @@ def _positions(config: TrainConfig, spec, sp: int) -> list[str]:
 
 
 def _attention(config: TrainConfig, spec, device: str | None) -> None:
-    from lstune.models.attention import check_attention_support
+    from lstune.models.attention_backends import check_attention_support
 
     check_attention_support(spec.config, pack=config.data.pack, seq_len=config.data.seq_len,
                             backend=config.model.attn, device=device)
