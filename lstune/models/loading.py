@@ -311,10 +311,24 @@ def _not_plain_linear(model) -> list[str]:
             and type(module).__module__.startswith(model_code)]
 
 
+# peft refuses LoRA on these module names in these model types (peft.tuners.tuners_utils.
+# _check_lora_target_modules_mamba, peft 0.17-0.21: a Mamba mixer's out_proj / conv1d); `auto` leaves them out.
+_PEFT_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+_PEFT_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+
+
+def _peft_refused(model) -> list[str]:
+    """Modules peft refuses to adapt in this model (Mamba-based model types), which `auto` must not name."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in _PEFT_MAMBA_TYPES:
+        return []
+    return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in _PEFT_MAMBA_REFUSED]
+
+
 def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any, dora: bool = False,
                rslora: bool = False):
-    """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head and those
-    with a forward of their own (`_not_plain_linear`). `dora` / `rslora`: peft's DoRA and rsLoRA variants."""
+    """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head, those
+    with a forward of their own (`_not_plain_linear`) and those peft refuses for Mamba models (`_peft_refused`).
+    `dora` / `rslora`: peft's DoRA and rsLoRA variants."""
     from peft import LoraConfig, get_peft_model
 
     auto = targets == "auto"
@@ -323,7 +337,7 @@ def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any
         lora_alpha=alpha or 2 * r,
         lora_dropout=dropout,
         target_modules="all-linear" if auto else list(targets),
-        exclude_modules=(_not_plain_linear(model) or None) if auto else None,
+        exclude_modules=(_not_plain_linear(model) + _peft_refused(model) or None) if auto else None,
         task_type="CAUSAL_LM",
         use_dora=dora,
         use_rslora=rslora,

@@ -100,11 +100,13 @@ def add_lora(model, spec: ModelSection):
 def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     """Steps 3-5 on an adapted model, reversibly (`PreparedModel.undo`)."""
     from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.block_attention import block_attention
     from lstune.models.attention import use_lstune_attention
     from lstune.models.introspect import find_parts
 
     parts = find_parts(model)
-    attention = use_lstune_attention(model, backend=config.model.attn)
+    # The block kernel (memory) runs what the backends cannot: attention sinks, softcapping on sdpa.
+    attention = use_lstune_attention(model, backend=config.model.attn, block_kernel=block_attention)
     ulysses = mixers = rope = None
     try:
         if runtime.sp > 1:
