@@ -349,6 +349,9 @@ def run_to_file(job: Job, result_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m lstune.bench.trial JOB.json RESULT.json` (each process of a launched trial runs this)."""
+    from lstune.parallel.lifetime import die_with_launcher
+
+    die_with_launcher()  # ends with its launcher, which ends with the bench
     job_path, result_path = argv if argv is not None else sys.argv[1:]
     run_to_file(Job(**json.loads(Path(job_path).read_text())), result_path)
 

@@ -4,7 +4,8 @@ Per token and layer, a matmul of a `[in, out]` weight costs 2·in·out FLOPs for
 gradient (2·in·out) and, for trainable weights, the weight gradient (2·in·out): a frozen LoRA base costs
 forward + input gradient only; its adapters r·(in + out) cost all three. Causal attention computes S(S+1)/2
 (query, key) pairs per layer (fewer inside a sliding window), 4·head_dim·heads FLOPs per pair forward (QKᵀ and
-PV), twice that backward.
+PV), twice that backward — in the layers with softmax attention only (a hybrid's linear-attention and state-space
+layers, `ModelShape.mixers`, cost their recurrence, 4 FLOPs per state element and token, linear in length).
 
 `model` is the MFU numerator: forward + backward, no recompute. `hardware` adds what lstune runs again:
 checkpointing's second forward of every layer, the tiled MLP's recompute of each tile in backward, the tiled
@@ -54,6 +55,7 @@ def step_flops(
     layer_fwd = 2 * shape.layer_matmul_params() * s * shape.layers
     head_fwd = 2 * shape.hidden * shape.vocab * s
     attention_fwd = _attention_forward(shape, s)
+    layer_fwd += shape.linear_mixer_flops(s)  # linear-attention / SSM recurrences: linear in length
     adapter_fwd = 2 * lora_r * _adapter_widths(shape) * s * shape.layers if lora else 0
     base_backward = 1 if lora else 2
     matmul_model = (layer_fwd + head_fwd) * (1 + base_backward) + 3 * adapter_fwd

@@ -581,6 +581,10 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs", casts))
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
+    if shape.linear_layers and shape.state_elements:
+        # Under head-parallel SP a rank runs S tokens of 1/sp of the heads: the same bytes as its t tokens of all.
+        parts.append(("layer backward: a linear-attention / state-space mixer's recurrent states (fp32, one per "
+                      "64-token chunk)", shape.linear_state_bytes(t)))
     return parts
 
 

@@ -8,6 +8,7 @@ by peft on the meta model, the largest layer, the norms per layer.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,12 @@ class ModelShape:
     tied: bool
     gated: bool
     windows: tuple[int | None, ...]  # per layer: sliding window in tokens, None = full causal
+    # Per layer: "attention" (softmax), "linear" (linear attention, state-space, short convolution: O(S)),
+    # "hybrid" (both side by side, Falcon-H1) or "none" (an MLP-only block, Nemotron-H), from `layer_types`.
+    mixers: tuple[str, ...] = ()
+    chunks: tuple[int | None, ...] = ()  # per layer: chunked attention's chunk (Llama-4), None = not chunked
+    state_elements: int = 0  # one linear layer's recurrent state per sequence (heads · key dim · value dim)
+    sinks: bool = False  # learned attention sinks (gpt-oss): the block kernel, O(S) like SDPA's flash kernel
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -64,6 +71,8 @@ class ModelShape:
             shared_intermediate=_shared_width(c) if experts else 0,
             vocab=c.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
             gated=getattr(c, "model_type", "") not in _UNGATED_MLP, windows=_windows(c, layers),
+            mixers=_mixers(c, layers), chunks=_chunks(c, layers), state_elements=_state_elements(c, hidden),
+            sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
 
     @property
@@ -84,8 +93,29 @@ class ModelShape:
         return attention + self.mlp_matrices * self.hidden * self.active_intermediate + router
 
     def attention_pairs(self, seq_len: int) -> int:
-        """(query, key) pairs over all layers of one causal sequence: S(S+1)/2 per full layer, fewer in windows."""
-        return sum(_causal_pairs(seq_len, window) for window in self.windows)
+        """(query, key) pairs over all layers of one causal sequence: S(S+1)/2 per full layer, fewer in windows and
+        chunks, none in a hybrid's linear / MLP-only layers."""
+        mixers = self.mixers or ("attention",) * self.layers
+        chunks = self.chunks or (None,) * self.layers
+        return sum(_chunked_pairs(seq_len, chunk) if chunk else _causal_pairs(seq_len, window)
+                   for window, chunk, mixer in zip(self.windows, chunks, mixers) if mixer in ("attention", "hybrid"))
+
+    @property
+    def linear_layers(self) -> int:
+        """Layers with a linear-attention / state-space mixer (hybrids' "hybrid" layers included)."""
+        return sum(m in ("linear", "hybrid") for m in self.mixers)
+
+    def linear_mixer_flops(self, seq_len: int) -> int:
+        """One forward of every linear mixer's recurrence over one sequence: per token the state update (k ⊗ v)
+        and its read-out (q · state), 2 FLOPs per state element each — linear in length. The mixers' projections
+        and convolutions are not in it (their weights are not in `layer_matmul_params`' attention formula either:
+        an estimate of the same order, labelled predicted)."""
+        return 4 * self.state_elements * seq_len * self.linear_layers
+
+    def linear_state_bytes(self, seq_len: int, chunk: int = 64) -> int:
+        """What one linear layer's chunked recurrent kernel keeps for backward over one sequence: the fp32 state at
+        every chunk edge (chunk_gated_delta_rule, Mamba-2's chunked scan: 64-token chunks)."""
+        return 4 * self.state_elements * -(-seq_len // chunk)
 
 
 def _first(config: Any, *names: str) -> int:
@@ -112,6 +142,71 @@ def _windows(c: Any, layers: int) -> tuple[int | None, ...]:
     if window and getattr(c, "use_sliding_window", True):
         return (window,) * layers
     return (None,) * layers
+
+
+_SINK_MODELS = frozenset({"gpt_oss"})
+_ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+_LINEAR_TYPES = frozenset({"linear_attention", "mamba", "conv", "mamba2"})
+_MLP_ONLY_TYPES = frozenset({"mlp", "moe"})
+
+
+def _mixers(c: Any, layers: int) -> tuple[str, ...]:
+    """Each layer's token mixer from `layer_types` (transformers 5 names every hybrid's layers there); an unknown
+    type counts as attention (the larger estimate)."""
+    types = getattr(c, "layer_types", None) or getattr(c, "layers_block_type", None)
+    if not types or len(types) != layers:
+        return ("attention",) * layers
+
+    def kind(t: str) -> str:
+        if t == "hybrid":
+            return "hybrid"
+        if t in _LINEAR_TYPES:
+            return "linear"
+        return "none" if t in _MLP_ONLY_TYPES else "attention"
+
+    return tuple(kind(t) for t in types)
+
+
+def _chunks(c: Any, layers: int) -> tuple[int | None, ...]:
+    chunk = getattr(c, "attention_chunk_size", None)
+    types = getattr(c, "layer_types", None)
+    if not chunk or not types or len(types) != layers:
+        return (None,) * layers
+    return tuple(chunk if t == "chunked_attention" else None for t in types)
+
+
+def _state_elements(c: Any, hidden: int) -> int:
+    """One linear layer's recurrent state (heads · key dim · value dim), from the families' config names: Gated
+    DeltaNet (Qwen3-Next / Qwen3.5), KDA (Kimi-Linear), Mamba-2 (Nemotron-H, Bamba, GraniteMoeHybrid, Falcon-H1),
+    Mamba-1 (Jamba), lightning attention (MiniMax); 0 for short convolutions only (LFM2)."""
+    get = functools.partial(_get_any, c)
+    if get("linear_num_value_heads"):
+        return get("linear_num_value_heads") * get("linear_key_head_dim") * get("linear_value_head_dim")
+    if get("linear_num_heads") and get("linear_head_dim"):  # KDA
+        return get("linear_num_heads") * get("linear_head_dim") ** 2
+    heads = get("mamba_num_heads", "mamba_n_heads")
+    state = get("ssm_state_size", "mamba_d_state", "state_size")
+    if heads and state:
+        return heads * (get("mamba_head_dim", "mamba_d_head") or 64) * state
+    if get("mamba_expand") and state:
+        return get("mamba_expand") * hidden * state
+    if getattr(c, "model_type", "") == "minimax":
+        head_dim = get("head_dim") or hidden // c.num_attention_heads
+        return c.num_attention_heads * head_dim * head_dim
+    return 0
+
+
+def _get_any(c: Any, *names: str) -> int:
+    for name in names:
+        value = getattr(c, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _chunked_pairs(n: int, chunk: int) -> int:
+    full, rest = divmod(n, chunk)
+    return full * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
 
 
 def _causal_pairs(n: int, window: int | None) -> int:

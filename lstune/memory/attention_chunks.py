@@ -84,6 +84,7 @@ from lstune.memory.tiling import (
     tile_bounds,
 )
 from lstune.models.attention import chunked_attention_calls
+from lstune.models.attention_sinks import apply_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import AttentionChunks, sequence_layout
 from lstune.models.introspect import attention_heads, layer_attention
 
@@ -152,9 +153,13 @@ class ChunkStats:
 
 def install_chunked_attention(
     layers: nn.ModuleList, setting: str | int, *, auto_tokens: int | None = None, offload: bool, stats: ChunkStats | None = None,
-    fused: dict[int, tuple[str | None, str | None]] | None = None,
+    fused: dict[int, tuple[str | None, str | None]] | None = None, names: tuple[str | None, ...] | None = None,
 ) -> list[Undo]:
     """Make every layer's attention module run in chunks (module doc); returns the undos.
+
+    `names`: each layer's attention attribute (`introspect.attention_names`), None for a hybrid's layer without
+    softmax attention (linear attention, state-space, convolution: O(S) already), which is left alone; looked up
+    structurally when not given (`layer_attention`).
 
     `fused[i] = (pre_norm_name, post_norm_name)`: layer i's norms feeding only the attention / fed only by it (found
     by `mlp.find_fusable_norms` from a probe) run inside each chunk instead — the layer calls them as identities —
@@ -163,8 +168,11 @@ def install_chunked_attention(
     if setting == "off":
         return []
     undos = []
+    names = names or tuple(layer_attention(layer) for layer in layers)
     for index, layer in enumerate(layers):
-        module = getattr(layer, layer_attention(layer))
+        if names[index] is None:
+            continue
+        module = getattr(layer, names[index])
         norms = [getattr(layer, name) if name else None for name in (fused or {}).get(index, (None, None))]
         for norm, side in zip(norms, ("pre", "post")):
             if norm is not None:
@@ -172,7 +180,8 @@ def install_chunked_attention(
                 undos.append(FusedNorm.install(norm, what=what))
         chunked = ChunkedAttention(module, module.forward, chunks, offload=offload, stats=stats, norms=norms)
         undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
-    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused", len(layers),
+    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused",
+                sum(n is not None for n in names),
                 chunks.describe(), "offloaded to host" if offload else "on the device",
                 sum(n is not None for pair in (fused or {}).values() for n in pair))
     return undos
@@ -308,6 +317,7 @@ class _ChunkSink:
         self.sources: dict[int, dict[int, str]] = {}  # query chunk -> {key chunk it attends: block kind}
         self.order = _PositionOrder()
         self.gathered = False  # the calls see every SP rank's chunk m (Ulysses)
+        self.sink_grads: dict[int, Tensor] = {}  # query chunk -> its part of the attention sinks' gradient
 
     def begin(self, m: int, mode: str) -> None:
         self.m, self.mode, self.calls = m, mode, 0
@@ -321,15 +331,17 @@ class _ChunkSink:
             )
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, position_ids: Tensor | None,
-                 scaling: float | None, sliding_window: int | None, softcap: float | None, dropout: float) -> Tensor:
+                 scaling: float | None, sliding_window: int | None, softcap: float | None, dropout: float,
+                 sinks: Tensor | None = None) -> Tensor:
         self.calls += 1
         if dropout:
             raise ModelError(f"chunked attention has no attention dropout (got {dropout}); set attention_dropout=0 "
                              "in the model config or use --attn-chunks off.")
         store, m = self.store, self.m
         if self.mode == "forward":
+            sinks5 = None if sinks is None else sinks.detach().float().reshape(1, key.shape[1], -1, 1)
             self.config = dict(scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-                               window=sliding_window, softcap=softcap, kv_heads=key.shape[1])
+                               window=sliding_window, softcap=softcap, kv_heads=key.shape[1], sinks=sinks5)
             index_Bn, doc_Bn = self._token_ids(query, position_ids)
             store.put(("idx", m), index_Bn, offload=False)
             store.put(("doc", m), doc_Bn, offload=False)
@@ -344,7 +356,7 @@ class _ChunkSink:
             store.put(("q", m), _to5(query.detach(), key.shape[1]))
             self.leaf = out_BnHD.requires_grad_()
             return self.leaf
-        self.captured = (query, key, value)
+        self.captured = (query, key, value, sinks)
         return out_BnHD
 
     def _token_ids(self, query: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -463,6 +475,8 @@ def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) 
         k4, v4 = (key, value) if i == m else (store.get(("k", i), device), store.get(("v", i), device))
         out, lse = block_forward(kind, q5, k4, v4, allowed, config["scale"], config["softcap"])
         acc_out, acc_lse = merge(acc_out, acc_lse, out, lse)
+    if config["sinks"] is not None:  # once, after the merge: the backward then runs on the sink-applied (o, lse)
+        acc_out, acc_lse = apply_sinks(acc_out, acc_lse, config["sinks"])
     return acc_out.to(query.dtype), acc_lse
 
 
@@ -801,10 +815,20 @@ def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: dict[int, str], device
                                      merged, allowed, config["scale"], config["softcap"])
         dk4 += dk
         dv4 += dv
+        if j == i and config["sinks"] is not None:
+            spec.sink.sink_grads[i] = _sink_grad(rows, merged, store.get(("dout", j), device), config["sinks"])
         if store.has(("dq", j)):
             dq5 = dq5 + store.get(("dq", j), device)
         store.put(("dq", j), dq5, offload=j != i)
     return dk4, dv4
+
+
+def _sink_grad(rows: str, merged: tuple[Tensor, Tensor], dout5: Tensor, sinks5: Tensor) -> Tensor:
+    """Query chunk j's part of the sinks' gradient ([H]) from what its diagonal block read: the merged output or
+    its rowsums, and the lse (`attention_sinks.sink_gradient`)."""
+    first, lse = merged
+    delta = rowsums(first, dout5) if rows == "o" else first
+    return sink_gradient(lse, delta, sinks5).sum(dim=(0, 3)).reshape(-1)
 
 
 def _rows_key(kind: str) -> str:
@@ -820,11 +844,13 @@ def _projection_backward(spec, ctx, hidden_BSD, grad_BSD, i, dqkv, want_x) -> li
     x_BcD = hidden_BSD[:, a:b].detach().requires_grad_(want_x)
     with _replay_rng(ctx.rng[i], hidden_BSD.device), torch.enable_grad():
         y_BcD = spec.run(x_BcD, i, "backward")
-    query, key, value = spec.sink.captured
+    query, key, value, sinks = spec.sink.captured
     spec.sink.captured = ()
     pairs = [(y_BcD, grad_BSD[:, a:b])] + [
         (t, g.reshape(t.shape).to(t.dtype)) for t, g in zip((query, key, value), dqkv)
     ]
+    if sinks is not None:
+        pairs.append((sinks, spec.sink.sink_grads.pop(i).to(sinks.dtype)))
     pairs = [(t, g) for t, g in pairs if t.requires_grad]
     inputs = ([x_BcD] if want_x else []) + list(spec.into_grad or ctx.params)
     if not pairs:

@@ -73,7 +73,8 @@ def _auto_backend(device_type: str, dtype: torch.dtype | None, softcap: float | 
     half = dtype is None or _half(dtype)
     if device_type == "cuda" and half and _flash_attn_importable():
         return "flash_attention_2"
-    return "flex" if softcap is not None else "sdpa"
+    # Softcapping: flex's compiled kernel on CUDA; elsewhere sdpa, whose softcapped calls run lstune's block kernel.
+    return "flex" if softcap is not None and device_type == "cuda" else "sdpa"
 
 
 def _why_backend_cannot_run(
@@ -89,20 +90,15 @@ def _why_backend_cannot_run(
             )
         if dtype is not None and not _half(dtype):
             return UserError, f"flash-attn runs in fp16/bf16 only, not {dtype}; train in bf16 or use backend 'sdpa'."
-    if backend == "sdpa" and softcap is not None:
-        return ModelError, (
-            f"the model softcaps attention logits (attn_logit_softcapping={softcap}) and SDPA cannot; use attention "
-            "backend 'flex' or 'flash_attention_2' on a CUDA GPU."
-        )
     if backend == "flex":
         if not _flex_importable():
             return UserError, "this torch has no flex_attention; install torch>=2.7.1 or use attention backend 'sdpa'."
         if device_type != "cuda" and needs_grad:
             if softcap is not None:
                 return ModelError, (
-                    f"the model softcaps attention logits (attn_logit_softcapping={softcap}): only the flex and "
-                    f"flash_attention_2 backends can, and neither trains on {device_type} (PyTorch has no flex "
-                    "backward there). Train this model on a CUDA GPU."
+                    f"the model softcaps attention logits (attn_logit_softcapping={softcap}) and PyTorch has no flex "
+                    f"backward on {device_type}; use attention backend 'auto' or 'sdpa' (lstune's block kernel "
+                    "softcaps there) or train on a CUDA GPU."
                 )
             return UserError, (
                 f"PyTorch has no flex_attention backward on {device_type}; train on a CUDA GPU or use attention "
@@ -128,10 +124,11 @@ def check_attention_support(
     """Refuse, before anything heavy is loaded, model/backend combinations lstune attention would get wrong.
 
     Raises ConfigError for an unknown backend and ModelError/UserError (every problem listed) for: bidirectional
-    attention, softcapped logits on a backend that cannot softcap (sdpa, or anything on CPU when training),
-    attention dropout under flex, and a backend that cannot run here. Learned attention sinks are only visible on the
-    built model and are refused by `use_lstune_attention`. Sliding windows need no refusal (every backend honours
-    them exactly); they and the packed-on-sdpa cost are logged. `device` defaults to cuda when available.
+    attention, softcapped logits on flex where it cannot train (CPU; sdpa softcaps through lstune's block kernel),
+    attention dropout under flex, and a backend that cannot run here. Learned attention sinks need lstune's block
+    kernel, which `use_lstune_attention` is given (or refuses the model without). Sliding windows need no refusal
+    (every backend honours them exactly); they and the packed-on-sdpa cost are logged. `device` defaults to cuda
+    when available.
     """
     device = device or ("cuda" if _cuda_available() else "cpu")
     softcap = getattr(model_config, "attn_logit_softcapping", None)

@@ -12,6 +12,8 @@ and the loss run on the shard unchanged. At attention the wrapper
    those heads,
 4. all-to-alls the output back to sequence shards with all heads.
 
+Learned attention sinks (gpt-oss's `s_aux`, one logit per q head) go to the kernel sliced to the rank's q heads.
+
 Memory: activations outside attention are O(S/sp) per rank; inside attention q/k/v/out are
 O(S·H/sp) — the whole sequence, for 1/sp of the heads. Cost: four all-to-alls per layer of about
 B·S·(H + 2·H_kv')·D/sp elements each way (H_kv' counts kv heads after replication), which cannot overlap
@@ -252,16 +254,21 @@ class UlyssesAttention(SequenceExchange):
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None). v may have its own head
         dim (multi-head latent attention); each tensor is exchanged with its own."""
-        if kwargs.get("s_aux") is not None:
-            raise ModelError("attention sinks (s_aux) are not supported with sequence parallelism; use --sp 1")
         from lstune.models.attention import window_from_mask
+        from lstune.models.attention_sinks import head_sinks
 
         plan = self.plan(query.shape[1], key.shape[1])
+        if kwargs.get("s_aux") is not None:  # learned sinks (gpt-oss): one per q head, the rank's slice
+            kwargs["s_aux"] = head_sinks(kwargs["s_aux"], plan.q_starts[self.sp_rank], plan.q_counts[self.sp_rank])
         # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
         window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
                                   query.shape[2], query.device)
         kwargs["sliding_window"] = window
         positions = self.full_positions(kwargs.get("position_ids"))
+        if getattr(attention_mask, "chunk", None):  # chunked attention (Llama-4): each chunk a document
+            from lstune.models.attention import chunk_positions
+
+            positions = chunk_positions(positions, attention_mask.chunk)
         self._check_kernel_fits(positions, window)
         q_BhSD = self.seq_to_heads(query, plan.q_counts, plan.q_counts[self.sp_rank])
         kv_index = plan.kv_send_index
@@ -345,11 +352,17 @@ class UlyssesHandle:
 
 def _default_core(model: Any) -> tuple[Callable, str]:
     from lstune.models import hf_internals
-    from lstune.models.attention import lstune_attention_forward
+    from lstune.models.attention import lstune_attention_forward, sinks_module
 
     current = hf_internals.attention_implementation(model.config)
     current_fn = hf_internals.attention_function(current)
     if current in _REPLACED_BY_DEFAULT or current_fn is None:
+        if (where := sinks_module(model)) is not None:
+            raise ModelError(
+                f"{where} has learned attention sinks, which lstune's attention runs through its block kernel: "
+                "install lstune's attention with use_lstune_attention(model, block_kernel=lstune.memory."
+                "block_attention.block_attention) before apply_ulysses (lstune train does)."
+            )
         return lstune_attention_forward, "lstune"
     return current_fn, current
 

@@ -222,7 +222,7 @@ def _positions(config: TrainConfig, spec, sp: int) -> list[str]:
     model = config.model
     scaling = apply_rope_scaling(
         spec.config, model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,
-        original=model.original_max_position_embeddings, sp=sp, model_name=model.name,
+        original=model.original_max_position_embeddings, sp=sp, model_name=model.name, pack=config.data.pack,
     )
     if scaling is not None:
         return [scaling.note()]

@@ -5,7 +5,8 @@ Order (each step sees the result of the previous one):
 2. LoRA adapters (peft) — before anything wraps modules, so peft finds the plain linear layers;
 3. attention backend: lstune's attention function (no 4D mask, packed documents from position_ids);
 4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1 — around ring attention
-   (lstune.memory.attention_ring) when the SP group has a ring part (--sp-ring); token mixers that are not
+   (lstune.memory.attention_ring) when the SP group has a ring part (--sp-ring) — and LongRoPE's factors chosen
+   from the whole sample, not each shard (lstune.parallel.rope_sp); token mixers that are not
    attention (short convolutions, linear attention, state-space scans) run per packed document and head-parallel
    under SP (lstune.models.mixers, installed by lstune.train.mixers), or are refused naming the fix;
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
@@ -43,6 +44,7 @@ class PreparedModel:
     ulysses: Any  # lstune.parallel.ulysses.UlyssesHandle, None without sequence parallelism
     memory: Any  # lstune.memory.apply.MemoryPlan
     mixers: Any = None  # lstune.train.mixers.MixersHandle, None when no mixer needed lstune's per-document run
+    rope: Any = None  # lstune.parallel.rope_sp.RopeHandle under SP (LongRoPE's factors of the whole sample)
 
     def loss_sum(self, batch: dict, model: Any = None):
         """(summed token loss, label count) of `batch` with the planned loss head; `model` may be the engine's
@@ -62,6 +64,8 @@ class PreparedModel:
         self.memory.undo()
         if self.mixers is not None:
             self.mixers.undo()
+        if self.rope is not None:
+            self.rope.undo()
         if self.ulysses is not None:
             self.ulysses.undo()
         self.attention.undo()
@@ -110,6 +114,7 @@ def add_lora(model, spec: ModelSection):
 def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     """Steps 3-5 on an adapted model, reversibly (`PreparedModel.undo`)."""
     from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.block_attention import block_attention
     from lstune.models.attention import use_lstune_attention
     from lstune.models.introspect import find_parts
 
@@ -117,11 +122,15 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
 
     check_metp_mlp_trainable(config)
     parts = find_parts(model)
-    attention = use_lstune_attention(model, backend=config.model.attn)
-    ulysses = mixers = None
+    # The block kernel (memory) runs what the backends cannot: attention sinks, softcapping on sdpa.
+    attention = use_lstune_attention(model, backend=config.model.attn, block_kernel=block_attention)
+    ulysses = mixers = rope = None
     try:
         if runtime.sp > 1:
+            from lstune.parallel.rope_sp import whole_sample_longrope
+
             ulysses = apply_sequence_parallelism(model, runtime.dims)
+            rope = whole_sample_longrope(model, runtime.dims.sp_group)
         mixers = _install_mixers(parts, config, runtime)
         seq_len = math.ceil(config.data.seq_len / runtime.sp)
         memory = apply_memory_techniques(model, config.memory, seq_len=seq_len, parts=parts)
@@ -132,12 +141,12 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
             raise ConfigError([f"chunked attention ({memory.attn_chunks_at_seq_len} chunks) does not combine with ring "
                                f"attention (--sp-ring {runtime.dims.ring}): use --attn-chunks off, or --sp-ring 1."])
     except BaseException:
-        for handle in (mixers, ulysses, attention):
+        for handle in (mixers, rope, ulysses, attention):
             if handle is not None:
                 handle.undo()
         raise
     model.train()
-    return PreparedModel(model, parts, attention, ulysses, memory, mixers)
+    return PreparedModel(model, parts, attention, ulysses, memory, mixers, rope)
 
 
 def _install_mixers(parts, config: TrainConfig, runtime):

@@ -307,6 +307,7 @@ def _lstune(model: Any, technique: str, data: str, batch: dict, training: bool =
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.loss import causal_lm_loss_sum
+    from lstune.memory.block_attention import block_attention
     from lstune.models.attention import check_attention_support, use_lstune_attention
     from lstune.models.introspect import find_parts
     from lstune.train.mixers import install_mixers
@@ -315,7 +316,7 @@ def _lstune(model: Any, technique: str, data: str, batch: dict, training: bool =
     check_attention_support(model.config, pack=data == "packed", seq_len=SEQ, backend="sdpa", device="cpu")
     parts = find_parts(model)
     install_mixers(parts.body, parts.layers, pack=data == "packed")
-    use_lstune_attention(model, backend="sdpa")
+    use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
     step = causal_lm_loss_sum
     if TECHNIQUES[technique] is not None:
         step = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SEQ).loss_sum
@@ -422,11 +423,12 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
 
     def variant(technique: str):
         def run(model, batch, data):
+            from lstune.memory.block_attention import block_attention
             from lstune.models.attention import use_lstune_attention
 
             parts = find_parts(model)
             install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims))
-            use_lstune_attention(model, backend="sdpa")
+            use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
             apply_ulysses(model, dims)
             step, chunks = causal_lm_loss_sum, None
             if TECHNIQUES[technique] is not None:

@@ -47,12 +47,16 @@ ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
                          n_group=1, topk_group=1, num_key_value_heads=4), {}),
     "opt": (dict(ffn_dim=64, word_embed_proj_dim=32),
             {"tiled_mlp": "cannot tell which part of OPTDecoderLayer is its MLP"}),
+    # learned attention sinks, alternating 16-token windows: lstune's block kernel (memory/block_attention.py)
+    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=WINDOW), {}),
+    # softcapped logits: the block kernel on CPU
+    "gemma2": (dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), {}),
     "lfm2": (dict(layer_types=["conv", "full_attention"], block_dim=32, block_ff_dim=64, conv_L_cache=3), {}),
     "bloom": (dict(n_layer=2, n_head=4), {"attention": "does not route attention through", "tiled_mlp": "residual"}),
     "llama4_text": (dict(attention_chunk_size=WINDOW, head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
                          interleave_moe_layer_step=1, no_rope_layers=[1, 0], layer_types=["chunked_attention",
                          "full_attention"]),
-                    {"attention": "does not pass position_ids to its attention", "tiled_mlp": "more than one tensor",
+                    {"pack": "does not pass position_ids to its attention",
                      "sp": "needs position_ids at every attention call"}),
 }
 
