@@ -100,7 +100,7 @@ def test_ulysses_times_ring_matches_hf(pools):
             assert outcome == "refused", (arch, data, name)
             continue
         if arch == "softcap" and name == "4x1":  # Ulysses alone: no lstune backend softcaps on CPU; the ring's blocks do
-            assert outcome == "refused" and "softcaps" in detail, (arch, data, name, detail)
+            assert outcome == "refused" and "softcap" in detail, (arch, data, name, detail)
             continue
         assert outcome == "ran", (arch, data, name, detail)
         loss, ref_loss, diff, same_params = detail[:4]
