@@ -313,9 +313,14 @@ def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> i
 
 
 def _resume(engine, checkpoint: Path) -> tuple[RunState, dict]:
-    from lstune.train.checkpoint import load_checkpoint
+    from lstune.errors import CheckpointError
+    from lstune.train.checkpoint import TRAINER_STATE_NAME, load_checkpoint
 
     train_state = load_checkpoint(checkpoint, read_state=engine.load)
+    if "consumed_samples" not in train_state:  # the types of what is there were checked when it was read
+        raise CheckpointError(f"{checkpoint / TRAINER_STATE_NAME}: consumed_samples is missing, so the run cannot "
+                              "tell where it stopped in the data (corrupt or edited); resume from another "
+                              "checkpoint or start afresh.")
     state = RunState(train_state["step"], train_state["consumed_samples"], train_state.get("tokens_seen", 0))
     return state, train_state.get("config", {})
 

@@ -146,3 +146,17 @@ def test_a_deepspeed_checkpoint_of_another_zero_stage_is_refused_up_front(tmp_pa
     with pytest.raises(ConfigError, match=r"ZeRO-3 checkpoint and this run uses ZeRO-2.*--zero-stage 3"):
         check_resume_compatible(config, checkpoint, 1)
     check_resume_compatible(build_config(flags={"zero_stage": "3", "data": ["builtin:passkey"]}), checkpoint, 1)
+
+
+def test_a_train_state_without_consumed_samples_is_refused_on_resume(tmp_path):
+    """The resume's data position comes from consumed_samples: a state without it is a CheckpointError (exit 2)
+    naming the file and field, not a KeyError traceback."""
+    from types import SimpleNamespace
+
+    from lstune.train.run import _resume
+
+    checkpoint = save(tmp_path, 1)
+    (checkpoint / TRAINER_STATE_NAME).write_text(json.dumps({"step": 1}))
+    _rewrite_manifest(checkpoint)
+    with pytest.raises(CheckpointError, match="trainer_state.json: consumed_samples is missing"):
+        _resume(SimpleNamespace(load=lambda folder: None), checkpoint)
