@@ -135,3 +135,25 @@ def test_the_plan_leaves_no_auto_it_resolves():
         assert recipe[key] != "auto", key
     assert recipe["dtype"] == "bf16" and recipe["zero_stage"] == "0" and recipe["init"] == "random"
     assert run_plan.resolved.memory == run_plan.estimate.memory_choice.memory  # one memory-settings type
+
+
+def test_under_a_host_cap_the_defaults_rung_reaches_at_least_as_far_as_every_ladder_rung(monkeypatch):
+    """The bench's failure: under `--max-host-mem 3G` the `lstune` rung (lstune's defaults) reached 2K while the
+    mini-sequence rung reached 32K, because `auto` sized for the machine's RAM. Each rung's configuration, planned
+    for the cap a trial has, must now reach (predicted longest length) no less far with the defaults. (6 GiB, not
+    3: the host keeps its OS reserve of 4 GiB + 1 % beside the cap's bytes, so 3 GiB fits no step at all.)"""
+    import lstune.estimate.hardware as hardware
+    from lstune.bench.rungs import LADDER, RUNGS, rung_config
+    from lstune.estimate.prediction import predict
+    from lstune.models.presets import preset_config
+    from lstune.train.plan import machine_cluster
+
+    monkeypatch.setattr(hardware, "local_host_bytes", lambda: 24 * GiB)
+    model_config = preset_config("tiny-llama", vocab_size=50_000, hidden_size=256, num_hidden_layers=2)
+    given = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 2048})
+    cluster = machine_cluster("cpu", host_cap=6 * GiB)
+    reach = {name: predict(rung_config(given, RUNGS[name], in_ladder=True), cluster, model_config=model_config,
+                           resolve_auto=name == "lstune").longest_seq_len
+             for name in (*LADDER, "lstune")}
+    assert reach["mini_seq"] > reach["hf"]  # the cap binds: the techniques matter here
+    assert all(reach["lstune"] >= longest for longest in reach.values()), reach
