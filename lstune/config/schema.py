@@ -37,6 +37,7 @@ _nonneg_int = partial(p.parse_int, minimum=0)
 _pos_int = partial(p.parse_int, minimum=1)
 TILE_SETTING_HINT = "'auto', 'off' or a tile count >= 1"
 _LORA_ONLY = ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout", "lora_dora", "lora_rslora")
+LORA_ONLY = _LORA_ONLY  # the model keys that act only with a LoRA rank
 
 
 @dataclass

@@ -104,7 +104,8 @@ class RunPlan:
 def resolved_recipe(plan: RunPlan) -> dict:
     """The config as the plan resolved it, as flat recipe keys: the memory section, the SP degree, the engine
     (`--zero-stage`, its offloads) and the dtype. `auto` stays only where it names a per-batch policy (Liger's or
-    MST's tiles, `resolved_memory` says which), and in --lora-targets (peft's every linear layer but the head)."""
+    MST's tiles, `resolved_memory` says which); the RoPE factor and --lora-targets are resolved too
+    (`_resolve_model_autos`)."""
     view = plan.resolved.to_dict()
     engine = plan.engine
     view.update(sp=plan.sp, zero_stage=str(engine.zero_stage if engine.kind == "deepspeed" else 0),
@@ -115,7 +116,51 @@ def resolved_recipe(plan: RunPlan) -> dict:
     if view.get("init") == "auto":
         view["init"] = "random" if plan.spec.source.kind == "preset" else "pretrained"
     view["attn"] = _attention_backend(plan)
+    _resolve_model_autos(view, plan)
     return view
+
+
+def _resolve_model_autos(view: dict, plan: RunPlan) -> None:
+    """The model section's `auto`s as the run resolves them: the RoPE factor written into the model's config, and
+    the modules peft adapts for `--lora-targets auto`; settings that do nothing in this run (a RoPE factor without
+    --rope-scaling, LoRA options without a rank) are left out rather than shown as `auto`."""
+    from lstune.config.schema import LORA_ONLY
+    from lstune.models.rope import rope_parameters
+
+    if view.get("rope_scaling") in (None, "none"):
+        view.pop("rope_factor", None)
+        view.pop("original_max_position_embeddings", None)
+    elif view.get("rope_factor") == "auto":
+        view["rope_factor"] = float((rope_parameters(plan.spec.config) or {}).get("factor", 1.0))
+    if not view.get("lora_r"):
+        for key in LORA_ONLY:
+            view.pop(key, None)
+    elif view.get("lora_targets") == "auto":
+        view["lora_targets"] = _auto_lora_targets(plan)
+
+
+def _auto_lora_targets(plan: RunPlan) -> list[str]:
+    """The modules `--lora-targets auto` adapts: peft's own choice on a meta-device build of the plan's model.
+    Leaf names (q_proj, …) where they name exactly that set, else the modules' full names."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lstune.models.loading import apply_lora
+
+    model_section = plan.config.model
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(plan.spec.config),
+                                                 trust_remote_code=model_section.trust_remote_code)
+        peft_model = apply_lora(model, r=model_section.lora_r, alpha=None, dropout=0.0, targets="auto")
+    names = [name for name, module in peft_model.named_modules() if len(getattr(module, "lora_A", None) or ()) > 0]
+    leaves = {name.rsplit(".", 1)[-1] for name in names}
+    linears = [name for name, module in peft_model.named_modules() if isinstance(module, torch.nn.Linear)]
+    same_leaf_left_out = any(n.rsplit(".", 1)[-1] in leaves and not any(n.startswith(a) for a in names)
+                             for n in linears)
+    return sorted(names) if same_leaf_left_out else sorted(leaves)
 
 
 def _attention_backend(plan: RunPlan) -> str:

@@ -157,3 +157,16 @@ def test_under_a_host_cap_the_defaults_rung_reaches_at_least_as_far_as_every_lad
              for name in (*LADDER, "lstune")}
     assert reach["mini_seq"] > reach["hf"]  # the cap binds: the techniques matter here
     assert all(reach["lstune"] >= longest for longest in reach.values()), reach
+
+
+def test_the_resolved_recipe_names_the_rope_factor_and_lora_modules_it_uses():
+    """--dry-run's recipe leaves no `auto` in the model section: the RoPE factor written into the model's config,
+    peft's own choice of modules for --lora-targets auto, and no LoRA/RoPE keys that do nothing in the run."""
+    cluster = resolve_hardware(gpu="h100-80gb", host_mem=256 * GiB)
+    lora = resolved_recipe(plan(TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 16384, "lora_r": 8,
+                                                        "rope_scaling": "yarn",
+                                                        "original_max_position_embeddings": 2048}), cluster, "cuda"))
+    assert lora["lora_targets"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert lora["rope_factor"] == 16384 / 2048
+    full = resolved_recipe(plan(TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 8192}), cluster, "cuda"))
+    assert "lora_targets" not in full and "rope_factor" not in full
