@@ -506,6 +506,12 @@ def lstune_attention_forward(
         out_BSHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
                         softcap=softcap, dropout=dropout)
         return out_BSHD, None
+    saver = _ATTENTION_SAVER.get()
+    if saver is not None:
+        out_BSHD = saver(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
+                         softcap=softcap, dropout=dropout, backend=backend)
+        if out_BSHD is not None:
+            return out_BSHD, None
     out_BSHD = local_attention(
         query, key, value, position_ids_BS=position_ids, scaling=scaling, sliding_window=sliding_window,
         softcap=softcap, dropout=dropout, backend=backend,
@@ -527,6 +533,27 @@ def chunked_attention_calls(sink: Any) -> Iterator[None]:
         yield
     finally:
         _CHUNK_SINK.reset(token)
+
+
+# Saved attention (lstune.memory.attention_saved): while a checkpointed decoder layer runs, lstune's attention function
+# first offers q/k/v to this saver, called like `local_attention` plus `backend`; it returns the output (computed and
+# saved in the layer's first forward, the saved one in its recompute) or None to leave the call to `local_attention`.
+_ATTENTION_SAVER: ContextVar[Any] = ContextVar("lstune_attention_saver", default=None)
+
+
+@contextmanager
+def saved_attention_calls(saver: Any) -> Iterator[None]:
+    """Within the block, lstune's attention function offers q/k/v to `saver` first (None: no saver)."""
+    token = _ATTENTION_SAVER.set(saver)
+    try:
+        yield
+    finally:
+        _ATTENTION_SAVER.reset(token)
+
+
+def full_position_ids(query_BHSD: Tensor, position_ids_BS: Tensor | None) -> Tensor:
+    """`position_ids` as `local_attention` reads them: [B, S] on the query's device (None: one document per row)."""
+    return _position_ids_for(query_BHSD, position_ids_BS)
 
 
 _SINKS_MESSAGE = (
