@@ -292,6 +292,15 @@ class MemorySection:
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
+    recompute_attention: str = _opt(
+        "auto",
+        "Whether backward re-runs attention's forward with each checkpointed layer: 'off' keeps attention's output "
+        "and log-sum-exp beside each layer's checkpoint (on the host when the checkpoint is offloaded) so backward "
+        "skips that O(seq²) work; 'on' re-runs it (less memory); 'auto' = off where the estimate says the extra "
+        "bytes fit the device or the host budget, on at the longest lengths (docs/memory.md).",
+        partial(p.parse_choice, choices=("auto", "on", "off")),
+        metavar="auto|on|off",
+    )
 
     def problems(self) -> list[str]:
         problems = [
@@ -312,6 +321,11 @@ class MemorySection:
         if budget is not None and self.offload_checkpoints is False:
             problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
         problems += _device_budget_problems(self.checkpoint_device_budget, self.checkpointing)
+        if self.recompute_attention not in ("auto", "on", "off"):
+            problems.append(f"--recompute-attention must be auto, on or off, not {self.recompute_attention!r}.")
+        elif self.recompute_attention == "off" and not self.checkpointing:
+            problems.append("--recompute-attention off keeps attention's output beside each layer's checkpoint: it "
+                            "needs --checkpointing on (without checkpointing nothing is recomputed), or drop it.")
         return problems
 
 

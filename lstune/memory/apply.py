@@ -73,6 +73,7 @@ class MemoryPlan:
     loss_backend: str = "tiled"  # "liger" | "tiled" | "plain"
     final_norm_fused: bool = False  # the body's final norm runs in the loss tiles (loss.fuse_final_norm)
     checkpointing: bool = False
+    save_attention: bool = False  # attention's output and lse kept beside each checkpoint (memory.attention_saved)
     offload: bool = False
     offload_note: str = ""
     offloader: ckpt.CheckpointOffloader | None = None
@@ -94,6 +95,7 @@ class MemoryPlan:
             "tiled_loss": {"setting": loss_policy, "tiles": self.loss_tiles_at_seq_len, "backend": self.loss_backend,
                            "final_norm_fused": self.final_norm_fused},
             "checkpointing": self.checkpointing,
+            "recompute_attention": "off" if self.save_attention else ("on" if self.checkpointing else None),
             "offload_checkpoints": {"enabled": self.offload, "note": self.offload_note},
             "attn_chunks": {"setting": self.attn_chunks, "chunks": self.attn_chunks_at_seq_len},
             "checkpoint_placement": self._placement_summary(),
@@ -339,10 +341,13 @@ def _apply_checkpointing(model, plan: MemoryPlan, memory: MemorySection) -> None
             _note(plan, note)
         budget = memory.host_mem_budget if plan.offload else 0
         plan.offloader = ckpt.CheckpointOffloader(len(layers), host_mem_budget=budget, placement=plan.placement)
-    plan._undos.extend(ckpt.install_checkpointing(layers, plan.offloader))
+    # 'auto' is the estimate's to resolve (lstune.estimate.choose_memory); unresolved, attention is recomputed.
+    plan.save_attention = memory.recompute_attention == "off"
+    plan._undos.extend(ckpt.install_checkpointing(layers, plan.offloader, save_attention=plan.save_attention))
     placed = f"; placement: {plan.placement.describe()}" if plan.placement else ""
-    logger.info("checkpointing: %d layers%s%s", len(layers),
-                f"; {plan.offload_note}" if memory.offload_checkpoints is True else "", placed)
+    logger.info("checkpointing: %d layers%s%s%s", len(layers),
+                f"; {plan.offload_note}" if memory.offload_checkpoints is True else "", placed,
+                "; attention's output saved, not recomputed" if plan.save_attention else "")
 
 
 def checkpoint_placement(parts: ModelParts, seq_len: int, memory: MemorySection, *, offload: bool) -> CheckpointPlacement:
