@@ -99,6 +99,8 @@ class Estimate:
             "parameters": self.params.to_dict(), "breakdown": [i.to_dict() for i in self.breakdown.items],
             "peak_phase": self.breakdown.phase,
             "checkpoint_bytes_per_token_layer": self.breakdown.checkpoint_bytes_per_token_layer,
+            "recompute_attention": "off" if self.breakdown.attention_saved_layers else "on",
+            "attention_saved_bytes_per_token_layer": self.breakdown.attention_saved_bytes_per_token_layer,
             "device_peak_bytes": self.device_peak_bytes, "device_capacity_bytes": self.device_capacity,
             "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
@@ -189,6 +191,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
         checkpoint_device_budget=m.checkpoint_device_budget, attn_chunks=m.attn_chunks,
+        save_attention=m.checkpointing and m.recompute_attention == "off",
     )
 
 
@@ -282,25 +285,28 @@ class MemoryChoice:
     checkpoint_device_budget: int | None = None  # device bytes checkpoints may use (None: no cap)
     attn_chunks: str | int = "off"
     mini_sequence: bool = False
+    recompute_attention: str = "on"  # "off": attention's output kept beside each checkpoint (attention_saved)
 
     def applied_to(self, config: TrainConfig) -> TrainConfig:
         """`config` with these settings in its memory section (what lstune train prepares the model with)."""
         memory = replace(config.memory, tiled_mlp=self.tiled_mlp, tiled_loss=self.tiled_loss,
                          offload_checkpoints=self.offload_checkpoints, host_mem_budget=self.host_mem_budget,
                          checkpoint_device_budget=self.checkpoint_device_budget, attn_chunks=self.attn_chunks,
-                         mini_sequence=self.mini_sequence)
+                         mini_sequence=self.mini_sequence, recompute_attention=self.recompute_attention)
         return replace(config, memory=memory)
 
     def describe(self) -> str:
         offload = "offloaded checkpoints" if self.offload_checkpoints else "no checkpoint offload"
         chunks = "" if self.attn_chunks == "off" else f", attention in {self.attn_chunks} chunks"
         mini = ", mini-sequence" if self.mini_sequence else ""
-        return f"tiled MLP {self.tiled_mlp}, tiled loss {self.tiled_loss}{mini}, {offload}{chunks} ({self.reason})"
+        saved = ", attention saved (not recomputed)" if self.recompute_attention == "off" else ""
+        return (f"tiled MLP {self.tiled_mlp}, tiled loss {self.tiled_loss}{mini}, {offload}{chunks}{saved} "
+                f"({self.reason})")
 
     def to_dict(self) -> dict:
         return {"tiled_mlp": self.tiled_mlp, "tiled_loss": self.tiled_loss, "mini_sequence": self.mini_sequence,
                 "offload_checkpoints": self.offload_checkpoints, "attn_chunks": self.attn_chunks,
-                "host_mem_budget": self.host_mem_budget,
+                "recompute_attention": self.recompute_attention, "host_mem_budget": self.host_mem_budget,
                 "checkpoint_device_budget": self.checkpoint_device_budget, "reason": self.reason}
 
 
@@ -331,7 +337,12 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
     host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_capacity(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
+    saving = _saving_pick(config, hardware, shape, params, options, placed, pick)
+    if saving is not None:  # --recompute-attention auto: attention's output kept, checkpoints offloaded if need be
+        pick = saving
     (offload, chunks, mini), (base, budgets) = options[pick], placed[pick]
+    if saving is not None:
+        base = replace(base, save_attention=True)
     mlp, loss, settled = _choose_tiles(_resolved(config, chunks, mini), hardware, shape, params, base)
     reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
               else f"ALST's tiles: the peak is above {AUTO_HEADROOM:.0%} of the device even so")
@@ -342,7 +353,31 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     if chunks != "off" and config.memory.attn_chunks == "auto":
         reason += f"; attention in {chunks} chunks: " + ("the fewest that fit" if fitting else "the lowest device peak the host holds")
     reason += f"; checkpoint budgets: {budgets}" if budgets else ""
-    return MemoryChoice(mlp, loss, offload, reason, base.host_mem_budget, base.checkpoint_device_budget, chunks, mini)
+    recompute = "off" if base.save_attention else "on"
+    if config.memory.recompute_attention == "auto" and config.memory.checkpointing:
+        reason += ("; attention's output saved beside the checkpoints: the extra bytes fit" if base.save_attention
+                   else "; attention recomputed in backward: keeping its output would not fit")
+    return MemoryChoice(mlp, loss, offload, reason, base.host_mem_budget, base.checkpoint_device_budget, chunks, mini,
+                        recompute)
+
+
+def _saving_pick(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, options: list,
+                 placed: list, pick: int) -> int | None:
+    """--recompute-attention auto: the option (of `options`, with their `placed` settings) that keeps attention's
+    output (lstune.memory.attention_saved) — the pick itself, or the same attention chunks and mini-sequence with
+    checkpoints offloaded (the saved output goes to the host with them) — whose device peak stays within
+    AUTO_HEADROOM of the device and whose host peak fits; None (recompute) when none does: at the longest lengths.
+    Neither more chunks nor mini-sequence are taken on to save the attention forward: they cost about as much."""
+    m = config.memory
+    if m.recompute_attention != "auto" or not m.checkpointing:
+        return None
+    _, chunks, mini = options[pick]
+    same = [pick] + [i for i, (_, c, n) in enumerate(options) if c == chunks and n == mini and i != pick]
+    for i in same:
+        b = breakdown(shape, params, replace(placed[i][0], save_attention=True))
+        if _fits(b, hardware) and b.device_peak <= AUTO_HEADROOM * device_capacity(hardware):
+            return i
+    return None
 
 
 def placed_settings(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,
@@ -508,7 +543,7 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
                        checkpointing=config.memory.checkpointing, lora_r=config.model.lora_r or 16,
                        tiled_mlp=config.memory.tiled_mlp != "off", tiled_loss=loss_backend(s) not in ("off",),
                        extra_layer_forwards=extra_layer_forwards(b.placement),  # issue 14: recomputed checkpoints
-                       attn_chunked=chunks > 1)
+                       attn_chunked=chunks > 1, attention_saved_layers=b.attention_saved_layers)
     flops = _scaled(flops, config.optim.micro_batch_size)
     rounds = micro_batches_per_step(config, sp)
     copies = _repeated(step_copies(shape, s, b, flops, hardware, chunks), rounds)
