@@ -110,6 +110,7 @@ class OffloadStats:
     fetched_on_demand: int = 0  # fetched back when their backward needed them (no prefetch)
     saved_on_host: int = 0  # saved attention tensors (lstune.memory.attention_saved) copied to host
     saved_on_device: int = 0  # saved attention tensors kept on the device
+    saved_prefetched: int = 0  # saved attention tensors fetched back one layer ahead of their recompute
     host_bytes: int = 0  # host bytes held by live checkpoints (and saved attention) now
     peak_host_bytes: int = 0
 
@@ -289,7 +290,7 @@ class CheckpointOffloader:
     def prefetch_saved(self, handle) -> None:
         if isinstance(handle, _HostCopy) and handle.incoming is None:
             handle.incoming = self._copy_in(handle)
-            self.stats.prefetched += 1
+            self.stats.saved_prefetched += 1
 
     def _prefetch_saves(self, index: int) -> None:
         ref = self._saves.get(index)

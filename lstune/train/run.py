@@ -473,6 +473,7 @@ def _describe_memory(memory_plan) -> str:
         "mini-sequence" if mlp["mini_sequence"] else None,
         f"loss {loss['backend']} ({tiles(loss['tiles'])})",
         "checkpointing" if s["checkpointing"] else "no checkpointing",
+        "attention saved, not recomputed" if s["recompute_attention"] == "off" else None,
         "offloaded checkpoints" if offload["enabled"] else (f"no offload ({offload['note']})" if offload["note"] else None),
         _describe_placement(s["checkpoint_placement"]),
     ]

@@ -120,7 +120,9 @@ def test_attention_forward_runs_once_per_layer(models, monkeypatch, setting):
     plan, _, _ = _run(model, SETTINGS[setting], "off", [long_batch(SEQ)], calls)
     assert calls == {"saved_forward": layers, "saved_backward": layers, "local": 0}
     if plan.offloader is not None:  # all but the last layer's on the host with their checkpoints, O and lse each
-        assert (plan.offloader.stats.saved_on_host, plan.offloader.stats.saved_on_device) == (2 * (layers - 1), 2)
+        stats = plan.offloader.stats
+        assert (stats.saved_on_host, stats.saved_on_device) == (2 * (layers - 1), 2)
+        assert stats.saved_prefetched == 2 * (layers - 1) and stats.fetched_on_demand == 0
 
 
 def test_unsupported_attention_is_left_to_recompute(models, monkeypatch):
@@ -224,3 +226,25 @@ def test_placement_matches_and_keeps_nothing_for_layers_it_recomputes(data, frac
     host = sum(1 for a in placement.host_fraction if a)
     stored = sum(1 for a in placement.host_fraction if a is not None)
     assert (stats.saved_on_host, stats.saved_on_device) == (2 * host, 2 * (stored - host))
+
+
+@pytest.mark.parametrize("recompute", ["on", "off"])
+def test_host_copies_to_reserve_are_those_a_step_makes(models, monkeypatch, recompute):
+    """`MemoryPlan.host_copies` (what `reserve_host` pins before the first step, so that step finds its pinned blocks
+    cached) lists exactly the host copies a step makes: offloaded checkpoints and, with attention saved, their
+    layers' outputs and lse."""
+    from lstune.memory import host_copies
+
+    made = []
+    init = host_copies.HostBlocks.__init__
+
+    def recording(self, shape, dtype, *, pinned, split=True, blocks=None):
+        init(self, shape, dtype, pinned=pinned, split=split, blocks=blocks)
+        if blocks is None:
+            made.append((self.shape.numel(), dtype))
+
+    monkeypatch.setattr(host_copies.HostBlocks, "__init__", recording)
+    plan, _, _ = _run(models("tiny-llama"), SETTINGS["offload"], recompute, [long_batch(SEQ, batch=2)], {})
+    assert plan.offload and made
+    assert sorted(made, key=str) == sorted(plan.host_copies(micro_batch=2), key=str)
+    assert plan.reserve_host(2) == 0  # on CPU nothing is pinned
