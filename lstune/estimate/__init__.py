@@ -338,6 +338,7 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_capacity(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
     saving = _saving_pick(config, hardware, shape, params, options, placed, pick)
+    moved = saving is not None and saving != pick
     if saving is not None:  # --recompute-attention auto: attention's output kept, checkpoints offloaded if need be
         pick = saving
     (offload, chunks, mini), (base, budgets) = options[pick], placed[pick]
@@ -347,7 +348,8 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
               else f"ALST's tiles: the peak is above {AUTO_HEADROOM:.0%} of the device even so")
     if offload and config.memory.offload_checkpoints == "auto":
-        reason += "; checkpoints offloaded: it does not fit the device without"
+        reason += ("; checkpoints offloaded: attention's kept output goes to the host with them" if moved
+                   else "; checkpoints offloaded: it does not fit the device without")
     if mini and config.memory.mini_sequence == "auto":
         reason += "; mini-sequence: it does not fit the device without"
     if chunks != "off" and config.memory.attn_chunks == "auto":
