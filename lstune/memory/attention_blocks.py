@@ -450,3 +450,23 @@ def span_backward(ops: FlashOps, dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tens
     if dk.shape[1] != kv_heads:
         dk, dv = (x.float().reshape(batch, kv_heads, group, *x.shape[2:]).sum(2).to(dtype) for x in (dk, dv))
     return dq, dk, dv
+
+
+def span_call(run: Callable, device: torch.device, dtype: torch.dtype, head_dim: int, *args):
+    """`run(ops, *args)` (`span_forward` / `span_backward`) with the device's first usable ops for `dtype`; ops that
+    raise on this span (a shape they refuse, not running out of memory) are dropped for the run and the next ops take
+    it, as `_with_fallback` does for blocks (the probe found each equal to the PyTorch kernel, so a backward may run on
+    other ops than its forward)."""
+    failed: RuntimeError | None = None
+    while (ops := flash_ops(device, dtype, head_dim)) is not None:
+        try:
+            return run(ops, *args)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as failure:
+            failed = failure
+            logger.warning("saved attention: %s's %s attention op failed on a %s span of %s (%s); using the next op "
+                           "if there is one, for the rest of the run.", device, ops.name, dtype, tuple(args[0].shape),
+                           failure)
+            _PROBED[(str(device), dtype, head_dim, ops)] = False
+    raise failed or RuntimeError(f"saved attention: no attention op left for {dtype} spans on {device}")

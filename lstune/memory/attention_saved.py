@@ -45,7 +45,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol
 
 import torch
 
-from lstune.memory.attention_blocks import FLASH_OPS, FlashOps, flash_ops, span_backward, span_dtype, span_forward
+from lstune.memory.attention_blocks import (
+    FLASH_OPS,
+    FlashOps,
+    flash_ops,
+    span_backward,
+    span_call,
+    span_dtype,
+    span_forward,
+)
 from lstune.models.attention import document_spans, full_position_ids, resolve_backend, saved_attention_calls
 
 if TYPE_CHECKING:
@@ -71,6 +79,7 @@ class _Entry:
     def __init__(self) -> None:
         self.declined = False
         self.ops: FlashOps | None = None
+        self.fixed = False  # fake tensors (a memory trace): `ops` without probing or falling back
         self.dtype: torch.dtype | None = None
         self.scale = 1.0
         self.groups: list[tuple[slice, list[tuple[int, int]]]] = []
@@ -187,7 +196,8 @@ def _setup(entry: _Entry, query, key, value, position_ids, scaling, window, soft
     spans = document_spans(full_position_ids(query, position_ids))
     if window is not None and max(b - a for row in spans for a, b in row) > window:
         return "a sliding window shorter than a document"
-    if is_fake(query):  # a memory trace: no values to probe with; the ops' fake kernels give the shapes
+    entry.fixed = is_fake(query)
+    if entry.fixed:  # a memory trace: no values to probe with; the ops' fake kernels give the shapes
         ops = next((o for o in FLASH_OPS.get(query.device.type, ()) if dtype in o.dtypes), None)
     else:
         ops = flash_ops(query.device, dtype, query.shape[-1])
@@ -223,10 +233,19 @@ class _SavedAttention(torch.autograd.Function):
         return (None, None, *(g.to(t.dtype) for g, t in zip(grads, (query, key, value))))
 
 
+def _kernel(entry: _Entry, function: Callable, device: torch.device, head_dim: int) -> Callable:
+    """`function` (span_forward / span_backward) on the entry's ops: fixed for fake tensors (a trace), else the
+    device's first usable ones, falling back past ops that raise (`attention_blocks.span_call`)."""
+    options = dict(causal=True, scale=entry.scale, dtype=entry.dtype)
+    if entry.fixed:
+        return functools.partial(function, entry.ops, **options)
+    return lambda *args: span_call(functools.partial(function, **options), device, entry.dtype, head_dim, *args)
+
+
 def _forward(entry: _Entry, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """(O [B, S, H, D] contiguous in the span dtype, lse [B, H, S] fp32), one fused call per document span."""
     batch, heads, seq, _ = q.shape
-    run = functools.partial(span_forward, entry.ops, causal=True, scale=entry.scale, dtype=entry.dtype)
+    run = _kernel(entry, span_forward, q.device, q.shape[-1])
     if len(entry.groups) == 1 and entry.groups[0][1] == [(0, seq)]:
         out4, lse = run(q, k, v)
         return out4.transpose(1, 2).contiguous(), lse
@@ -242,7 +261,7 @@ def _forward(entry: _Entry, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Te
 
 def _backward(entry: _Entry, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor):
     """(dq, dk, dv) shaped as q, k, v, one fused backward per document span."""
-    run = functools.partial(span_backward, entry.ops, causal=True, scale=entry.scale, dtype=entry.dtype)
+    run = _kernel(entry, span_backward, q.device, q.shape[-1])
     seq = q.shape[2]
     if len(entry.groups) == 1 and entry.groups[0][1] == [(0, seq)]:
         return run(dout.transpose(1, 2), q, k, v, out.transpose(1, 2), lse)

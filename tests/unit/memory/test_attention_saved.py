@@ -248,3 +248,23 @@ def test_host_copies_to_reserve_are_those_a_step_makes(models, monkeypatch, reco
     assert plan.offload and made
     assert sorted(made, key=str) == sorted(plan.host_copies(micro_batch=2), key=str)
     assert plan.reserve_host(2) == 0  # on CPU nothing is pinned
+
+
+def test_an_op_that_fails_on_a_real_span_hands_it_to_the_next(models, monkeypatch):
+    """Ops that pass the probe (48-token blocks) but refuse a real span are dropped for the run, with a warning, and
+    the next ops run it: still exact."""
+    from lstune.memory import attention_blocks
+
+    def refusing(run):
+        def op(q, k, v, *args, **kwargs):
+            if q.shape[2] > 64:
+                raise RuntimeError("span too long for this op")
+            return run(q, k, v, *args, **kwargs)
+        return op
+
+    cpu = attention_blocks.FLASH_OPS["cpu"][0]
+    picky = attention_blocks.FlashOps("picky", refusing(cpu.forward), cpu.backward, cpu.dtypes, True)
+    monkeypatch.setitem(attention_blocks.FLASH_OPS, "cpu", (picky, cpu))
+    monkeypatch.setattr(attention_blocks, "_PROBED", {})
+    _assert_equal_on_and_off(models("tiny-llama"), SETTINGS["checkpointing"], [long_batch(SEQ)])
+    assert attention_blocks._PROBED[("cpu", torch.float32, 32, picky)] is False
