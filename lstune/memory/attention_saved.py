@@ -274,8 +274,3 @@ def _backward(entry: _Entry, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out:
                 total[rows, :, a:b] = grad
     return dq, dk, dv
 
-
-def saved_bytes_per_token(q_width: int, heads: int, element_size: int) -> int:
-    """Bytes one layer keeps per (local) token with attention saved: O (q_width = heads · head_dim elements) in the
-    activation dtype and the fp32 lse (one per head). Under Ulysses pass the rank's heads."""
-    return q_width * element_size + 4 * heads

@@ -141,8 +141,8 @@ def test_unsupported_attention_is_left_to_recompute(models, monkeypatch):
 
 
 def test_kept_bytes_are_the_estimates(models):
-    """Live bytes after the forward, `off` minus `on`: every layer's O (activation dtype) and fp32 lse, as
-    `saved_bytes_per_token` says."""
+    """Live bytes after the forward (allocation trace), `off` minus `on`: every layer's O (activation dtype) and fp32
+    lse — what the estimate's byte model says it keeps."""
     model = models("tiny-llama")
     config = model.config
     batch = long_batch(SEQ)
@@ -162,9 +162,16 @@ def test_kept_bytes_are_the_estimates(models):
             plan.undo()
             attention.undo()
 
-    per_token = attention_saved.saved_bytes_per_token(config.num_attention_heads * config.head_dim,
-                                                      config.num_attention_heads, 4)
-    expected = config.num_hidden_layers * SEQ * per_token
+    from lstune.config.schema import TrainConfig
+    from lstune.estimate import estimate
+    from lstune.estimate.hardware import resolve_hardware
+
+    flat = {"model": "tiny-llama", "seq_len": SEQ, "dtype": "fp32", "recompute_attention": "off",
+            **SETTINGS["checkpointing"]}
+    predicted = estimate(TrainConfig.from_flat(flat), resolve_hardware(gpu="cpu", host_mem=64 << 30),
+                         model_config=config, suggest=False, reach=False).breakdown
+    assert predicted.attention_saved_layers == config.num_hidden_layers
+    expected = predicted.attention_saved_layers * SEQ * predicted.attention_saved_bytes_per_token_layer
     assert live_after_forward("off") - live_after_forward("on") == expected
 
 
