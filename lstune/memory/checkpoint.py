@@ -26,6 +26,10 @@ layer's checkpoint goes to (pinned, on CUDA) host memory:
    the layers from the segment's stored base once, without grad, under each layer's forward RNG and
    autocast state, and keeps the segment's inputs until their layers' backward. The default placement
    is 1-3 above (all but the last layer on the host).
+5. Saved attention (`save_attention`, lstune.memory.attention_saved): each stored layer's call gets a `LayerSaves`
+   that keeps its attention output and lse, placed like the layer's checkpoint (`keep_saved`: host when it has a host
+   part and the budget holds them, else device) and prefetched with the checkpoint of the layer below, one layer
+   ahead; the recompute then runs no attention forward.
 
 Memory: device checkpoints O(L · S · D) → O(1 · S · D) (the kept last layer, one in flight out, one
 prefetched in); host gets L-1 of them (Llama-8B: 2 · L · D = 256 KiB per token in bf16). Cost: two
