@@ -112,7 +112,9 @@ class MemoryPlan:
         """(numel, dtype) of every host copy one step of `micro_batch` samples of `seq_len` tokens makes at once:
         each offloaded checkpoint's host part and, with attention saved, its layer's output and lse; with chunked
         attention offloaded, the saved chunks (k, v, output, lse) of every layer when attention is saved, else of
-        the live layer. What `reserve_host` pins before the first step; sizes under Ulysses assume heads divide."""
+        the live layer, and the live layer's backward chunks (q, dO, dq; not the PyTorch kernel's rowsums, a
+        hundredth of them). What `reserve_host` pins before the first step; under Ulysses sizes assume the heads
+        divide evenly (copies of other sizes are pinned when first made, as before)."""
         if self.parts is None or not self.checkpointing:
             return []
         config, tokens = self.parts.text_config, micro_batch * self.seq_len
@@ -127,9 +129,12 @@ class MemoryPlan:
                     copies += [(tokens * q_width, dtype), (tokens * heads, torch.float32)]
         if self.offload and self.attn_chunks_at_seq_len > 1 and heads:
             layers = sum(a is not None for a in fractions) if self.save_attention else 1
-            c = tokens // self.attn_chunks_at_seq_len
-            per_chunk = [(c * kv_width, dtype), (c * kv_width, dtype), (c * q_width, dtype), (c * heads, torch.float32)]
-            copies += per_chunk * (self.attn_chunks_at_seq_len * layers)
+            c, chunks = tokens // self.attn_chunks_at_seq_len, self.attn_chunks_at_seq_len
+            saved = [(c * kv_width, dtype), (c * kv_width, dtype), (c * q_width, dtype), (c * heads, torch.float32)]
+            # The live layer's backward: q, dO and the fp32 dq accumulator of each chunk (the 8-chunk profile of
+            # docs/benchmarks/2026-11-26-h200-c still pinned 8 blocks in a steady step: 0.35 s of cudaHostAlloc).
+            stored = [(c * q_width, dtype), (c * q_width, dtype), (c * q_width, torch.float32)]
+            copies += saved * (chunks * layers) + stored * chunks
         return copies
 
     def reserve_host(self, micro_batch: int = 1) -> int:
