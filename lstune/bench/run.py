@@ -118,7 +118,7 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
     configs = {r.name: rung_config(config, r, in_ladder=options.ablation) for r in rungs}
     result = BenchResult(command, folder.path, fp, _options_view(options, limits),
                          [{"name": r.name, "label": r.label, "config": configs[r.name].to_dict()} for r in rungs])
-    session = _Session(runner, observer, result)
+    session = _Session(runner, observer, result, limits.max_host_mem)
     try:
         if options.rates:
             result.rates = session.run("rates", "rates", config).get("rates")
@@ -196,8 +196,9 @@ def _measure_rung(session: "_Session", rung: Rung, config: TrainConfig, options:
 class _Session:
     """Numbers the jobs, runs each through the runner, tells the observer, adds the derived figures."""
 
-    def __init__(self, runner, observer: Observer, result: BenchResult):
+    def __init__(self, runner, observer: Observer, result: BenchResult, host_cap: int | None = None):
         self.runner, self.observer, self.result = runner, observer, result
+        self.host_cap = host_cap  # each trial's host memory (--max-host-mem): what its plan sizes `auto` for
         self.ids = itertools.count(1)
 
     def run(self, kind: str, rung: str, config: TrainConfig, *, seq_len: int | None = None, lengths=(),
@@ -208,7 +209,7 @@ class _Session:
         values = config.to_dict()
         if seq_len is not None:
             values["seq_len"] = seq_len
-        job = Job(next(self.ids), kind, rung, values, lengths=list(lengths), **job_fields)
+        job = Job(next(self.ids), kind, rung, values, lengths=list(lengths), host_cap=self.host_cap, **job_fields)
         self.observer.started(job)
         record = self.runner.run(job)
         record.update(derive(record, self.result.rates))

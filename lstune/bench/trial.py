@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from lstune.data.batch import IGNORE_INDEX
 from lstune.models.quant import quiet_cpu_kernel_warning
 
 quiet_cpu_kernel_warning()  # a trial's processes (the forkserver included) have no CLI to configure logging
@@ -48,6 +49,7 @@ class Job:
     warmup: int = 1
     steps: int = 3
     lengths: list[int] = field(default_factory=list)
+    host_cap: int | None = None  # bytes of host memory the trial may use (--max-host-mem): what its plan sees
 
     @property
     def seq_len(self) -> int:
@@ -83,7 +85,7 @@ class RandomTokens(Dataset):
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         ids = torch.randint(0, self.vocab, (self.seq_len,), generator=gen)
         labels = torch.roll(ids, -1)
-        labels[-1] = -100
+        labels[-1] = IGNORE_INDEX
         return {"input_ids": ids, "position_ids": torch.arange(self.seq_len), "shift_labels": labels}
 
 
@@ -92,7 +94,7 @@ def hf_loss_sum(batch: dict, model) -> tuple[torch.Tensor, torch.Tensor]:
     mean over the labels HF shifts itself, so the labels given are the pre-shifted ones moved back by one."""
     ids, shifted = batch["input_ids"], batch["shift_labels"]
     labels = torch.cat([ids[:, :1], shifted[:, :-1]], dim=1)
-    count = (shifted != -100).sum()
+    count = (shifted != IGNORE_INDEX).sum()
     return model(input_ids=ids, labels=labels, use_cache=False).loss * count, count
 
 
@@ -107,24 +109,25 @@ TRAIN_AS_IS = ("lstune", "sp")
 def run_step_trial(job: Job) -> dict[str, Any]:
     """The record of `job` (kind "step"); an out-of-memory error or a failure is a result, not an exception."""
     from lstune.config.schema import TrainConfig
-    from lstune.models.loading import resolve_model
-    from lstune.train.engine_choice import plan_run
+    from lstune.train.engine_choice import runtime_cluster
     from lstune.train.metrics import host_rss_bytes
+    from lstune.train.plan import plan
     from lstune.train.runtime import start_runtime
 
     config = TrainConfig.from_flat(job.config)
     runtime = start_runtime(config.model.dtype)
-    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    runtime.set_dims(config.parallel.sp, spec.config)
+    # The plan `lstune train` makes, for the memory this trial may use (its host cap, --max-host-mem). A ladder
+    # rung runs its `auto` settings unresolved (ALST's tile counts): its plan is of that.
+    run_plan = plan(config, runtime_cluster(runtime, job.host_cap), runtime.device.type,
+                    resolve_auto=job.rung in TRAIN_AS_IS)
+    runtime.use_dims(run_plan.dims)
     record: dict[str, Any] = {"world_size": runtime.world_size, "sp": runtime.sp, "device": str(runtime.device)}
-    # A ladder rung runs its `auto` settings unresolved (ALST's tile counts): its estimate must be of that.
-    prediction = plan_run(config, runtime, spec.config, resolve_auto=job.rung in TRAIN_AS_IS)
-    record["estimate"] = estimate_summary(prediction, config, spec.config)
-    record["hardware"] = prediction.hardware.to_dict()
+    record["estimate"] = estimate_summary(run_plan.estimate, config, run_plan.spec.config)
+    record["hardware"] = run_plan.cluster.to_dict()
     try:
-        loader = _loader(config, runtime, spec)  # before the baseline: --data's tokenizer and samples aren't the step's
+        loader = _loader(config, runtime, run_plan.spec)  # before the baseline: --data's tokenizer and samples aren't the step's
         record["rss_before_model"] = host_rss_bytes()
-        steps = _train_steps(job, config, runtime, spec, prediction, loader)
+        steps = _train_steps(job, run_plan, runtime, loader)
     except Exception as exc:  # a failure is a result too: the parent records it and goes on
         record.update(failure(exc))
     else:
@@ -133,31 +136,30 @@ def run_step_trial(job: Job) -> dict[str, Any]:
     return record
 
 
-def _train_steps(job: Job, config, runtime, spec, prediction, loader) -> list[dict[str, Any]]:
+def _train_steps(job: Job, run_plan, runtime, loader) -> list[dict[str, Any]]:
     from lstune.parallel.sp_data import SPDataAdapter
     from lstune.train.step import RunState, Stepper
 
     total = job.warmup + job.steps
-    if job.rung in TRAIN_AS_IS:  # what `lstune train` prepares: `auto` as the estimate resolved it
-        config = prediction.memory_choice.applied_to(config)
-    engine, loss_sum, chunks = (_plain_hf if job.plain_hf else _lstune)(config, runtime, spec, prediction, total)
+    engine, loss_sum, chunks = (_plain_hf if job.plain_hf else _lstune)(run_plan, runtime, total)
     # SP shards as `lstune train` lays them out for this model's chunked attention.
     batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device, chunks=chunks))
-    stepper = Stepper(config, engine, runtime, loss_sum)
+    stepper = Stepper(run_plan.resolved, engine, runtime, loss_sum)
     state = RunState()
     return [stepper.step(batches, state) for _ in range(total)]
 
 
-def _plain_hf(config, runtime, spec, prediction, total: int):
-    """Hugging Face as it comes: SDPA, HF gradient checkpointing (non-reentrant), HF's loss; LoRA via peft and
-    the device / dtype policy as `lstune train` (so the two differ only in what lstune adds)."""
-    from lstune.models.loading import load_model
+def _plain_hf(run_plan, runtime, total: int):
+    """Hugging Face as it comes: SDPA, HF gradient checkpointing (non-reentrant), HF's loss; the model (RoPE,
+    4-bit base, dtypes), LoRA via peft and the device / dtype policy as `lstune train` (lstune.train.build), so the
+    two differ only in what lstune adds."""
     from lstune.optim import OptimConfig
+    from lstune.train.build import load_weights
     from lstune.train.engine import TorchEngine
     from lstune.train.prepare import adapt_model
 
-    loaded = load_model(spec, init=config.model.init, attn_implementation="sdpa", seed=config.optim.seed,
-                        trust_remote_code=config.model.trust_remote_code, device=runtime.device)
+    config = run_plan.config
+    loaded = load_weights(run_plan, runtime, attn_implementation="sdpa")
     model = adapt_model(loaded.model, config.model, runtime)
     enable_hf_checkpointing(model)
     model.train()
@@ -175,21 +177,14 @@ def enable_hf_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def _lstune(config, runtime, spec, prediction, total: int):
-    """`lstune train`'s model and engine: load, adapt, techniques in their order, the estimate's engine; returns
+def _lstune(run_plan, runtime, total: int):
+    """`lstune train`'s model and engine, built as train builds them (lstune.train.build: load, adapt, techniques in
+    their order, the plan's engine) but for the self-check (train's startup check, not the step measured); returns
     (engine, loss function, the chunked attention SP shards are laid out for), as `_plain_hf` (no chunks)."""
-    from lstune.models.attention import check_attention_support
-    from lstune.models.loading import load_model
-    from lstune.train.prepare import prepare_model
-    from lstune.train.run import make_engine
+    from lstune.train.build import build
 
-    check_attention_support(spec.config, pack=config.data.pack, seq_len=config.data.seq_len,
-                            backend=config.model.attn, device=runtime.device.type)
-    loaded = load_model(spec, init=config.model.init, seed=config.optim.seed, device=runtime.device,
-                        trust_remote_code=config.model.trust_remote_code, load_in_4bit=config.model.load_in_4bit)
-    prepared = prepare_model(loaded.model, config, runtime)
-    engine, _ = make_engine(config, prepared.model, total, runtime, prediction)
-    return engine, lambda batch, m: prepared.loss_sum(batch, m), prepared.memory.attn_chunking
+    built = build(run_plan, runtime, max_steps=total, self_check=False)
+    return built.engine, built.prepared.loss_sum, built.prepared.memory.attn_chunking
 
 
 def _loader(config, runtime, spec):
@@ -301,7 +296,7 @@ def run_estimates(job: Job) -> dict[str, Any]:
 
     config = TrainConfig.from_flat(job.config)
     model_config = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code).config
-    cluster = runtime_cluster(start_runtime(config.model.dtype))
+    cluster = runtime_cluster(start_runtime(config.model.dtype), job.host_cap)  # the trials' memory
     if config.parallel.gpus > 1:
         from dataclasses import replace
 

@@ -1,7 +1,8 @@
 """`lstune estimate`: will this run fit, with which settings, how fast — from the model's config alone.
 
 Takes the same flags and recipes as `lstune train` (the config sections), plus the hardware to estimate for.
-The library answer is `lstune.estimate.estimate` (analytic) or `lstune.train.trace.trace_estimate` (--trace);
+The library answer is the run plan's estimate (`lstune.train.plan.plan`, analytic) or
+`lstune.train.trace.trace_estimate` (--trace: the plan for the step the trace runs, and its trace);
 this module parses, calls one of them and renders the result.
 """
 
@@ -77,9 +78,9 @@ def _estimate_command(**kwargs: Any) -> int:
 
         result = trace_estimate(config, hardware)
     else:
-        from lstune.estimate import estimate
+        from lstune.train.plan import plan
 
-        result = estimate(config, hardware)
+        result = plan(config, hardware).estimate  # the run's plan: train's refusals, then the estimate
     if as_json:
         import json
 
@@ -99,8 +100,9 @@ def _render_trace(report) -> None:
     diff = (analytic - t.device_peak_bytes) / max(t.device_peak_bytes, 1)
     console().print(
         f"trace (fake tensors, {t.seconds:.0f} s; one rank, {t.seq_len:,} local tokens, {t.layers} layers, loss head "
-        f"{t.loss_backend}): device peak [bold]{human_bytes(t.device_peak_bytes)}[/bold] — the analytic model of the "
-        f"same step says {human_bytes(analytic)} ({diff:+.1%}); weights {human_bytes(t.parameter_bytes)}, gradients "
+        f"{t.loss_backend}) of the plan above — the step as it runs on this CPU (ALST loss tiles, not Liger; no "
+        f"CUDA context): device peak [bold]{human_bytes(t.device_peak_bytes)}[/bold], the plan's estimate "
+        f"{human_bytes(analytic)} ({diff:+.1%}); weights {human_bytes(t.parameter_bytes)}, gradients "
         f"{human_bytes(t.gradient_bytes)}, optimizer {human_bytes(t.optimizer_bytes)}; host {human_bytes(t.host_peak_bytes)}; "
         f"checkpoints {t.checkpoint_bytes_per_token_layer:,} B per token per layer ({t.residual_dtype})"
     )

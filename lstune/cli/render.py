@@ -39,6 +39,33 @@ def print_config(config) -> None:
     console().print(yaml.safe_dump(view, sort_keys=False).rstrip(), markup=False)
 
 
+def print_plan(run_plan) -> None:
+    """`train --dry-run`: the resolved recipe, then the plan (layout, engine, memory, dtypes) and the verdict."""
+    import yaml
+
+    from lstune.train.plan import resolved_recipe
+
+    c = console()
+    c.print("# resolved config (use as a recipe with --config)")
+    c.print(yaml.safe_dump(resolved_recipe(run_plan), sort_keys=False).rstrip(), markup=False)
+    plan = run_plan.to_dict()
+    memory = ", ".join(f"{key} {value}" for key, value in plan["memory"].items())
+    dtypes = ", ".join(f"{key} {value}" for key, value in plan["dtypes"].items() if value is not None)
+    lines = [
+        f"# plan on {plan['hardware']}: {plan['model']}, {plan['seq_len']} tokens",
+        f"#   layout: {plan['processes']} process(es), SP {plan['sp']} × DP {plan['dp']} on {plan['device']}",
+        f"#   engine: {plan['engine']}",
+        f"#   memory: {memory}",
+        f"#   ({plan['memory_reason']})",
+        f"#   dtypes: {dtypes}",
+        *(f"#   note: {note}" for note in plan["notes"]),
+        f"#   estimate (predicted): device {human_bytes(plan['device_peak_bytes'])} of "
+        f"{human_bytes(plan['device_capacity_bytes'])}, host {human_bytes(plan['host_peak_bytes'])} of "
+        f"{human_bytes(plan['host_capacity_bytes'])} — {plan['verdict']}",
+    ]
+    c.print("\n".join(lines), markup=False)
+
+
 def human_duration(seconds: float | None) -> str:
     if seconds is None:
         return "-"

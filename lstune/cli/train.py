@@ -27,14 +27,15 @@ def _signature() -> inspect.Signature:
         "dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
         default=typer.Option(False, "--dry-run", help=(
             "Check the config as the run does before loading anything (the model's config included: SP layout, "
-            "attention, 4-bit weights), print the resolved config and exit; loads no weights, writes nothing.")),
+            "attention, RoPE scaling, 4-bit weights), print the run's plan on this machine — every `auto` "
+            "resolved, the predicted peaks and verdict — and exit; loads no weights, writes nothing.")),
     )
     ctx = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
     return inspect.Signature([ctx, config_parameter(), dry_run, *section_parameters()])
 
 
 def _train_command(**kwargs: Any) -> int:
-    from lstune.cli.render import RichReporter, console, print_config, print_summary
+    from lstune.cli.render import RichReporter, console, print_summary
     from lstune.config.load import build_config, read_recipe
     from lstune.train.preflight import preflight_problems
 
@@ -46,16 +47,11 @@ def _train_command(**kwargs: Any) -> int:
     name = str(config_path) if config_path else "the recipe"
     config = build_config(recipe, flags, recipe_name=name, checks=lambda c: _data_given(c) + preflight_problems(c))
     if dry_run:
-        # The run's own refusals from the config alone (it makes them before loading anything): the dry run's
-        # verdict is the run's. Only once the cheap checks above pass: this reads the model's config.
-        refuse(model_problems(config))
-        print_config(config)
-        return 0
+        return _dry_run(config)
     if _needs_launch(config):
         from lstune.parallel.launch import relaunch
-        from lstune.train.preflight import check_parallel_layout
 
-        check_parallel_layout(config)
+        refuse(model_problems(config))  # before N processes start, each to refuse the same
         argv = _relaunch_argv(ctx, flags, config_path)
         return relaunch(argv, config.parallel.gpus, config.parallel.hostfile)
 
@@ -83,59 +79,26 @@ def refuse(problems: list[str]) -> None:
 
 
 def model_problems(config, *, device: str | None = None) -> list[str]:
-    """What a run refuses from the config and the model's config alone, before any weight or data loads: the model
-    resolving, the process layout (`check_parallel_layout`), attention support and --rope-scaling (train's model
-    support check), 4-bit weights a random init does not have (`load_model`'s refusal). `device` ("cuda"/"cpu") is
-    where the run will train; None: cuda when available. Reads the model's config (imports transformers): run it
-    after the cheap checks pass. The natural home is lstune.train.preflight; it is here while that module is
-    being changed elsewhere, and `lstune bench` shares it."""
-    from lstune.errors import UserError
-    from lstune.models.loading import resolve_model
+    """What a run refuses from the config and the model's config alone, before any weight or data loads
+    (lstune.train.plan.refusals: the model resolving, the process layout, attention support, --rope-scaling,
+    4-bit weights a random init does not have). `device` ("cuda"/"cpu") is where the run will train; None: cuda
+    when available. Reads the model's config (imports transformers): run it after the cheap checks pass."""
+    from lstune.train.plan import refusals
 
-    try:
-        spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    except UserError as exc:
-        return exc.problems
-    problems = []
-    for check in (_check_layout_and_positions, _check_attention, _check_weights):
-        try:
-            check(config, spec, device)
-        except UserError as exc:
-            problems.extend(exc.problems)
-    return problems
+    return refusals(config, device)
 
 
-def _check_layout_and_positions(config, spec, device) -> None:
-    """SP must fit --gpus and the heads; --rope-scaling must fit the model's RoPE (and SP: dynamic scaling
-    cannot be sharded). On a copy of the config: the run writes the scaling into a config of its own."""
-    import copy
+def _dry_run(config) -> int:
+    """The run's plan on this machine, resolved (lstune.train.plan), with the estimate's verdict — before any
+    weights load; exit 2 where the run would refuse to start (predicted not to fit, without --force)."""
+    from lstune.cli.render import print_plan
+    from lstune.train.engine_choice import check_fits
+    from lstune.train.plan import local_plan
 
-    from lstune.models.rope import apply_rope_scaling
-    from lstune.parallel.dims import ParallelDims
-
-    parallel, model = config.parallel, config.model
-    if parallel.hostfile is None:
-        sp = ParallelDims.for_model(parallel.gpus, parallel.sp, spec.config).sp
-    else:  # the world size comes from the hostfile at launch: only a fixed degree is known here
-        sp = parallel.sp if isinstance(parallel.sp, int) else 1
-    apply_rope_scaling(copy.deepcopy(spec.config), model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,
-                       original=model.original_max_position_embeddings, sp=sp, model_name=model.name)
-
-
-def _check_attention(config, spec, device) -> None:
-    from lstune.models.attention import check_attention_support
-
-    check_attention_support(spec.config, pack=config.data.pack, seq_len=config.data.seq_len,
-                            backend=config.model.attn, device=device)
-
-
-def _check_weights(config, spec, device) -> None:
-    """load_model quantizes pretrained weights only; a preset (or --init random) has none to quantize."""
-    from lstune.models.quant import refuse_random_4bit
-
-    init, source = config.model.init, spec.source
-    if config.model.load_in_4bit and (init == "random" or (init == "auto" and source.kind == "preset")):
-        refuse_random_4bit(source.name)
+    run_plan = local_plan(config)
+    print_plan(run_plan)
+    check_fits(config, run_plan.estimate, None)
+    return 0
 
 
 def _data_given(config) -> list[str]:

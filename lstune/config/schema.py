@@ -567,8 +567,6 @@ class RunSection:
         ]
 
 
-Section = Any  # one of the section dataclasses above
-
 # (attribute of TrainConfig, section class), in the order flags, recipes and resolved configs list them.
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("model", ModelSection),

@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from lstune.data.batch import IGNORE_INDEX
 from lstune.errors import DataError
 
-IGNORE = -100
+IGNORE = IGNORE_INDEX  # the name data's modules use
 KIND_FIELDS = {
     "text": ("text",),
     "messages": ("messages",),

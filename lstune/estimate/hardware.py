@@ -70,6 +70,10 @@ class Cluster:
     nodes: int
     host_bytes: int
     source: str  # where the device came from: "local CUDA device", "--gpu h100-80gb", ...
+    # The step as `lstune estimate --trace` runs it in this cluster's place, on this CPU with fake tensors: the ALST
+    # loss tiles (no Liger), mini-sequence without fused norms, offloaded attention chunks read in place, no CUDA
+    # context (lstune.estimate.settings.settings). A plan made for it is the plan the trace runs.
+    traced: bool = False
 
     @property
     def world_size(self) -> int:
@@ -81,7 +85,8 @@ class Cluster:
 
     def to_dict(self) -> dict:
         return {"device": self.device.to_dict(), "gpus": self.gpus, "nodes": self.nodes,
-                "world_size": self.world_size, "host_bytes": self.host_bytes, "source": self.source}
+                "world_size": self.world_size, "host_bytes": self.host_bytes, "source": self.source,
+                **({"traced": True} if self.traced else {})}
 
 
 def resolve_hardware(

@@ -114,6 +114,7 @@ class Settings:
     attn_chunk_count: int = 1  # FPDT chunks of the local sequence, resolved by `breakdown`; 1: not chunked
     chunks_fetched: bool = True  # offloaded chunks come back as device copies (CUDA); the CPU trace reads them in place
     lora_dropout: float = 0.0  # > 0: each adapter's cast + dropout replays in backward (`_lora_dropout_replay`)
+    cuda_context: bool = True  # the CUDA context and allocator reserve counted (on CUDA); the trace sees tensors only
     save_attention: bool = False  # --recompute-attention off, resolved: attention's output kept per layer
 
     @property
@@ -222,12 +223,12 @@ def breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
     b = Breakdown(dtypes=dtypes(s))
     _static(b, params, s)
     _activations(b, shape, params, s)
-    b.add("CUDA context and allocator reserve" if s.on_cuda else "process", *_overheads(s))
+    b.add("CUDA context and allocator reserve" if s.on_cuda and s.cuda_context else "process", *_overheads(s))
     return b
 
 
 def _overheads(s: Settings) -> tuple[int, int]:
-    if not s.on_cuda:
+    if not (s.on_cuda and s.cuda_context):
         return 0, HOST_PROCESS_BYTES
     return CUDA_CONTEXT_BYTES, HOST_PROCESS_BYTES
 

@@ -9,12 +9,10 @@ which the step's FLOPs read for the layers backward re-runs (`extra_layer_forwar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from lstune.estimate.shapes import ModelShape
-from lstune.memory.host_copies import host_copy_bytes
-from lstune.memory.placement import CheckpointPlacement, plan_placement
+from lstune.memory.placement import CheckpointPlacement
 
 
 @dataclass(frozen=True)
@@ -41,25 +39,15 @@ def checkpoint_terms(shape: ModelShape, s: Any, ckpt: int, element_size: int) ->
 
 def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
                       device_budget: int | None) -> CheckpointPlacement:
-    """`plan_placement` with train's inputs (lstune.memory.apply.checkpoint_placement): the host budget (none
-    without offload), the device budget, and on CUDA the fraction whose copy hides under one layer's forward."""
-    from lstune.memory import checkpoint as ckpt_mod  # imports torch: only when checkpoints are placed
+    """`place_checkpoints` on the inputs train gives it (lstune.memory.apply.checkpoint_placement), from the
+    config's shapes: the host budget (none without offload), the device budget, the copy that hides on CUDA."""
+    from lstune.memory.checkpoint import place_checkpoints  # imports torch: only when checkpoints are placed
 
-    tokens = s.local_tokens // max(s.micro_batch, 1)
-    forward_s = None
-    if s.on_cuda:
-        flops = 2 * shape.layer_matmul_params() * tokens + 2 * tokens**2 * shape.q_width
-        forward_s = flops / ckpt_mod.SUSTAINED_FLOPS
-    host_bytes_of = partial(_pinned_bytes, element_size, s.on_cuda)
-    return plan_placement(
-        shape.layers, ckpt, host_budget=s.host_mem_budget if s.offload_checkpoints else 0,
-        device_budget=device_budget, copy_bytes_per_s=ckpt_mod.PCIE_BYTES_PER_S if s.on_cuda else None,
-        layer_forward_s=forward_s, host_bytes_of=host_bytes_of, tokens=tokens,
+    return place_checkpoints(
+        shape.layers, ckpt, tokens=s.local_tokens // max(s.micro_batch, 1),
+        layer_matmul_params=shape.layer_matmul_params(), attention_width=shape.q_width, element_size=element_size,
+        on_cuda=s.on_cuda, host_budget=s.host_mem_budget if s.offload_checkpoints else 0, device_budget=device_budget,
     )
-
-
-def _pinned_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
-    return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
 
 
 def extra_layer_forwards(placement: CheckpointPlacement | None) -> int:

@@ -25,7 +25,7 @@ from lstune.errors import ConfigError, UserError
 from lstune.memory import attention_chunks as chunked_attn
 from lstune.memory import checkpoint as ckpt
 from lstune.memory import mlp as tiled_mlp_mod
-from lstune.memory.host_copies import host_copy_bytes, reserve_pinned
+from lstune.memory.host_copies import reserve_pinned
 from lstune.memory.lora_inputs import share_lora_inputs
 from lstune.memory.loss import (
     LossTiles,
@@ -39,7 +39,7 @@ from lstune.memory.loss import (
     vocab_rows,
 )
 from lstune.memory.patching import Undo, run_undos
-from lstune.memory.placement import CheckpointPlacement, plan_placement
+from lstune.memory.placement import CheckpointPlacement
 from lstune.memory.probe import probe_hidden_states, probe_inputs
 from lstune.memory.tiling import INT32_LIMIT, TilePolicy
 from lstune.models.chunk_layout import AttentionChunks
@@ -390,26 +390,16 @@ def _apply_checkpointing(model, plan: MemoryPlan, memory: MemorySection) -> None
 
 
 def checkpoint_placement(parts: ModelParts, seq_len: int, memory: MemorySection, *, offload: bool) -> CheckpointPlacement:
-    """The planner's placement for this model at `seq_len` (lstune.memory.placement): host budget (none without
-    offload), device budget, and on CUDA the fraction whose copy hides under one layer's forward (MEMO Eq. 1)."""
+    """The planner's placement for this model at `seq_len` (lstune.memory.checkpoint.place_checkpoints): host budget
+    (none without offload), device budget, and on CUDA the fraction whose copy hides under one layer's forward."""
     layers, config = parts.layers, parts.text_config
     param = next(p for p in layers[0].parameters() if p.is_floating_point())
-    checkpoint_bytes = seq_len * config.hidden_size * param.element_size()
-    on_cuda = param.device.type == "cuda"
-    forward_s = None
-    if on_cuda:
-        flops = 2 * layer_flop_params(layers[0], config) * seq_len + 2 * seq_len**2 * _attention_width(config)
-        forward_s = flops / ckpt.SUSTAINED_FLOPS
-    return plan_placement(
-        len(layers), checkpoint_bytes,
+    return ckpt.place_checkpoints(
+        len(layers), seq_len * config.hidden_size * param.element_size(), tokens=seq_len,
+        layer_matmul_params=layer_flop_params(layers[0], config), attention_width=_attention_width(config),
+        element_size=param.element_size(), on_cuda=param.device.type == "cuda",
         host_budget=memory.host_mem_budget if offload else 0, device_budget=memory.checkpoint_device_budget,
-        copy_bytes_per_s=ckpt.PCIE_BYTES_PER_S if on_cuda else None, layer_forward_s=forward_s,
-        host_bytes_of=partial(_host_bytes, param.element_size(), on_cuda), tokens=seq_len,
     )
-
-
-def _host_bytes(element_size: int, pinned: bool, nbytes: int) -> int:
-    return host_copy_bytes(nbytes // element_size, element_size, pinned=pinned)
 
 
 def _offload_decision(parts: ModelParts, seq_len: int, budget: int | None) -> tuple[bool, str]:

@@ -624,14 +624,7 @@ class _ChunkStore:
         if not tensor.is_cuda:
             host.write(source)
         else:
-            stream = _side_stream("d2h", tensor.device)
-            stream.wait_stream(torch.cuda.current_stream(tensor.device))
-            with torch.cuda.stream(stream):
-                host.write(source, non_blocking=True)
-                landed = torch.cuda.Event()
-                landed.record(stream)
-            self._landed[key] = landed
-            source.record_stream(stream)
+            self._landed[key] = host.from_device(source, _side_stream("d2h", tensor.device))
         self.stats.add(host)
         return host
 

@@ -57,7 +57,7 @@ from torch.utils.checkpoint import checkpoint
 from lstune.memory.attention_saved import LayerSaves
 from lstune.memory.host_copies import HostBlocks, host_copy_bytes
 from lstune.memory.patching import Undo, patch_forward
-from lstune.memory.placement import CheckpointPlacement
+from lstune.memory.placement import CheckpointPlacement, plan_placement
 
 if TYPE_CHECKING:
     from torch import nn
@@ -359,13 +359,7 @@ class CheckpointOffloader:
             handle.host.write(source)
             return handle
         handle = _HostCopy(index, tensor, pinned=True)
-        stream = self._stream("d2h", tensor.device)
-        stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(stream):
-            handle.host.write(source, non_blocking=True)
-            handle.ready = torch.cuda.Event()
-            handle.ready.record(stream)
-        source.record_stream(stream)
+        handle.ready = handle.host.from_device(source, self._stream("d2h", tensor.device))
         return handle
 
     def _copy_in(self, handle: _HostCopy) -> tuple[torch.Tensor, object]:
@@ -457,3 +451,26 @@ def install_checkpointing(layers: "nn.ModuleList", offloader: CheckpointOffloade
 
 def partial_setattr(obj, name: str, value) -> Undo:
     return lambda: setattr(obj, name, value)
+
+
+def place_checkpoints(n_layers: int, checkpoint_bytes: int, *, tokens: int, layer_matmul_params: int,
+                      attention_width: int, element_size: int, on_cuda: bool, host_budget: int | None,
+                      device_budget: int | None) -> CheckpointPlacement:
+    """`plan_placement` with the inputs both `lstune train` (lstune.memory.apply, from the model) and `lstune
+    estimate` (lstune.estimate.placement, from the config's shapes) give it, computed here once: on CUDA the copy
+    rate (PCIe) and one layer's forward time at `tokens` (its matmuls and causal attention at a sustained rate),
+    whose ratio is the fraction of a checkpoint whose copy hides (MEMO Eq. 1); host bytes in pinned power-of-two
+    pieces on CUDA (lstune.memory.host_copies; lstune.memory.placement.plan_placement). `host_budget` 0: nothing on the host (no offload)."""
+    forward_s = None
+    if on_cuda:
+        flops = 2 * layer_matmul_params * tokens + 2 * tokens**2 * attention_width
+        forward_s = flops / SUSTAINED_FLOPS
+
+    def host_bytes_of(nbytes: int) -> int:
+        return host_copy_bytes(nbytes // element_size, element_size, pinned=on_cuda)
+
+    return plan_placement(
+        n_layers, checkpoint_bytes, host_budget=host_budget, device_budget=device_budget,
+        copy_bytes_per_s=PCIE_BYTES_PER_S if on_cuda else None, layer_forward_s=forward_s,
+        host_bytes_of=host_bytes_of, tokens=tokens,
+    )

@@ -92,6 +92,22 @@ class HostBlocks:
         for block, piece in self.pieces(target.view(-1)):
             piece.copy_(block, non_blocking=non_blocking)
 
+    def from_device(self, source: "torch.Tensor", stream: "torch.cuda.Stream") -> "torch.cuda.Event":
+        """Start the copy of CUDA tensor `source` (contiguous, of `shape`) into these (pinned) blocks on side
+        `stream`, after the compute work enqueued so far (which made `source`); returns the event of its landing.
+        `source` is marked as used by `stream`, so the allocator does not hand its memory out before the copy is
+        done. The one device-to-host copy of both offloads (checkpoints, attention chunks); `to_device` is the way
+        back."""
+        import torch
+
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(stream):
+            self.write(source, non_blocking=True)
+            landed = torch.cuda.Event()
+            landed.record(stream)
+        source.record_stream(stream)
+        return landed
+
     def to_device(self, device: "torch.device", stream: "torch.cuda.Stream", *,
                   after: "torch.cuda.Event | None" = None) -> "tuple[torch.Tensor, torch.cuda.Event]":
         """Start the copy onto CUDA `device` on side `stream` (after `after`, the event of the copy's own write):

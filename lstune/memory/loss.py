@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 import torch.nn.functional as F
 
+from lstune.data.batch import IGNORE_INDEX
 from lstune.memory.patching import FusedNorm, Undo
 from lstune.memory.tiling import TilePolicy, int32_safe_tiles, is_zero3_partitioned, sequence_tiled, tile_bounds
 from lstune.models.introspect import ModelParts, decoder_body, find_parts, text_config
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 
     from lstune.models.chunk_layout import AttentionChunks
 
-IGNORE_INDEX = -100
 LOSS_TILE_BYTES = 2**30  # fp32 logits per tile (ALST's ~1 GiB shards)
 
 # "auto" | "off" | a tile count | a TilePolicy (what apply_memory_techniques stores in its plan)

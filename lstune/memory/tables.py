@@ -13,6 +13,7 @@ import argparse
 
 import torch
 
+from lstune.data.batch import IGNORE_INDEX
 from lstune.memory.measure import no_leftover_grads, peak_bytes
 
 
@@ -22,14 +23,14 @@ from lstune.memory.measure import no_leftover_grads, peak_bytes
 def _batch(seq: int, vocab: int, device) -> dict[str, torch.Tensor]:
     ids = torch.arange(seq, device=device)[None] % vocab
     labels = torch.roll(ids, -1, 1)
-    labels[:, -1] = -100
+    labels[:, -1] = IGNORE_INDEX
     return {"input_ids": ids, "position_ids": torch.arange(seq, device=device)[None], "shift_labels": labels}
 
 
 def hf_step(model, batch) -> None:
     """Plain Hugging Face: full logits, HF's causal-LM loss (summed), backward."""
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
-    count = (batch["shift_labels"] != -100).sum()
+    count = (batch["shift_labels"] != IGNORE_INDEX).sum()
     loss = model.loss_function(
         logits=out.logits, labels=None, vocab_size=out.logits.shape[-1],
         shift_labels=batch["shift_labels"], num_items_in_batch=count,

@@ -114,10 +114,6 @@ class ParallelDims:
         return self.world_size // self.sp
 
     @property
-    def sp_enabled(self) -> bool:
-        return self.sp > 1
-
-    @property
     def sp_rank(self) -> int:
         return self.rank % self.sp
 
@@ -138,13 +134,6 @@ class ParallelDims:
         from lstune.parallel.comm import Communicator
 
         return Communicator.of(self.sp_group)
-
-    @property
-    def dp_comm(self):
-        """Collectives over this rank's DP group (after `build_groups`; this process alone before)."""
-        from lstune.parallel.comm import Communicator
-
-        return Communicator.of(self.dp_group)
 
     def sp_group_ranks(self, block: int) -> list[int]:
         return list(range(block * self.sp, (block + 1) * self.sp))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from lstune.data.batch import IGNORE_INDEX
 from lstune.errors import DataError
 from lstune.models.chunk_layout import AttentionChunks, SequenceLayout, sequence_layout
 
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
     from lstune.parallel.dims import ParallelDims
 
-IGNORE_INDEX = -100
 REQUIRED_KEYS = ("input_ids", "position_ids", "shift_labels")
 
 

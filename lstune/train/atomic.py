@@ -26,7 +26,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
             old = target.with_name(f".tmp-old-{target.name}-{os.getpid()}")
             os.rename(target, old)
         os.rename(tmp, target)
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         if old is not None:
             shutil.rmtree(old)
     except BaseException:
@@ -56,10 +56,13 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new files, renames) durable; only POSIX can open a folder to fsync it."""
+    if os.name != "posix":
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -74,7 +74,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lstune.train.atomic import apply_umask
+from lstune.train.atomic import apply_umask, fsync_dir
 from lstune.errors import CheckpointError
 from lstune.parallel.comm import Communicator
 
@@ -355,7 +355,7 @@ class _Save:
     def publish(self, hashes: dict[str, dict], keep_last: int | None) -> None:
         """Rank 0: manifest last, fsync, rename into place (replacing an older copy safely), prune."""
         for folder, _, _ in os.walk(self.tmp, topdown=False):
-            _fsync_dir(Path(folder))
+            fsync_dir(Path(folder))
         manifest = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -369,7 +369,7 @@ class _Save:
             f.flush()
             os.fsync(f.fileno())
         apply_umask(self.tmp)
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         self._rename_into_place()
         _prune(self.output_dir, self.final, keep_last)
 
@@ -383,7 +383,7 @@ class _Save:
                 )
             os.rename(self.final, self.aside)
         os.rename(self.tmp, self.final)
-        _fsync_dir(self.output_dir)
+        fsync_dir(self.output_dir)
         if replaced:
             shutil.rmtree(self.aside)
 
@@ -443,19 +443,8 @@ def _remove_checkpoint(path: Path) -> None:
     stale-folder pass), never a `checkpoint-N` folder with part of its files or without its manifest."""
     doomed = path.with_name(f".pruned-{path.name}-{secrets.token_hex(4)}")
     os.rename(path, doomed)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     shutil.rmtree(doomed)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a folder's entries (new files, renames) durable; only POSIX can open a folder to fsync it."""
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Which engine trains the model, and whether the run fits: the estimate's answer for this machine.
 
-`plan_run` asks lstune.estimate the same question `lstune estimate` answers, for the hardware this process
-runs on (its device, the processes per node and nodes of the launch, this machine's RAM), before any weight is
+The run plan (lstune.train.plan) asks lstune.estimate the same question `lstune estimate` answers (`plan_run` is
+that estimate alone), for the hardware this process runs on (its device, the processes per node and nodes of the launch, this machine's RAM), before any weight is
 loaded. The engine is the estimate's: with `--zero-stage auto`, the first of single-device AdamW (one process),
 ZeRO-1, -2, -3, ZeRO-3 with Adam state on the host, and with the weights on the host too, then with 3/4, 1/2 or
 1/4 of the Adam state on the host (the rest on the GPU, `--offload-ratio`), then every other k/32 of it
@@ -23,18 +23,14 @@ from lstune.config.schema import TrainConfig
 from lstune.errors import ConfigError
 
 
-def runtime_cluster(runtime):
-    """The hardware this run has: this device (CUDA or CPU) × the launch's processes per node × nodes."""
-    from lstune.estimate.hardware import CPU, Cluster, local_cuda_device, local_host_bytes
+def runtime_cluster(runtime, host_cap: int | None = None):
+    """The hardware this run has: this device (CUDA or CPU) × the launch's processes per node × nodes
+    (lstune.train.plan.machine_cluster); `host_cap`: the most host memory it may use."""
+    from lstune.train.plan import machine_cluster
 
     local = runtime.launch.local_world_size if runtime.launch else 1
     nodes = max(1, runtime.world_size // max(local, 1))
-    host = local_host_bytes()
-    if runtime.device.type == "cuda":
-        return Cluster(local_cuda_device(), local, nodes, host, "this machine's CUDA device")
-    from dataclasses import replace
-
-    return Cluster(replace(CPU, device_bytes=host // max(local, 1)), local, nodes, host, "this machine's CPU")
+    return machine_cluster(runtime.device.type, local, nodes, host_cap)
 
 
 def plan_run(config: TrainConfig, runtime, model_config, *, cluster=None, resolve_auto: bool = True):

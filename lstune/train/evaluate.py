@@ -24,7 +24,7 @@ import math
 import time
 from typing import Any, Iterator
 
-IGNORE = -100
+from lstune.data.batch import IGNORE_INDEX
 
 
 class Evaluator:
@@ -121,7 +121,7 @@ def _blank(sample: dict) -> dict:
     import torch
 
     out = dict(sample)
-    out["shift_labels"] = torch.full_like(sample["shift_labels"], IGNORE)
+    out["shift_labels"] = torch.full_like(sample["shift_labels"], IGNORE_INDEX)
     return out
 
 

@@ -25,12 +25,6 @@ def preflight_problems(config: TrainConfig) -> list[str]:
     return problems + missing_trackers(config.run.trackers())
 
 
-def preflight(config: TrainConfig) -> None:
-    problems = preflight_problems(config)
-    if problems:
-        raise ConfigError(problems)
-
-
 def _check_model(config: TrainConfig) -> None:
     from lstune.models.loading import resolve_source
 
@@ -49,19 +43,6 @@ def _check_data(config: TrainConfig) -> None:
     if config.data.eval_data is not None:
         check_source(config.data.eval_data)
     check_chat_template(config.data.chat_template)
-
-
-def check_parallel_layout(config: TrainConfig) -> None:
-    """Before launching N processes: the SP degree must fit them and the model's heads (ConfigError lists
-    the valid degrees). Multi-node runs learn their world size from the hostfile, so only --gpus is checked
-    for a single node."""
-    from lstune.models.loading import resolve_model
-    from lstune.parallel.dims import ParallelDims
-
-    if config.parallel.hostfile is not None:
-        return
-    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    ParallelDims.for_model(config.parallel.gpus, config.parallel.sp, spec.config)
 
 
 # Settings that fix the shape of the saved state: a checkpoint cannot be loaded under other values.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-IGNORE = -100
+from lstune.data.batch import IGNORE_INDEX
 
 
 @dataclass
@@ -39,7 +39,7 @@ def preview_data(config, max_tokens: int = 400) -> DataPreview:
     train, held = _setup_eval_data(config, tokenizer, spec.config, dataset)
     sample = train[0]
     ids, labels = sample["input_ids"].tolist(), sample["shift_labels"].tolist()
-    trained = [False] + [label != IGNORE for label in labels[:-1]]
+    trained = [False] + [label != IGNORE_INDEX for label in labels[:-1]]
     real = len(ids) - _trailing_padding(labels, sample["position_ids"].tolist(), train.summary()["mode"])
     windows = _windows(trained[:real], max_tokens)
     preview = DataPreview(
@@ -77,7 +77,7 @@ def _trailing_padding(labels: list[int], positions: list[int], mode: str) -> int
         return 0
     n = 0
     for label in reversed(labels):
-        if label != IGNORE:
+        if label != IGNORE_INDEX:
             break
         n += 1
     return max(0, n - 1)  # the document's own last token has an ignored label too

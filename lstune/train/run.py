@@ -84,28 +84,31 @@ def train(config: TrainConfig, reporter: Reporter | None = None) -> TrainResult:
 
 def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path | None, folder) -> TrainResult:
     from lstune.data.templates import set_chat_template
+    from lstune.train.build import build
     from lstune.train.disk_space import check_disk_space
-    from lstune.train.engine_choice import check_fits, plan_run, prediction_note
+    from lstune.train.engine_choice import check_fits, prediction_note, runtime_cluster
+    from lstune.train.plan import plan as make_plan
     from lstune.train.preflight import check_resume_compatible
 
     with runtime.decided_alike():  # every rank refuses alike what these check: one message, the main process's
         if resume_from is not None:
             check_resume_compatible(config, resume_from, runtime.world_size)
-        spec = _check_model_support(config, runtime)
-        runtime.set_dims(config.parallel.sp, spec.config)
-        for note in _adapt_positions(config, spec, runtime):
+        run_plan = make_plan(config, runtime_cluster(runtime), runtime.device.type)
+        runtime.use_dims(run_plan.dims)
+        for note in run_plan.notes:
             reporter.note(note)
-    # Rank 0's answer for every rank: nodes with different host memory must not pick different engines or tile
+    # Rank 0's estimate for every rank: nodes with different host memory must not pick different engines or tile
     # counts (ZeRO-3 gathers weights once per tile, so the ranks' collectives would no longer match).
-    prediction = runtime.comm.broadcast(plan_run(config, runtime, spec.config))
+    run_plan = run_plan.with_estimate(runtime.comm.broadcast(run_plan.estimate))
+    prediction = run_plan.estimate
     with runtime.decided_alike():
         check_fits(config, prediction, runtime)  # before any data or weights are loaded
-    tokenizer, notes = _setup_tokenizer(config, spec)
+    tokenizer, notes = _setup_tokenizer(config, run_plan.spec)
     template_note = set_chat_template(tokenizer, config.data.chat_template)
     notes += [template_note] if template_note else []
     with runtime.main_first():  # the main process fills the tokenized-data cache, the others read it
-        dataset = _setup_data(config, tokenizer, spec.config)
-        dataset, eval_dataset = _setup_eval_data(config, tokenizer, spec.config, dataset)
+        dataset = _setup_data(config, tokenizer, run_plan.spec.config)
+        dataset, eval_dataset = _setup_eval_data(config, tokenizer, run_plan.spec.config, dataset)
     raise_if_terminated()  # a SIGTERM whose exception was lost while loading (lstune.train.signals.on_sigterm)
     max_steps = total_steps(config, len(dataset), runtime.world_size)
     with runtime.decided_alike():  # room for the checkpoints it will save: before any weights load
@@ -114,13 +117,13 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     if disk_note:
         reporter.note(disk_note)
     reporter.note(prediction_note(prediction))  # the predicted peak, just before the weights load
-    # The `auto` memory settings as the estimate resolved them (lstune.estimate.choose_memory).
-    loaded, prepared = _setup_model(prediction.memory_choice.applied_to(config), runtime, spec, tokenizer, notes)
+    built = build(run_plan, runtime, max_steps=max_steps, tokenizer=tokenizer, notes=notes)
+    loaded, prepared, engine = built.loaded, built.prepared, built.engine
     for note in runtime.notes + loaded.notes:
         reporter.note(note)
     warning = truncation_warning(dataset.summary())
-    engine, engine_note = make_engine(config, prepared.model, max_steps, runtime, prediction)
-    reporter.note(engine_note)
+    for note in built.notes:
+        reporter.note(note)
 
     state = RunState()
     if resume_from is not None:
@@ -137,13 +140,13 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         folder.clear_previous()  # --overwrite: only now, with every check of the new run passed
         write_config_snapshot(folder, _recipe_view(config))
 
-    reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state, prediction.memory_choice))
+    reporter.start(_plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime, state, run_plan.memory))
     if warning:
         reporter.note(warning)
     result = TrainResult(output_dir, state.step, max_steps, is_main=runtime.is_main)
     result.last_checkpoint = resume_from if resume_from is not None and resume_from.parent == output_dir else None
     evaluator = _make_evaluator(config, eval_dataset, prepared, runtime, reporter)
-    _loop(config, engine, loaded, prepared, dataset, runtime, state, result, reporter, folder, evaluator)
+    _loop(config, built, dataset, runtime, state, result, reporter, folder, evaluator)
     if folder is not None and result.history:
         _plot(result, folder, reporter)
     mixture = _mixture_note(config, dataset, state.consumed_samples)
@@ -198,36 +201,6 @@ def _extra_outputs(config: TrainConfig) -> tuple[str, ...]:
     from lstune.train.tracking import folders
 
     return (PLOT_FILE, *folders(config.run.trackers()))
-
-
-def _check_model_support(config: TrainConfig, runtime: Runtime):
-    """Resolve the model once (its source and config, a ModelSpec every later step takes) and refuse, from
-    the config alone, what lstune's attention would get wrong here."""
-    from lstune.models.attention import check_attention_support
-    from lstune.models.loading import resolve_model
-
-    spec = resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code)
-    check_attention_support(
-        spec.config, pack=config.data.pack, seq_len=config.data.seq_len, backend=config.model.attn,
-        device=runtime.device.type,
-    )
-    return spec
-
-
-def _adapt_positions(config: TrainConfig, spec, runtime: Runtime) -> list[str]:
-    """--rope-scaling written into the model's config before it is built (lstune.models.rope); without it, a
-    warning when --seq-len passes the model's positions."""
-    from lstune.models.rope import apply_rope_scaling, positions_warning
-
-    model = config.model
-    scaling = apply_rope_scaling(
-        spec.config, model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,
-        original=model.original_max_position_embeddings, sp=runtime.sp, model_name=model.name,
-    )
-    if scaling is not None:
-        return [scaling.note()]
-    warning = positions_warning(spec.config, config.data.seq_len, model.name)
-    return [warning] if warning else []
 
 
 def _setup_tokenizer(config: TrainConfig, spec):
@@ -325,70 +298,12 @@ def _passkey_accuracy(config: TrainConfig) -> tuple[bool, str]:
     return True, ", with passkey accuracy"
 
 
-def _setup_model(config: TrainConfig, runtime: Runtime, spec, tokenizer, notes):
-    """Load, self-check on a probe (lstune.train.self_check), then adapt and apply the techniques in their fixed
-    order (lstune.train.prepare)."""
-    from lstune.models.loading import load_model
-    from lstune.train.prepare import prepare_model
-
-    loaded = load_model(
-        spec,
-        init=config.model.init,
-        trust_remote_code=config.model.trust_remote_code,
-        seed=config.optim.seed,
-        tokenizer=tokenizer,
-        notes=notes,
-        load_in_4bit=config.model.load_in_4bit,
-        device=runtime.device,
-        param_dtype=_base_dtype(config, runtime),
-    )
-    if config.run.skip_self_check:
-        loaded.notes.append("self-check skipped (--skip-self-check)")
-    else:
-        from lstune.train.self_check import run_self_check
-
-        loaded.notes.append(run_self_check(loaded.model, config, runtime).note())
-    prepared = prepare_model(loaded.model, config, runtime)
-    loaded.model = prepared.model
-    return loaded, prepared
-
-
-def _base_dtype(config: TrainConfig, runtime: Runtime):
-    """A 4-bit base on CUDA keeps its unquantized parts (embeddings, norms, head) in bf16, as the LoRA path casts the
-    whole base to; everything else loads in fp32 (and is cast, if at all, in lstune.train.prepare)."""
-    import torch
-
-    if config.model.load_in_4bit and runtime.device.type == "cuda" and config.model.dtype != "fp32":
-        return torch.bfloat16
-    return None
-
-
 def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> int:
     optim = config.optim
     if optim.max_steps is not None:
         return optim.max_steps
     per_step = optim.micro_batch_size * optim.grad_accum * world_size
     return max(1, math.ceil((optim.epochs or 1.0) * num_samples / per_step))
-
-
-def make_engine(config: TrainConfig, model, max_steps: int, runtime: Runtime, prediction):
-    """The engine the estimate chose (lstune.train.engine_choice): plain AdamW on one device, or DeepSpeed ZeRO."""
-    from lstune.optim import OptimConfig
-    from lstune.train.engine import TorchEngine
-    from lstune.train.engine_choice import zero_plan
-
-    optim = OptimConfig.from_section(config.optim, max_steps)
-    plan = zero_plan(prediction)
-    if plan is None:
-        return TorchEngine(model, optim), f"engine: AdamW on {runtime.device}"
-    from lstune.parallel.engine_ds import DeepSpeedEngine
-
-    runtime.ensure_process_group()
-    engine = DeepSpeedEngine(
-        model, dims=runtime.dims, optim=optim, zero=plan, bf16=runtime.autocast_dtype is not None,
-        trust_checkpoint=config.run.trust_checkpoint,
-    )
-    return engine, f"engine: DeepSpeed ZeRO-{plan.stage} ({plan.reason}) on {runtime.world_size} process(es)"
 
 
 def _resume(engine, checkpoint: Path) -> tuple[RunState, dict]:
@@ -465,17 +380,19 @@ def _numel(param) -> int:
 
 
 def _describe_memory(memory_plan) -> str:
-    s = memory_plan.summary()
-    mlp, loss, offload = s["tiled_mlp"], s["tiled_loss"], s["offload_checkpoints"]
+    """The memory techniques as applied (lstune.memory.apply.MemoryPlan), chunked attention included."""
+    m = memory_plan
     tiles = lambda n: f"{n} tile" + ("s" if n != 1 else "")  # noqa: E731
+    offload = "offloaded checkpoints" if m.offload else (f"no offload ({m.offload_note})" if m.offload_note else None)
     parts = [
-        f"tiled MLP {tiles(mlp['tiles'])}" if mlp["setting"] != "off" else "tiled MLP off",
-        "mini-sequence" if mlp["mini_sequence"] else None,
-        f"loss {loss['backend']} ({tiles(loss['tiles'])})",
-        "checkpointing" if s["checkpointing"] else "no checkpointing",
-        "attention saved, not recomputed" if s["recompute_attention"] == "off" else None,
-        "offloaded checkpoints" if offload["enabled"] else (f"no offload ({offload['note']})" if offload["note"] else None),
-        _describe_placement(s["checkpoint_placement"]),
+        f"tiled MLP {tiles(m.mlp_tiles)}" if m.tiled_mlp != "off" else "tiled MLP off",
+        "mini-sequence" if m.mini_sequence else None,
+        f"attention in {m.attn_chunks_at_seq_len} chunks" if m.attn_chunks != "off" else None,
+        f"loss {m.loss_backend} ({tiles(m.loss_tiles_at_seq_len)})",
+        "checkpointing" if m.checkpointing else "no checkpointing",
+        "attention's output kept, not recomputed" if m.save_attention else None,
+        offload,
+        _describe_placement(m.summary()["checkpoint_placement"]),
     ]
     return ", ".join(p for p in parts if p)
 
@@ -489,28 +406,42 @@ def _describe_placement(placed: dict | None) -> str | None:
             f"{mib(placed['device_bytes'])}, recompute +{placed.get('extra_recompute_pct', 0.0)}% of step FLOPs)")
 
 
-def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, result, reporter, folder,
-          evaluator=None) -> None:
-    from lstune.data.loader import make_dataloader
-    from lstune.parallel.sp_data import SPDataAdapter
-    from lstune.train.evaluate import eval_due
+@dataclass
+class _Loop:
+    """What the step loop works with: the run, its built model and engine, and where each step's record goes."""
+
+    config: TrainConfig
+    built: Any  # lstune.train.build.Built
+    runtime: Runtime
+    state: RunState
+    result: TrainResult
+    reporter: Any
+    folder: Any
+    evaluator: Any = None
+    metrics: Any = None  # MetricsWriter (main process)
+    trackers: Any = None  # --report-to (main process)
+    phases: Any = None  # live phases for the CLI's reporter
+
+    @property
+    def engine(self):
+        return self.built.engine
+
+    def close(self) -> None:
+        if self.phases is not None:
+            self.phases.remove()
+        for sink in (self.trackers, self.metrics):
+            if sink is not None:
+                sink.close()
+
+
+def _loop(config, built, dataset, runtime: Runtime, state, result, reporter, folder, evaluator=None) -> None:
+    """Steps until max_steps, a signal or --stop-at-step; then the last checkpoint and, when finished, the export."""
     from lstune.train.guard import NonFiniteGuard
-    from lstune.train.metrics import METRICS_FILE, MetricsWriter
 
     raise_if_terminated()  # the last chance before the first step (lstune.train.signals.on_sigterm)
-    # Every rank reads its own share of one global stream; an SP group then works through its ranks'
-    # samples one at a time, each sharded along the sequence (ALST 4.2).
-    loader = make_dataloader(
-        dataset, config.optim.micro_batch_size, seed=config.optim.seed, start_sample=state.consumed_samples,
-        dp_rank=runtime.rank, dp_size=runtime.world_size,
-    )
-    batches = iter(SPDataAdapter(loader, runtime.dims, device=runtime.device, chunks=prepared.memory.attn_chunking))
-    if folder is not None:
-        folder.claim(METRICS_FILE)
-    metrics = MetricsWriter(result.output_dir, resume_step=state.step) if runtime.is_main else None
-    trackers = _start_trackers(config, result.output_dir, folder) if runtime.is_main else None
-    phases = _phase_tracker(reporter, prepared, runtime)
-    stepper = Stepper(config, engine, runtime, prepared.loss_sum, phases)
+    batches = built.batches(dataset, runtime, start_sample=state.consumed_samples)
+    run = _open_loop(config, built, runtime, state, result, reporter, folder, evaluator)
+    stepper = Stepper(config, built.engine, runtime, built.prepared.loss_sum, run.phases)
     guard = NonFiniteGuard(skip=config.run.skip_nonfinite_steps)
     try:
         with StopOnSignal() as stop:
@@ -519,42 +450,74 @@ def _loop(config, engine, loaded, prepared, dataset, runtime: Runtime, state, re
                 # the run right after that save, without one more step.
                 if _stop_requested(runtime, stop, result, reporter):
                     break
-                record = stepper.step(batches, state)
-                if evaluator is not None and eval_due(state.step, result.max_steps, config.run.eval_every):
-                    _enter(phases, "eval")
-                    record.update(evaluator.run(engine.model))
-                if metrics is not None:
-                    metrics.write(record)
-                if trackers is not None:
-                    trackers.log(record)
-                result.history.append(record)
-                reporter.step(record)
-                note = guard.check(record, result.last_checkpoint)
-                if note:
-                    reporter.note(note)
-                if _stop_requested(runtime, stop, result, reporter):
+                _record(run, stepper.step(batches, state), guard)
+                if _stop_requested(runtime, stop, result, reporter) or _stop_at_step(run):
                     break
-                if config.run.stop_at_step is not None and state.step >= config.run.stop_at_step:
-                    result.stopped_early = True
-                    reporter.note(f"stopping at step {state.step} (--stop-at-step); continue with --resume")
-                    break
-                if config.run.save_every and state.step % config.run.save_every == 0 and state.step < result.max_steps:
-                    _enter(phases, "checkpoint save")
-                    result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
-            result.steps_done = state.step
-            if state.step > 0 and (result.last_checkpoint is None or result.last_checkpoint != result.output_dir / f"checkpoint-{state.step}"):
-                _enter(phases, "checkpoint save")
-                result.last_checkpoint = _save(config, engine, state, result, reporter, folder)
-            if not (result.interrupted or result.stopped_early):
-                _enter(phases, "export")
-                _export(config, engine, loaded, runtime, result, reporter, folder)
+                _save_if_due(run)
+            _finish(run)
     finally:
-        if phases is not None:
-            phases.remove()
-        if trackers is not None:
-            trackers.close()
-        if metrics is not None:
-            metrics.close()
+        run.close()
+
+
+def _open_loop(config, built, runtime: Runtime, state, result, reporter, folder, evaluator) -> _Loop:
+    """The loop's sinks: metrics.jsonl and the trackers on the main process, the reporter's live phases."""
+    from lstune.train.metrics import METRICS_FILE, MetricsWriter
+
+    if folder is not None:
+        folder.claim(METRICS_FILE)
+    run = _Loop(config, built, runtime, state, result, reporter, folder, evaluator)
+    if runtime.is_main:
+        run.metrics = MetricsWriter(result.output_dir, resume_step=state.step)
+        run.trackers = _start_trackers(config, result.output_dir, folder)
+    run.phases = _phase_tracker(reporter, built.prepared, runtime)
+    return run
+
+
+def _record(run: _Loop, record: dict, guard) -> None:
+    """One step's record: validation when due, then metrics, trackers, history, the reporter, the NaN guard."""
+    from lstune.train.evaluate import eval_due
+
+    config, state, result = run.config, run.state, run.result
+    if run.evaluator is not None and eval_due(state.step, result.max_steps, config.run.eval_every):
+        _enter(run.phases, "eval")
+        record.update(run.evaluator.run(run.engine.model))
+    if run.metrics is not None:
+        run.metrics.write(record)
+    if run.trackers is not None:
+        run.trackers.log(record)
+    result.history.append(record)
+    run.reporter.step(record)
+    note = guard.check(record, result.last_checkpoint)
+    if note:
+        run.reporter.note(note)
+
+
+def _stop_at_step(run: _Loop) -> bool:
+    stop_at = run.config.run.stop_at_step
+    if stop_at is None or run.state.step < stop_at:
+        return False
+    run.result.stopped_early = True
+    run.reporter.note(f"stopping at step {run.state.step} (--stop-at-step); continue with --resume")
+    return True
+
+
+def _save_if_due(run: _Loop) -> None:
+    every, step = run.config.run.save_every, run.state.step
+    if every and step % every == 0 and step < run.result.max_steps:
+        _enter(run.phases, "checkpoint save")
+        run.result.last_checkpoint = _save(run.config, run.engine, run.state, run.result, run.reporter, run.folder)
+
+
+def _finish(run: _Loop) -> None:
+    """After the last step: a checkpoint of it (unless just saved), and the export unless stopped."""
+    state, result = run.state, run.result
+    result.steps_done = state.step
+    if state.step > 0 and result.last_checkpoint != result.output_dir / f"checkpoint-{state.step}":
+        _enter(run.phases, "checkpoint save")
+        result.last_checkpoint = _save(run.config, run.engine, state, result, run.reporter, run.folder)
+    if not (result.interrupted or result.stopped_early):
+        _enter(run.phases, "export")
+        _export(run.config, run.engine, run.built.loaded, run.runtime, result, run.reporter, run.folder)
 
 
 def _start_trackers(config: TrainConfig, output_dir: Path, folder):

@@ -47,9 +47,16 @@ class Runtime:
         """Split the world into DP × SP for this model's heads (ConfigError lists valid degrees)."""
         from lstune.parallel.dims import ParallelDims
 
+        self.use_dims(ParallelDims.for_model(self.world_size, sp, model_config))
+
+    def use_dims(self, dims: Any) -> None:
+        """Take a layout already made (a RunPlan's, lstune.train.plan); its groups are built once there is a
+        process group."""
         from lstune.parallel.comm import process_group_ready
 
-        self.dims = ParallelDims.for_model(self.world_size, sp, model_config)
+        if dims.world_size != self.world_size:
+            raise ValueError(f"the plan is laid out for {dims.world_size} processes; this run has {self.world_size}")
+        self.dims = dims
         if process_group_ready():
             self.dims.build_groups()
 

@@ -33,6 +33,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from lstune.data.batch import IGNORE_INDEX
 from lstune.errors import ModelError
 
 log = logging.getLogger("lstune")
@@ -133,7 +134,7 @@ def _long_windows(config: Any) -> bool:
 
 def _fp32_compute(model: Any) -> None:
     """The probe's 4-bit layers compute in fp32 on their dequantized weights, and its unquantized parts (embeddings,
-    norms, head: bf16 on CUDA, lstune.train.run._base_dtype) are cast to fp32 one tensor at a time (transformers
+    norms, head: bf16 on CUDA, lstune.train.plan.dtypes_of) are cast to fp32 one tensor at a time (transformers
     refuses `.to(dtype)` on a quantized model; the packed 4-bit weights are uint8 and stay as they are): the check
     compares lstune's techniques with the plain model at fp32's tolerance, which bf16's rounding would swamp (a bf16
     base failed it with every technique off on the H200 of 2026-11-26, gradient rel 6.5e-3)."""
@@ -225,7 +226,7 @@ def probe_batch(config: Any, *, pack: bool, sp: int, vocab: int) -> dict[str, An
     ids = torch.randint(3, min(vocab, 320) if vocab > 3 else vocab, (1, length), generator=gen)
     cuts = [0, length // 2 + 3, length] if pack else [0, length]
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])[None]
-    labels = torch.full_like(ids, -100)
+    labels = torch.full_like(ids, IGNORE_INDEX)
     for a, b in zip(cuts, cuts[1:]):
         labels[0, a : b - 1] = ids[0, a + 1 : b]
     return {"input_ids": ids, "position_ids": positions, "shift_labels": labels}
@@ -362,7 +363,7 @@ def _reference_step(model: Any, batch: dict, device: Any, *, training: bool = Tr
             doc_logits, doc_layers = _reference_forward(model, {k: v[:, start:end] for k, v in batch.items()})
             logits.append(doc_logits)
             layers.append(doc_layers)
-        loss = F.cross_entropy(torch.cat(logits, 1).flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=-100)
+        loss = F.cross_entropy(torch.cat(logits, 1).flatten(0, 1), batch["shift_labels"].flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
     finally:
         handle.remove()
@@ -391,7 +392,7 @@ def _unshifted(shift_labels: Any) -> Any:
     """Labels for the model's own loss, which shifts them by one itself (the last pre-shifted label is -100)."""
     import torch
 
-    return torch.cat([torch.full_like(shift_labels[:, :1], -100), shift_labels[:, :-1]], dim=1)
+    return torch.cat([torch.full_like(shift_labels[:, :1], IGNORE_INDEX), shift_labels[:, :-1]], dim=1)
 
 
 def _prepared_step(model: Any, config: Any, runtime: Any, batch: dict, *, training: bool = True

@@ -66,13 +66,14 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
 
     from lstune.models.attention import stated_document_spans
     from lstune.models.hf_internals import no_packed_sequence_detection
+    from lstune.train.build import meta_model_of
 
     start = time.perf_counter()
     local = replace(config, data=replace(config.data, seq_len=-(-config.data.seq_len // sp)))
     whole = replace(config, data=replace(config.data, seq_len=local.data.seq_len * sp))
     holder: dict[str, Any] = {}
     live = _meter(exclude=lambda: _host_bytes(holder))
-    model = _on_meta(local, model_config, _bf16_weights(config, target_cuda, zero=static_bytes is not None))
+    model = meta_model_of(local, model_config, bf16=_bf16_weights(config, target_cuda, zero=static_bytes is not None))
     # Ulysses' attention sees the whole sequence: its documents are stated for all of it.
     with _sp_group(sp, model_config) as dims, stated_document_spans(_positions(whole)), \
             FakeTensorMode(allow_non_fake_inputs=True):
@@ -182,27 +183,13 @@ def _positions(config: TrainConfig):
 
 
 def _bf16_weights(config: TrainConfig, target_cuda: bool, *, zero: bool) -> bool:
-    """Whether the target keeps its weights in bf16: a LoRA base on CUDA (lstune.train.prepare.adapt_model), or
-    every weight under DeepSpeed's bf16 mode (fp32 master copies live in its optimizer, counted analytically)."""
-    from lstune.estimate.memory import lora_base_in_bf16
+    """Whether the target keeps its weights in bf16 (lstune.train.plan.dtypes_of): a LoRA base on CUDA, or every
+    weight under DeepSpeed's bf16 mode (fp32 master copies live in its optimizer, counted analytically)."""
+    from lstune.estimate.memory import Engine
+    from lstune.train.plan import dtypes_of
 
-    bf16_run = (target_cuda and config.model.dtype != "fp32") or config.model.dtype == "bf16"
-    return lora_base_in_bf16(config.model.lora_r, config.model.dtype, target_cuda) or (zero and bf16_run)
-
-
-def _on_meta(config: TrainConfig, model_config, bf16: bool):
-    """The model on the meta device, in the dtype the target run keeps its base in, with its LoRA adapters: all of
-    it before faking, since `Module.to` (which peft calls to place adapters) cannot swap fake parameters."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lstune.train.prepare import add_lora
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                                 trust_remote_code=config.model.trust_remote_code)
-    model.config.use_cache = False
-    return add_lora(model, config.model)
+    engine = Engine("deepspeed" if zero else "torch")
+    return dtypes_of(config, "cuda" if target_cuda else "cpu", engine).weights == "bf16"
 
 
 def _mark_partitioned(model) -> None:
@@ -302,32 +289,29 @@ def _pinned_host_bytes(prepared, config: TrainConfig, per_token: int, element_si
 
 
 def trace_estimate(config: TrainConfig, hardware):
-    """The analytic estimate of `config` on `hardware` with the trace of the same rank beside it."""
-    from lstune.estimate import estimate, traced_settings_estimate
+    """`lstune estimate --trace`: the plan of `config` for the step the trace runs in `hardware`'s place
+    (`Cluster.traced`: the CPU's loss head, no fused norms, chunks read in place, no CUDA context) — every `auto`
+    resolved for that step — and the trace of exactly that plan. The estimate it reports is that plan's."""
+    from lstune.train.plan import plan
 
-    analytic = estimate(config, hardware)
-    config = analytic.memory_choice.applied_to(config)  # trace what train would run: `auto` as the estimate chose
-    if analytic.engine.kind == "deepspeed":
-        static = sum(i.device for i in analytic.breakdown.items if i.name.startswith(("param", "grad", "optim")))
-    else:
-        static = None
-    model_config = _model_config(config)
     if config.model.attn not in ("auto", "sdpa"):
         raise ConfigError([f"--trace runs PyTorch's SDPA kernel on CPU; drop --attn {config.model.attn} for the trace."])
+    run_plan = plan(config, replace(hardware, traced=True))
+    return TraceReport(run_plan.estimate, run_plan.estimate, trace_plan(run_plan))
+
+
+def trace_plan(run_plan) -> TraceResult:
+    """The trace of one rank's step of `run_plan` (its resolved memory settings, its engine, its SP degree)."""
+    analytic = run_plan.estimate
+    static = None
+    if analytic.engine.kind == "deepspeed":
+        static = sum(i.device for i in analytic.breakdown.items if i.name.startswith(("param", "grad", "optim")))
     try:
-        traced = trace_step(config, model_config=model_config, target_cuda=hardware.on_cuda, sp=analytic.sp,
-                            static_bytes=static, zero3=analytic.engine.zero_stage == 3)
+        return trace_step(run_plan.resolved, model_config=run_plan.spec.config, target_cuda=run_plan.cluster.on_cuda,
+                          sp=run_plan.sp, static_bytes=static, zero3=analytic.engine.zero_stage == 3)
     except ModelError as exc:
         raise ConfigError([f"--trace runs the step on this CPU, where lstune cannot prepare this model: {exc} "
                            "Drop --trace for the analytic estimate."]) from None
-    comparable = traced_settings_estimate(config, hardware, model_config, analytic)
-    return TraceReport(analytic, comparable, traced)
-
-
-def _model_config(config: TrainConfig):
-    from lstune.models.loading import resolve_model
-
-    return resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code).config
 
 
 @dataclass

@@ -120,7 +120,7 @@ def test_lstune_equals_plain_hf_peft_on_the_same_4bit_model(saved_model, compute
 
 
 def test_self_check_passes_on_a_4bit_base_with_bf16_parts(saved_model):
-    """On CUDA a 4-bit base keeps its embeddings, norms and head in bf16 (lstune.train.run._base_dtype); the
+    """On CUDA a 4-bit base keeps its embeddings, norms and head in bf16 (lstune.train.plan.dtypes_of); the
     self-check's probe computes in fp32 all the same, or bf16's rounding fails it with every technique off (the QLoRA
     run of the H200 of 2026-11-26: gradient rel 6.5e-3 against a 1e-4 tolerance). Reproduced here on CPU."""
     pytest.importorskip("bitsandbytes")

@@ -127,11 +127,12 @@ def test_a_small_model_with_a_million_token_window_is_checked(pack):
 
 @pytest.mark.parametrize("skip", [False, True])
 def test_training_setup_runs_it_unless_skipped(skip, tmp_path):
-    from lstune.models.loading import resolve_model
-    from lstune.train.run import _setup_model
+    from lstune.estimate.hardware import resolve_hardware
+    from lstune.train.build import build
+    from lstune.train.plan import plan
 
     config = TrainConfig(data=DataSection(seq_len=64), run=RunSection(skip_self_check=skip))
-    loaded, _ = _setup_model(config, CPU, resolve_model("tiny-llama"), None, [])
+    loaded = build(plan(config, resolve_hardware(gpu="cpu", host_mem=16 * 2**30)), CPU).loaded
     expected = "self-check skipped" if skip else "self-check passed"
     assert any(expected in note for note in loaded.notes)
 

@@ -1,0 +1,80 @@
+"""The estimate's inputs: a configuration's byte-model settings (`settings`), the SP degree, the room a device and a
+host give a run (`device_capacity`, `host_capacity`, `fits`) — shared by the choices (lstune.estimate.choice), the
+longest-length search (lstune.estimate.longest), the suggestions and the estimate itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lstune.config.schema import TrainConfig
+from lstune.estimate.hardware import Cluster
+from lstune.estimate.memory import Breakdown, Engine, Settings, host_reserve_bytes, reserve_bytes
+
+
+MIN_SEQ = 1024
+
+
+# `auto` tiling stops cutting once the predicted peak is at most this share of the device: tiles cost time, and
+# the few percent the estimate may be off (docs/estimate.md) plus the allocator's fragmentation need room.
+AUTO_HEADROOM = 0.9
+
+
+def model_config_of(config: TrainConfig):
+    from lstune.models.loading import resolve_model
+
+    return resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code).config
+
+
+def resolve_sp(config: TrainConfig, hardware: Cluster, model_config) -> int:
+    """The SP degree the run would use (ConfigError naming the valid ones when it cannot)."""
+    from lstune.parallel.dims import ParallelDims
+
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return ParallelDims.for_model(hardware.world_size, config.parallel.sp, text).sp
+
+
+# What the trace's step does differently (Cluster.traced): no Liger, no fused norms (a probe needs real weights),
+# offloaded chunks read in place, no CUDA context (the trace counts tensors only).
+TRACED = {"liger": False, "fuse_norms": False, "chunks_fetched": False, "cuda_context": False}
+
+
+def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, offload: bool | None = None) -> Settings:
+    """The byte model's settings of `config`; `offload`: checkpoint offload as resolved (default: on only when the
+    config says so outright, 'auto' being the estimate's choice, `choose_memory`)."""
+    m = config.memory
+    offload = m.offload_checkpoints is True if offload is None else offload
+    return Settings(
+        seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp, world=hardware.world_size,
+        engine=engine, lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout, on_cuda=hardware.on_cuda,
+        dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence is True,
+        checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
+        grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
+        checkpoint_device_budget=m.checkpoint_device_budget, attn_chunks=m.attn_chunks,
+        save_attention=m.checkpointing and m.recompute_attention == "off",
+        **(TRACED if hardware.traced else {}),
+    )
+
+
+def fits(b: Breakdown, hardware: Cluster) -> bool:
+    return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= host_capacity(hardware)
+
+
+def device_capacity(hardware: Cluster) -> int:
+    return hardware.device.device_bytes - reserve_bytes(hardware.device.device_bytes, hardware.on_cuda)
+
+
+def host_capacity(hardware: Cluster) -> int:
+    """A node's RAM less what the OS keeps (memory.host_reserve_bytes): what its ranks can have together."""
+    return hardware.host_bytes - host_reserve_bytes(hardware.host_bytes)
+
+
+def ladder(top: int) -> list[int]:
+    """1, 2, 4, ... below `top`, then `top`."""
+    return [1 << i for i in range(max(top - 1, 0).bit_length()) if 1 << i < top] + [top]
+
+
+def with_flat(config: TrainConfig, **flat: Any) -> TrainConfig:
+    """A copy of `config` with some flat keys changed (`seq_len`, `offload_checkpoints`, ...)."""
+    values = config.to_dict()
+    values.update(flat)
+    return TrainConfig.from_flat(values)

@@ -1,0 +1,148 @@
+"""`build(plan, runtime, weights="load"|"meta")`: what a RunPlan (lstune.train.plan) describes, made — the one
+setup `lstune train`, each `lstune bench` trial and `lstune estimate --trace` share.
+
+Steps, in order (each the same for every caller):
+1. `load_weights`: the plan's model (RoPE scaling in its config), its 4-bit base and its dtypes (`plan.dtypes`) on
+   the runtime's device; or `meta_model`: the same model on the meta device in the same dtypes, with its LoRA
+   adapters, for the trace to materialise as fake tensors;
+2. the startup self-check on a probe (lstune.train.self_check), unless --skip-self-check (loaded weights only);
+3. `Built.prepare`: adapt (device, dtype, LoRA) and apply the techniques in their fixed order (lstune.train.prepare)
+   with the plan's resolved memory settings;
+4. `make_engine`: the engine the plan's estimate chose (AdamW on one device, or DeepSpeed ZeRO);
+5. `Built.batches`: each rank's batches, laid out for the model's chunked attention (lstune.parallel.sp_data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from lstune.train.plan import RunPlan
+
+
+@dataclass
+class Built:
+    """The loaded (`loaded`: LoadedModel, its `model` the prepared one once prepared), prepared (`prepared`:
+    PreparedModel) model of a plan, and its engine (None until made; a meta build has none)."""
+
+    plan: RunPlan
+    loaded: Any
+    prepared: Any = None
+    engine: Any = None
+    notes: list[str] = field(default_factory=list)  # the engine's line, for the run's report
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    def prepare(self, runtime, *, adapted: bool = False) -> Any:
+        """Step 3 on the loaded model (`adapted`: device, dtype and LoRA are already done, as `meta_model` does)."""
+        from lstune.train.prepare import apply_techniques, prepare_model
+
+        config = self.plan.resolved
+        model = self.loaded.model
+        self.prepared = apply_techniques(model, config, runtime) if adapted else prepare_model(model, config, runtime)
+        self.loaded.model = self.prepared.model
+        return self.prepared
+
+    def loss_sum(self, batch: dict, model: Any = None):
+        return self.prepared.loss_sum(batch, model)
+
+    def batches(self, dataset, runtime, *, start_sample: int = 0) -> Iterator[dict]:
+        """Step 5: every rank reads its own share of one global stream of `dataset`; an SP group then works through
+        its ranks' samples one at a time, each sharded along the sequence (ALST 4.2) and laid out for the
+        model's chunked attention."""
+        from lstune.data.loader import make_dataloader
+        from lstune.parallel.sp_data import SPDataAdapter
+
+        config = self.plan.config
+        loader = make_dataloader(dataset, config.optim.micro_batch_size, seed=config.optim.seed,
+                                 start_sample=start_sample, dp_rank=runtime.rank, dp_size=runtime.world_size)
+        chunks = self.prepared.memory.attn_chunking if self.prepared is not None else None
+        return iter(SPDataAdapter(loader, runtime.dims, device=runtime.device, chunks=chunks))
+
+
+def build(plan: RunPlan, runtime, weights: str = "load", *, max_steps: int = 1, tokenizer: Any = None,
+          notes: list[str] | None = None, self_check: bool = True) -> Built:
+    """The module doc's steps 1-4 for `weights="load"` (`self_check=False`: without step 2, for a bench trial,
+    which measures the step and not the startup check); step 1 alone (`meta_model`) for `weights="meta"`, whose
+    caller materialises the model and then calls `Built.prepare(runtime, adapted=True)`."""
+    if weights == "meta":
+        from lstune.models.loading import LoadedModel
+
+        return Built(plan, LoadedModel(meta_model(plan), None, plan.spec.source, list(notes or [])))
+    if weights != "load":
+        raise ValueError(f"weights must be 'load' or 'meta', not {weights!r}")
+    built = Built(plan, load_weights(plan, runtime, tokenizer=tokenizer, notes=notes))
+    if self_check:
+        _self_check(built, runtime)
+    built.prepare(runtime)
+    built.engine, note = make_engine(plan, built.model, max_steps, runtime)
+    built.notes.append(note)
+    return built
+
+
+def load_weights(plan: RunPlan, runtime, *, tokenizer: Any = None, notes: list[str] | None = None,
+                 attn_implementation: str | None = None):
+    """Step 1: the plan's model loaded onto the runtime's device (lstune.models.loading.load_model)."""
+    from lstune.models.loading import load_model
+
+    model = plan.config.model
+    return load_model(
+        plan.spec, init=model.init, trust_remote_code=model.trust_remote_code, seed=plan.config.optim.seed,
+        tokenizer=tokenizer, notes=notes, load_in_4bit=model.load_in_4bit, device=runtime.device,
+        param_dtype=plan.dtypes.torch_param_dtype(), attn_implementation=attn_implementation,
+    )
+
+
+def meta_model(plan: RunPlan):
+    """Step 1 on the meta device: the model in the dtype the run keeps its weights in (`plan.dtypes.weights`),
+    with its LoRA adapters — all of it before faking, since `Module.to` (which peft calls to place adapters)
+    cannot swap fake parameters."""
+    return meta_model_of(plan.resolved, plan.spec.config, bf16=plan.dtypes.weights == "bf16")
+
+
+def meta_model_of(config, model_config, *, bf16: bool):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lstune.train.prepare import add_lora
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.bfloat16 if bf16 else torch.float32,
+                                                 trust_remote_code=config.model.trust_remote_code)
+    model.config.use_cache = False
+    return add_lora(model, config.model)
+
+
+def _self_check(built: Built, runtime) -> None:
+    """Step 2: the self-check on a probe of the loaded model, noted (lstune.train.self_check)."""
+    config = built.plan.resolved
+    if config.run.skip_self_check:
+        built.loaded.notes.append("self-check skipped (--skip-self-check)")
+        return
+    from lstune.train.self_check import run_self_check
+
+    built.loaded.notes.append(run_self_check(built.loaded.model, config, runtime).note())
+
+
+def make_engine(plan: RunPlan, model, max_steps: int, runtime):
+    """Step 4: the engine the plan's estimate chose (lstune.train.engine_choice): plain AdamW on one device, or
+    DeepSpeed ZeRO. Returns (engine, the line that says which)."""
+    from lstune.optim import OptimConfig
+    from lstune.train.engine import TorchEngine
+    from lstune.train.engine_choice import zero_plan
+
+    config = plan.config
+    optim = OptimConfig.from_section(config.optim, max_steps)
+    zero = zero_plan(plan.estimate)
+    if zero is None:
+        return TorchEngine(model, optim), f"engine: AdamW on {runtime.device}"
+    from lstune.parallel.engine_ds import DeepSpeedEngine
+
+    runtime.ensure_process_group()
+    engine = DeepSpeedEngine(
+        model, dims=runtime.dims, optim=optim, zero=zero, bf16=runtime.autocast_dtype is not None,
+        trust_checkpoint=config.run.trust_checkpoint,
+    )
+    return engine, f"engine: DeepSpeed ZeRO-{zero.stage} ({zero.reason}) on {runtime.world_size} process(es)"

@@ -1,0 +1,137 @@
+"""One run plan (lstune.train.plan) and one build (lstune.train.build) for train, bench and the trace: a bench trial
+builds the very model `lstune train` builds from the same config; a trial's plan is for the memory the trial may
+use; the plan refuses everything at once and resolves every `auto`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lstune.config.load import build_config
+from lstune.config.schema import TrainConfig
+from lstune.errors import ConfigError
+from lstune.estimate.hardware import resolve_hardware
+from lstune.train.plan import dtypes_of, plan, resolved_recipe
+
+GiB = 2**30
+
+
+def _captured_builds(monkeypatch) -> list:
+    import lstune.train.build as build_module
+
+    built, real = [], build_module.build
+
+    def capture(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(build_module, "build", capture)
+    return built
+
+
+def _view(built) -> dict:
+    """What makes two builds the same model: module tree, parameters' dtypes and trainability, the instance patches
+    installed, RoPE, the memory plan, the engine."""
+    model = built.model
+    return {
+        "modules": [(name, type(m).__name__) for name, m in model.named_modules()],
+        "parameters": [(name, p.dtype, p.requires_grad) for name, p in model.named_parameters()],
+        "patched": sorted(name for name, m in model.named_modules() if "forward" in vars(m)),
+        "rope": getattr(model.config, "rope_parameters", None),
+        "max_positions": model.config.max_position_embeddings,
+        "memory": {k: v for k, v in built.prepared.memory.summary().items() if k != "notes"},
+        "engine": type(built.engine).__name__,
+    }
+
+
+@pytest.mark.parametrize("flags", [
+    {"lora_r": "4", "rope_scaling": "linear", "rope_factor": "2", "seq_len": "384", "attn_chunks": "2"},
+    {"tiled_mlp": "2", "tiled_loss": "3", "seq_len": "256"},
+], ids=["lora-rope-chunks", "full-tiles"])
+def test_train_and_a_bench_trial_build_the_same_model(tmp_path, monkeypatch, flags):
+    from lstune.bench.trial import Job, run_step_trial
+    from lstune.train.run import train
+
+    built = _captured_builds(monkeypatch)
+    flat = {"model": "tiny-llama", "data": "builtin:passkey", "max_steps": "1", "output_dir": str(tmp_path / "o"),
+            **flags}
+    train(build_config({}, flat))
+    config = build_config({}, {**flat, "output_dir": str(tmp_path / "b")})
+    record = run_step_trial(Job(1, "step", "lstune", config.to_dict(), warmup=0, steps=1))
+    assert record["outcome"] == "ok", record.get("error")
+    assert len(built) == 2
+    train_view, bench_view = _view(built[0]), _view(built[1])
+    assert train_view == bench_view
+    if "rope_scaling" in flags:  # RoPE was applied to both, not left out of the trial
+        assert train_view["rope"]["rope_type"] == "linear" and train_view["rope"]["factor"] == 2.0
+
+
+def test_a_4bit_base_loads_its_other_parts_in_bf16_on_cuda_for_every_caller(monkeypatch):
+    """The dtypes are the plan's: train and bench load through `load_weights`, which passes them on."""
+    import lstune.models.loading as loading
+    from lstune.train.build import load_weights
+
+    seen = {}
+    monkeypatch.setattr(loading, "load_model", lambda spec, **kwargs: seen.update(kwargs))
+    config = TrainConfig.from_flat({"model": "tiny-llama", "lora_r": 8, "load_in_4bit": True, "init": "pretrained"})
+    engine = SimpleNamespace(kind="torch")
+    assert dtypes_of(config, "cuda", engine).quantized_rest == "bf16"
+    assert dtypes_of(config, "cpu", engine).quantized_rest == "fp32"
+    run_plan = SimpleNamespace(config=config, spec=None, dtypes=dtypes_of(config, "cuda", engine))
+    load_weights(run_plan, SimpleNamespace(device=torch.device("cpu")))
+    assert seen["param_dtype"] is torch.bfloat16 and seen["load_in_4bit"] is True
+
+
+def test_a_bench_trials_plan_is_for_the_host_memory_the_trial_may_use():
+    from lstune.bench.trial import Job, run_step_trial
+
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 128})
+    record = run_step_trial(Job(1, "step", "lstune", config.to_dict(), warmup=0, steps=1, host_cap=3 * GiB))
+    assert record["outcome"] == "ok", record.get("error")
+    assert record["hardware"]["host_bytes"] == 3 * GiB
+    assert record["estimate"]["device_capacity"] == 3 * GiB  # on CPU the "device" is that RAM
+
+
+def test_auto_sizes_for_a_capped_host_and_not_for_the_machine(monkeypatch):
+    """The bench's failure: `auto` sized for 23.5 GiB while the trial might use 3 GiB. With a 50K vocabulary at 16K
+    tokens the full fp32 logits alone take 3 GiB: uncapped, `auto` leaves the loss untiled; capped at 3 GiB it tiles
+    it and the step's peak fits the cap (on CPU the "device" is that RAM)."""
+    import lstune.estimate.hardware as hardware
+    from lstune.models.presets import preset_config
+    from lstune.models.loading import ModelSpec, resolve_source
+    from lstune.train.plan import machine_cluster
+
+    monkeypatch.setattr(hardware, "local_host_bytes", lambda: 64 * GiB)
+    model_config = preset_config("tiny-llama", vocab_size=50_000, hidden_size=256, num_hidden_layers=2)
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 16384})
+
+    def planned(cap):
+        spec = ModelSpec(resolve_source("tiny-llama"), model_config)
+        return plan(config, machine_cluster("cpu", host_cap=cap), "cpu", spec=spec)
+
+    free, capped = planned(None), planned(3 * GiB)
+    assert free.memory.tiled_loss == "off" and free.fits
+    assert capped.memory.tiled_loss not in ("off", "auto") and capped.estimate.fits_device
+    assert capped.estimate.device_peak_bytes <= 3 * GiB < free.estimate.device_peak_bytes
+
+
+def test_every_refusal_is_reported_at_once():
+    config = TrainConfig.from_flat({"model": "tiny-llama", "gpus": 2, "sp": 3, "lora_r": 16, "load_in_4bit": True,
+                                    "rope_scaling": "yarn", "rope_factor": 4, "seq_len": 4096})
+    with pytest.raises(ConfigError) as exc:
+        plan(config, resolve_hardware(gpu="cpu", gpus=2, host_mem=16 * GiB), "cpu")
+    text = "\n".join(exc.value.problems)
+    assert "--sp 3 does not fit 2 process(es)" in text and "--load-in-4bit" in text
+
+
+def test_the_plan_leaves_no_auto_it_resolves():
+    run_plan = plan(TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 8192}),
+                    resolve_hardware(gpu="h100-80gb", host_mem=256 * GiB), "cuda")
+    recipe = resolved_recipe(run_plan)
+    for key in ("sp", "zero_stage", "dtype", "attn", "init", "tiled_mlp", "offload_checkpoints", "mini_sequence",
+                "attn_chunks"):
+        assert recipe[key] != "auto", key
+    assert recipe["dtype"] == "bf16" and recipe["zero_stage"] == "0" and recipe["init"] == "random"
+    assert run_plan.resolved.memory == run_plan.estimate.memory_choice.memory  # one memory-settings type
