@@ -112,6 +112,4 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
         attention.undo()
         raise
     model.train()
-    # The first step would pin its host copies on the fly, and be that much slower than the rest (issue 33).
-    memory.reserve_host(config.optim.micro_batch_size)
     return PreparedModel(model, parts, attention, ulysses, memory)
