@@ -47,6 +47,9 @@ import torch
 
 from lstune.memory.attention_blocks import (
     FLASH_OPS,
+    MASKED,
+    allowed_pairs,
+    block_backward,
     FlashOps,
     flash_ops,
     span_backward,
@@ -85,6 +88,7 @@ class _Entry:
         self.groups: list[tuple[slice, list[tuple[int, int]]]] = []
         self.held: list[Any] | None = None
         self.fetched: list[Tensor] | None = None
+        self.fresh: tuple[Tensor, Tensor] | None = None  # (O, lse) just computed, for the first run's Function
         self.chunks: Any = None
 
 
@@ -168,6 +172,17 @@ class LayerSaves:
                 _log_declined(reason)
         if entry.declined:
             return None
+        if entry.held is None:  # the layer's first run: compute and keep (O, lse)
+            try:
+                with torch.no_grad():
+                    entry.fresh = _forward(entry, query, key, value)
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as failure:  # no fused op took it (attention_blocks.span_call): the plain path
+                entry.declined = True
+                _log_declined(f"no fused attention op ran ({failure})")
+                return None
+            self.keep(entry, [entry.fresh[0].detach(), entry.fresh[1]])
         return _SavedAttention.apply(self, entry, query, key, value)
 
 
@@ -216,9 +231,8 @@ class _SavedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, saves: LayerSaves, entry: _Entry, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-        if entry.held is None:
-            out_BSHD, lse_BHS = _forward(entry, query, key, value)
-            saves.keep(entry, [out_BSHD.detach(), lse_BHS])
+        if entry.fresh is not None:
+            (out_BSHD, lse_BHS), entry.fresh = entry.fresh, None
         else:
             out_BSHD, lse_BHS = saves.fetch(entry)
         ctx.saves, ctx.entry = saves, entry
@@ -239,7 +253,34 @@ def _kernel(entry: _Entry, function: Callable, device: torch.device, head_dim: i
     options = dict(causal=True, scale=entry.scale, dtype=entry.dtype)
     if entry.fixed:
         return functools.partial(function, entry.ops, **options)
-    return lambda *args: span_call(functools.partial(function, **options), device, entry.dtype, head_dim, *args)
+
+    def run(*args):
+        try:
+            return span_call(functools.partial(function, **options), device, entry.dtype, head_dim, *args)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError:
+            if function is not span_backward:
+                raise
+            # Every fused op refused this span's backward after its forward ran: the PyTorch kernel, exact.
+            return _torch_span_backward(*args, scale=entry.scale, dtype=entry.dtype)
+
+    return run
+
+
+def _torch_span_backward(dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Tensor, lse: Tensor, *,
+                         scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """One causal span's backward with attention_blocks' PyTorch kernel (fp32 scores in row tiles) from the kept
+    (O, lse): the last resort when no fused op runs it."""
+    batch, heads, t, dim = q4.shape
+    kv_heads = k4.shape[1]
+    q5, dout5, out5 = (x.reshape(batch, kv_heads, heads // kv_heads, t, x.shape[-1]) for x in (q4, dout4, out4))
+    delta = (dout5.float() * out5.float()).sum(-1)
+    index = torch.arange(t, device=q4.device).expand(batch, t)
+    allowed = allowed_pairs(index, index * 0, index, index * 0, None)
+    dq5, dk, dv = block_backward(MASKED, q5.to(dtype), k4.to(dtype), v4.to(dtype), dout5.to(dtype),
+                                 (delta, lse.reshape(delta.shape)), allowed, scale, None)
+    return dq5.reshape(q4.shape).to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 def _forward(entry: _Entry, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -257,21 +257,28 @@ def test_host_copies_to_reserve_are_those_a_step_makes(models, monkeypatch, reco
     assert plan.reserve_host(2) == 0  # on CPU nothing is pinned
 
 
-def test_an_op_that_fails_on_a_real_span_hands_it_to_the_next(models, monkeypatch):
-    """Ops that pass the probe (48-token blocks) but refuse a real span are dropped for the run, with a warning, and
-    the next ops run it: still exact."""
+def _refusing(run):
+    """`run` that raises on spans longer than the probe's 48-token blocks, as ops may on shapes they refuse."""
+    def op(*args, **kwargs):
+        if max(a.shape[2] for a in args[:3]) > 64:
+            raise RuntimeError("span too long for this op")
+        return run(*args, **kwargs)
+    return op
+
+
+@pytest.mark.parametrize("refuses", ["forward", "backward", "both"])
+@pytest.mark.parametrize("alone", [False, True])
+def test_an_op_that_fails_on_a_real_span_hands_it_on(models, monkeypatch, refuses, alone):
+    """Ops that pass the probe but refuse a real span are dropped for the run (a warning) and the next ops run it;
+    with none left, a forward leaves the call to the plain path (recomputed) and a backward takes the PyTorch
+    kernel from the kept (O, lse). Exact every way."""
     from lstune.memory import attention_blocks
 
-    def refusing(run):
-        def op(q, k, v, *args, **kwargs):
-            if q.shape[2] > 64:
-                raise RuntimeError("span too long for this op")
-            return run(q, k, v, *args, **kwargs)
-        return op
-
     cpu = attention_blocks.FLASH_OPS["cpu"][0]
-    picky = attention_blocks.FlashOps("picky", refusing(cpu.forward), cpu.backward, cpu.dtypes, True)
-    monkeypatch.setitem(attention_blocks.FLASH_OPS, "cpu", (picky, cpu))
+    forward = _refusing(cpu.forward) if refuses in ("forward", "both") else cpu.forward
+    backward = _refusing(cpu.backward) if refuses in ("backward", "both") else cpu.backward
+    picky = attention_blocks.FlashOps("picky", forward, backward, cpu.dtypes, True)
+    monkeypatch.setitem(attention_blocks.FLASH_OPS, "cpu", (picky,) if alone else (picky, cpu))
     monkeypatch.setattr(attention_blocks, "_PROBED", {})
     _assert_equal_on_and_off(models("tiny-llama"), SETTINGS["checkpointing"], [long_batch(SEQ)])
     assert attention_blocks._PROBED[("cpu", torch.float32, 32, picky)] is False
