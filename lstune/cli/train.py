@@ -90,14 +90,12 @@ def model_problems(config, *, device: str | None = None) -> list[str]:
 
 def _dry_run(config) -> int:
     """The run's plan on this machine, resolved (lstune.train.plan), with the estimate's verdict — before any
-    weights load; exit 2 where the run would refuse to start (predicted not to fit, without --force)."""
+    weights load. A verdict of "does not fit" is printed, not refused: a recipe is often checked on another machine
+    than the one it will train on (`lstune estimate --gpu ...` answers for that one)."""
     from lstune.cli.render import print_plan
-    from lstune.train.engine_choice import check_fits
     from lstune.train.plan import local_plan
 
-    run_plan = local_plan(config)
-    print_plan(run_plan)
-    check_fits(config, run_plan.estimate, None)
+    print_plan(local_plan(config))
     return 0
 
 

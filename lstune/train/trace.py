@@ -410,7 +410,7 @@ def default_grid() -> list[tuple[str, str, int]]:
 
 # ---- the estimate against measured GPU peaks -----------------------------------------------------------------
 
-# The rungs of tests/gpu/bench_ladder.py as config settings (LoRA r=16, single-device engine).
+# The rungs of tools/gpu/bench_ladder.py as config settings (LoRA r=16, single-device engine).
 BENCH_RUNGS = {
     "tiled_loss": {"tiled_mlp": "off"},
     "tiled_mlp": {},

@@ -183,7 +183,7 @@ def test_offload_removes_the_checkpoints_from_the_device_peak():
 def test_offload_copy_hides_under_compute():
     """The side-stream copy of a checkpoint runs during the compute stream's matmul: the overlapped pair takes
     far less than the two in series (H100, 2026-11-23: copy 10.0 ms at 54 GB/s, matmul 9.5 ms, together 11.0 ms)."""
-    from tests.gpu.bench_ladder import copy_overlap
+    from tools.gpu.bench_ladder import copy_overlap
 
     result = copy_overlap(65536, 4096, "cuda")
     assert result["overlapped_s"] < 0.75 * result["serial_s"], result

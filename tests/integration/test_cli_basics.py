@@ -42,6 +42,22 @@ def test_dry_run_prints_resolved_config(cli, tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_dry_run_prints_the_resolved_plan_and_the_verdict(cli):
+    """--dry-run shows what the run will do, before any weights load: every `auto` the plan resolves (memory, SP,
+    engine, dtype, attention, init), the layout and engine, and the estimate's verdict."""
+    import yaml
+
+    result = cli("train", *TINY, "--seq-len", "4k", "--dry-run")
+    assert result.code == 0, result.err
+    recipe_text, plan_text = result.out.split("# plan on", 1)
+    recipe = yaml.safe_load(recipe_text)
+    for key in ("tiled_mlp", "tiled_loss", "mini_sequence", "offload_checkpoints", "attn_chunks", "sp", "zero_stage",
+                "dtype", "attn", "init"):
+        assert recipe[key] != "auto", (key, recipe[key])
+    assert "layout: 1 process(es), SP 1" in plan_text and "engine: AdamW on one device" in plan_text
+    assert "estimate (predicted): device" in plan_text and "fits:" in plan_text
+
+
 @pytest.mark.parametrize("args, fragments", [
     (["--gpus", "2", "--sp", "3"], ["--sp 3 does not fit 2 process(es)", "use one of 1, 2"]),
     (["--lora-r", "16", "--load-in-4bit"], ["--load-in-4bit", "initialised at random", "drop --load-in-4bit"]),

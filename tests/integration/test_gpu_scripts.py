@@ -4,7 +4,7 @@ A device lease is 15 minutes, start-up included; a flag renamed since a script w
 (and its share of the lease) on the GPU machine. Each script's phases run here with `python3` replaced by a shell
 function that records its arguments (so nothing is measured), then every recorded `lstune` command goes through
 lstune's own CLI — `train` with `--dry-run`, `bench` with its trials replaced by a recorder (and the trials' device
-taken as CUDA, as on the GPU machine) — and every `tests.gpu.bench_ladder` command through that script's parser.
+taken as CUDA, as on the GPU machine) — and every `tools.gpu.bench_ladder` command through that script's parser.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from tests.integration.conftest import REPO
 
-GPU = REPO / "tests" / "gpu"
+GPU = REPO / "tools" / "gpu"
 SCRIPTS = ("run_short.sh", "run_next.sh")
 
 
@@ -57,8 +57,8 @@ def stubbed_bench(monkeypatch):
 
 @pytest.fixture
 def stubbed_ladder(monkeypatch):
-    """tests.gpu.bench_ladder with its subcommands recorded instead of run."""
-    import tests.gpu.bench_ladder as ladder
+    """tools.gpu.bench_ladder with its subcommands recorded instead of run."""
+    import tools.gpu.bench_ladder as ladder
 
     runs = []
     for name in ("rates", "policy", "ladder", "maxlen", "overlap", "chunks"):
@@ -76,14 +76,14 @@ def test_every_command_of_the_gpu_scripts_is_accepted(script, tmp_path, cli, stu
     # with attention recomputed (issue 33's baseline).
     benches = {"run_short.sh": 2, "run_next.sh": 3}[script]
     assert modules.count("lstune") == benches + 1 and modules.count("pytest") == 2, commands
-    assert modules.count("tests.gpu.bench_ladder") == 2, commands
+    assert modules.count("tools.gpu.bench_ladder") == 2, commands
     for argv in commands:
         assert argv[0] == "-m", argv
         if argv[1] == "lstune":
             args = argv[2:] + (["--dry-run"] if argv[2] == "train" else [])
             result = cli(*args)
             assert result.code == 0, (shlex.join(argv), result.err)
-        elif argv[1] == "tests.gpu.bench_ladder":
+        elif argv[1] == "tools.gpu.bench_ladder":
             ladder.main(argv[2:])
         else:
             assert argv[1] == "pytest", argv

@@ -1,11 +1,11 @@
-"""The GPU bench's profile summary (tests/gpu/bench_ladder.py `device_time_summary`): where a step's device time
+"""The GPU bench's profile summary (tools/gpu/bench_ladder.py `device_time_summary`): where a step's device time
 went — compute busy on the timeline (overlapping kernels counted once), copies by direction, idle time."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.gpu.bench_ladder import device_time_summary
+from tools.gpu.bench_ladder import device_time_summary
 
 
 def test_overlapping_kernels_count_once_and_copies_are_split_by_direction():

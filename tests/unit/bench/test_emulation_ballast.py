@@ -1,4 +1,4 @@
-"""The GPU bench's emulation of a deep model's checkpoint placement on a shallow one (tests/gpu/bench_ladder.py):
+"""The GPU bench's emulation of a deep model's checkpoint placement on a shallow one (tools/gpu/bench_ladder.py):
 the ballast it allocates is the deep plan's checkpoint bytes less the shallow run's own, on each side."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lstune.memory.placement import CheckpointPlacement
-from tests.gpu.bench_ladder import deep_plan, emulation_ballast
+from tools.gpu.bench_ladder import deep_plan, emulation_ballast
 
 GIB = 2**30
 
@@ -29,7 +29,7 @@ def test_ballast_never_goes_below_zero():
 def test_llama_8b_at_768k_on_a_125_gib_host_matches_the_run_script():
     plan = deep_plan("llama-3.1-8b", 16, 768 * 1024, 32, 125 * GIB, "auto")
     device, host = emulation_ballast(plan["placement"], layers=2)
-    # tests/gpu/phases.sh, maxlen_chunks_emulated: 8 chunks, 18 layers recomputed, 12.0 GiB device + 72.0 GiB host
+    # tools/gpu/phases.sh, maxlen_chunks_emulated: 8 chunks, 18 layers recomputed, 12.0 GiB device + 72.0 GiB host
     # ballast (the host's usable 119.75 GiB: 125 GiB less the OS's 5.25 GiB; the live layer's chunks take 33.9 GiB
     # of it, pinned in power-of-two pieces — 45 GiB, one more layer recomputed, when each copy was one allocation).
     assert plan["attn_chunks"] == 8 and plan["fits"]
@@ -38,7 +38,7 @@ def test_llama_8b_at_768k_on_a_125_gib_host_matches_the_run_script():
 
 
 def test_an_h200_stands_for_an_h100_with_the_same_cuda_context():
-    from tests.gpu.bench_ladder import allocator_fraction
+    from tools.gpu.bench_ladder import allocator_fraction
 
     h100, h200, context = 85_017_493_504, 150_109_880_320, 536_870_912
     fraction = allocator_fraction(h100, h200, context)

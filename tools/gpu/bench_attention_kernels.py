@@ -3,8 +3,8 @@ op, with every block on the pure-PyTorch kernel, and unchunked (SDPA) — time (
 
 A script, not a test (docs/memory.md's chunked-attention section quotes its CPU numbers):
 
-    OMP_NUM_THREADS=1 python -m tests.gpu.bench_attention_kernels --seq 4096 --chunks 8 [--kv-heads 2]
-    python -m tests.gpu.bench_attention_kernels --device cuda --seq 65536 --chunks 8      # bf16 on CUDA
+    OMP_NUM_THREADS=1 python -m tools.gpu.bench_attention_kernels --seq 4096 --chunks 8 [--kv-heads 2]
+    python -m tools.gpu.bench_attention_kernels --device cuda --seq 65536 --chunks 8      # bf16 on CUDA
 
 A one-layer tiny Llama, hidden 512 in 8 heads (64 each), one document, saved chunks on the device; fp32 on CPU,
 bf16 on CUDA. On CPU the peak is `LiveBytes`' (the storages ops allocate; a kernel's internal scratch is not seen).

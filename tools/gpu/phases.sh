@@ -21,7 +21,7 @@ chunks_128k() {
 
 # Issue 14 (b): the longest 32-layer sequence with chunked attention + offload + MEMO placement on a 125 GiB
 #   host (this machine's RAM), through 2 layers carrying the other 30 layers' weights/adapter state AND the
-#   deep placement's checkpoint bytes on the device and (pinned) on the host — tests/gpu/bench_ladder.py
+#   deep placement's checkpoint bytes on the device and (pinned) on the host — tools/gpu/bench_ladder.py
 #   cmd_maxlen's doc says what that emulation does and does not model. lstune.estimate's plan for it
 #   (`deep_plan`, weights on the device, chunks `auto`; computed on the dev machine, 125 GiB host of which 119.75 GiB
 #   usable: the OS keeps 4 GiB + 1 %, lstune.estimate.memory.host_reserve_bytes):

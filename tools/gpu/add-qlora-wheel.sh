@@ -3,7 +3,7 @@
 # tests/gpu/test_qlora_cuda.py runs there instead of skipping: the image has no bitsandbytes and no network.
 # The wheel is 43 MB with the kernels of every CUDA, ROCm and XPU version; `run` carries 64 MiB in all and .whl/
 # already holds ~21 MiB, so only the CUDA 13 (the image's torch is cu130) and CPU libraries are kept: ~7 MB.
-#   PY=.venv/bin/python tests/gpu/add-qlora-wheel.sh
+#   PY=.venv/bin/python tools/gpu/add-qlora-wheel.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}

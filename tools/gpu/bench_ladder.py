@@ -8,12 +8,12 @@ with `--emulate-host` also the deep checkpoint placement's device and host bytes
 lines and appends them to `--out` (a .jsonl file), so a run cut short by its time limit still leaves every
 finished measurement behind.
 
-    python -m tests.gpu.bench_ladder rates  --out R.jsonl                  # bf16 GEMM and attention kernel rates
-    python -m tests.gpu.bench_ladder policy --out R.jsonl                  # device bytes by dtype, checkpoint B/token
-    python -m tests.gpu.bench_ladder ladder --rungs hf,tiled_loss --lengths 8k,16k --steps 2 --out R.jsonl
-    python -m tests.gpu.bench_ladder maxlen --rung tiled_mlp --start 96k --out R.jsonl
-    python -m tests.gpu.bench_ladder chunks --seq 128k --chunks off,4 --layers 2 --out R.jsonl   # chunked vs not
-    python -m tests.gpu.bench_ladder maxlen --rung mini_seq --layers 2 --as-layers 32 --attn-chunks 8 \
+    python -m tools.gpu.bench_ladder rates  --out R.jsonl                  # bf16 GEMM and attention kernel rates
+    python -m tools.gpu.bench_ladder policy --out R.jsonl                  # device bytes by dtype, checkpoint B/token
+    python -m tools.gpu.bench_ladder ladder --rungs hf,tiled_loss --lengths 8k,16k --steps 2 --out R.jsonl
+    python -m tools.gpu.bench_ladder maxlen --rung tiled_mlp --start 96k --out R.jsonl
+    python -m tools.gpu.bench_ladder chunks --seq 128k --chunks off,4 --layers 2 --out R.jsonl   # chunked vs not
+    python -m tools.gpu.bench_ladder maxlen --rung mini_seq --layers 2 --as-layers 32 --attn-chunks 8 \
         --emulate-host 125G --start 832k --out R.jsonl       # 32-layer longest with chunks + MEMO placement
 
 The model is a preset (random init) built directly on the device in bf16, LoRA (peft) on every linear layer

@@ -3,7 +3,7 @@
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
 OUT="$RES/bench.jsonl"
-B="python3 -m tests.gpu.bench_ladder"
+B="python3 -m tools.gpu.bench_ladder"
 phase() {
   local name=$1 limit=$2; shift 2
   echo "=== $(date +%T) $name (limit ${limit}s)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement of docs/benchmarks/ in one go, most valuable first; results land in $RES as they come
 # (a run cut short leaves every finished one). Start it detached on the GPU machine and poll:
-#   source .whl/prelude.sh && RES=/tmp/res setsid nohup bash tests/gpu/run_all.sh > /tmp/run_all.log 2>&1 &
+#   source .whl/prelude.sh && RES=/tmp/res setsid nohup bash tools/gpu/run_all.sh > /tmp/run_all.log 2>&1 &
 # Each phase has its own time limit; a failed or timed-out phase is recorded and the next one runs.
 # `lstune bench` writes each phase's bench.json, bench.md and plots to $RES/<phase>/ (every trial in a fresh
 # process, its record in trials/ as soon as it ends); bench_ladder.py does what lstune bench does not (overlap,

@@ -1,6 +1,6 @@
 """Plots and one bench.json from the .jsonl files bench_ladder.py wrote (docs/benchmarks/<date>-<gpu>/).
 
-    python -m tests.gpu.plot_results docs/benchmarks/2026-11-23-h100
+    python -m tools.gpu.plot_results docs/benchmarks/2026-11-23-h100
 """
 
 from __future__ import annotations
