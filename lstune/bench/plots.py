@@ -55,6 +55,10 @@ def _k(n: float) -> float:
 
 
 def _longest(result):
+    """One bar per configuration, named under it (wrapped, so neighbours' names never overlap); its value above it,
+    and a hatched bar marked "≥ cap" where the search stopped at --max-len rather than at a failure."""
+    import textwrap
+
     import matplotlib.pyplot as plt
 
     if not result.searches:
@@ -62,19 +66,23 @@ def _longest(result):
     name, colour = labels(result), _colours(result)
     rungs = list(result.searches)
     values = [_k(result.searches[r]["longest_ok"]) for r in rungs]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    bars = ax.bar(range(len(rungs)), values, color=[colour[r] for r in rungs],
-                  label=[name.get(r, r) for r in rungs])
-    for bar, rung, value in zip(bars, rungs, values):
-        capped = "" if result.searches[rung]["shortest_failed"] else " (≥, --max-len)"
-        ax.annotate(f"{value:g}K{capped}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom")
-    ax.set_xticks(range(len(rungs)), [r for r in rungs])
-    ax.set_xlabel("configuration")
+    capped = [bool(result.searches[r].get("capped")) for r in rungs]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(rungs) + 2), 4.8))
+    bars = ax.bar(range(len(rungs)), values, color=[colour[r] for r in rungs], width=0.6,
+                  hatch=["//" if c else "" for c in capped], edgecolor="white")
+    for bar, value, cap in zip(bars, values, capped):
+        text = f"≥ {value:g}K\n(cap)" if cap else f"{value:g}K"
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(rungs)), ["\n".join(textwrap.wrap(name.get(r, r), 14)) for r in rungs], fontsize=8)
     ax.set_ylabel("longest sequence completing a step (K tokens)")
     step = next(iter(result.searches.values()))["len_step"]
-    ax.set_title(f"{_title(result)}\nlongest sequence completing a step (resolution {format_length(step)} tokens)")
-    ax.legend(fontsize=8, loc="upper left")
-    ax.set_ylim(0, max(values + [1]) * 1.25)
+    title = f"{_title(result)}\nlongest sequence completing a step (resolution {format_length(step)} tokens)"
+    if any(capped):
+        title += "\nhatched: reached the --max-len cap (longer may fit)"
+    ax.set_title(title, fontsize=9)
+    ax.set_ylim(0, max(values + [1]) * 1.3)
+    fig.tight_layout()
     return fig
 
 

@@ -84,6 +84,8 @@ def ideal_cells(m: dict[str, Any]) -> list[str]:
 
 
 def search_table(result) -> list[str]:
+    from lstune.bench.search import CAP_NOTE, longest_text
+
     name = labels(result)
     rows = ["## Longest sequence that completes a training step", "",
             "| configuration | longest OK | first failure | trials | why the search ended |",
@@ -91,8 +93,8 @@ def search_table(result) -> list[str]:
     for rung, s in result.searches.items():
         failure = next((t for t in result.trials if t.get("id") in s["trials"] and t["seq_len"] == s["shortest_failed"]),
                        None)
-        why = f"{failure['outcome']} at {format_length(failure['seq_len'])}" if failure else "reached --max-len"
-        rows.append(f"| {name.get(rung, rung)} | **{format_length(s['longest_ok']) if s['longest_ok'] else 'none'}** "
+        why = f"{failure['outcome']} at {format_length(failure['seq_len'])}" if failure else CAP_NOTE
+        rows.append(f"| {name.get(rung, rung)} | **{longest_text(s, format_length)}** "
                     f"| {format_length(s['shortest_failed']) if s['shortest_failed'] else '-'} | {len(s['trials'])} "
                     f"| {s['stopped'] or why} |")
     step = next(iter(result.searches.values()))["len_step"]

@@ -112,6 +112,7 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
     folder = output_dir(options, config)
     observer = observer or _Quiet()
     started = time.monotonic()
+    loads = [_load_average()]
     limits = Limits(options.trial_timeout, host_cap(options, fp))
     runner = TrialRunner(limits, folder.path / "trials", cuda=bool(fp["gpus"]), on_tick=observer.tick,
                          claim=folder.claim)
@@ -127,6 +128,8 @@ def run_bench(config: TrainConfig, options: BenchOptions, *, command: str, obser
         for rung in rungs:
             curve = session.run("estimates", rung.name, configs[rung.name], lengths=_curve_lengths(result, rung.name))
             result.estimates[rung.name] = curve.get("points", [])
+        loads.append(_load_average())
+        result.notes += load_notes(loads, fp)
     except (Terminated, KeyboardInterrupt) as exc:  # a bench stopped part-way keeps what it measured
         what = "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"
         result.notes.append(f"Interrupted ({what}) during trial {len(result.trials) + 1}: only the trials before it "
@@ -177,10 +180,19 @@ def host_cap(options: BenchOptions, fp: dict[str, Any]) -> int | None:
 
 
 def _measure_rung(session: "_Session", rung: Rung, config: TrainConfig, options: BenchOptions, given: TrainConfig):
+    """The measurements at each length, then the --find-max-len search, which takes a measurement that completed
+    two steps (a warmup step and a timed one) as its probe at that length rather than running it again."""
     from lstune.bench.search import find_max_len
 
+    measured = {n: session.run("step", rung.name, config, seq_len=n, warmup=options.warmup, steps=options.steps,
+                               plain_hf=rung.plain_hf)
+                for n in options.lengths or [given.data.seq_len]}
     if options.find_max_len:
+        two_steps = options.warmup >= 1
+
         def probe(n: int) -> dict[str, Any]:
+            if two_steps and measured.get(n, {}).get("outcome") == "ok":
+                return measured[n]
             # Two steps: the second runs with the optimizer state the first one created (a full fine-tune's
             # Adam moments are not there during the first step's backward).
             return session.run("step", rung.name, config, seq_len=n, purpose="search", warmup=1, steps=1,
@@ -188,9 +200,6 @@ def _measure_rung(session: "_Session", rung: Rung, config: TrainConfig, options:
 
         found = find_max_len(probe, start=given.data.seq_len, step=options.len_step, max_len=options.max_len)
         session.result.searches[rung.name] = found.to_dict()
-    for n in options.lengths or [given.data.seq_len]:
-        session.run("step", rung.name, config, seq_len=n, warmup=options.warmup, steps=options.steps,
-                    plain_hf=rung.plain_hf)
 
 
 class _Session:
@@ -232,6 +241,25 @@ def _options_view(options: BenchOptions, limits) -> dict[str, Any]:
     view = asdict(options)
     view["max_host_mem_applied"] = limits.max_host_mem
     return view
+
+
+def _load_average() -> float | None:
+    import os
+
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def load_notes(loads: list[float | None], fp: dict[str, Any]) -> list[str]:
+    """A note when other work loaded the machine's CPUs while the trials ran (1-minute load average at the start and
+    the end past the usable cores): the step times then follow that load as much as the configurations (seen on a
+    2-core machine shared six ways: plain HF's steps 29 times lstune's, from the load alone)."""
+    known = [load for load in loads if load is not None]
+    cores = fp.get("cpu_cores_usable") or fp.get("cpu_cores") or 1
+    if not known or max(known) <= cores:
+        return []
+    return [f"the machine was loaded while the trials ran (load average {min(known):.1f} to {max(known):.1f} on "
+            f"{cores} usable cores): step times and tokens/s follow that load, not only the configurations; compare "
+            "them from an idle machine"]
 
 
 def _notes(config: TrainConfig, rungs: list[Rung]) -> list[str]:

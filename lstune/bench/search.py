@@ -24,10 +24,11 @@ class SearchResult:
     step: int
     trials: list[dict[str, Any]] = field(default_factory=list)
     stopped: str | None = None  # why the search ended early ("error: ...")
+    capped: bool = False  # every length fitted up to --max-len: the longest is the cap, not the configuration's
 
     def to_dict(self) -> dict[str, Any]:
         return {"longest_ok": self.longest_ok, "shortest_failed": self.shortest_failed, "len_step": self.step,
-                "stopped": self.stopped, "trials": [t.get("id") for t in self.trials]}
+                "stopped": self.stopped, "capped": self.capped, "trials": [t.get("id") for t in self.trials]}
 
 
 def find_max_len(probe: Callable[[int], dict[str, Any]], *, start: int, step: int,
@@ -77,4 +78,18 @@ def find_max_len(probe: Callable[[int], dict[str, Any]], *, start: int, step: in
             break
         ok, failed = (mid, failed) if verdict else (ok, mid)
     result.longest_ok, result.shortest_failed = ok, failed
+    result.capped = (result.stopped is None and failed is None and max_len is not None
+                     and ok >= max(step, max_len // step * step))
     return result
+
+
+CAP_NOTE = "reached the --max-len cap"
+
+
+def longest_text(search: dict[str, Any], format_length: Callable[[int], str]) -> str:
+    """A search's answer in words: '2k', 'none', or '≥ 2k (reached the --max-len cap)' when the cap, not the
+    configuration, ended it."""
+    if not search["longest_ok"]:
+        return "none"
+    found = format_length(search["longest_ok"])
+    return f"≥ {found} ({CAP_NOTE})" if search.get("capped") else found

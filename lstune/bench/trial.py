@@ -212,7 +212,7 @@ def _data(config, spec):
                                         trust_remote_code=config.model.trust_remote_code)
     set_chat_template(tokenizer, config.data.chat_template)
     return build_dataset(config.data.source, tokenizer, config.data.seq_len, pack=config.data.pack,
-                         seed=config.optim.seed, max_records=config.data.max_records)
+                         seed=config.optim.seed, max_records=config.data.max_records, **config.data.reading())
 
 
 def summarise_steps(steps: list[dict[str, Any]], warmup: int) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import traceback
 import typer
 
 from lstune import __version__
+from lstune.cli.help import HelpGroup
 from lstune.errors import UserError
 from lstune.train.signals import Terminated, on_sigterm
 
@@ -28,6 +29,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=HelpGroup,
 )
 
 
@@ -42,7 +44,7 @@ def _root(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors and log at debug level."),
     log_level: str = typer.Option(
-        "warning", "--log-level", help="Log level on the terminal: debug, info, warning or error."
+        "warning", "--log-level", metavar="LEVEL", help="Log level on the terminal: debug, info, warning or error."
     ),
 ) -> None:
     """Fine-tune Hugging Face causal LMs on very long sequences."""
@@ -54,12 +56,13 @@ def _root(
 
 
 def _register_commands() -> None:
-    from lstune.cli import bench, data, estimate, plot, presets, train
+    from lstune.cli import bench, data, estimate, plot, presets, recipes, train
 
     train.register(app)
     estimate.register(app)
     data.register(app)
     presets.register(app)
+    recipes.register(app)
     plot.register(app)
     bench.register(app)
 

@@ -15,6 +15,8 @@ from typing import Any
 
 import typer
 
+from lstune.cli.help import HelpCommand
+
 from lstune.bench.options import BenchOptions
 from lstune.cli.options import config_parameter, dataclass_parameters, given_flags, section_parameters, to_argv
 
@@ -33,7 +35,7 @@ def register(app: typer.Typer) -> None:
     command = _bench_command
     command.__signature__ = inspect.Signature(
         [config_parameter(), *dataclass_parameters(BenchOptions), *section_parameters(SECTIONS)])
-    app.command("bench", help=HELP, no_args_is_help=False)(command)
+    app.command("bench", help=HELP, no_args_is_help=False, cls=HelpCommand)(command)
 
 
 def _bench_command(**kwargs: Any) -> int:
@@ -158,11 +160,13 @@ def render_summary(result) -> None:
         table.add_row(*row)
     con.print(table)
     if result.searches:
+        from lstune.bench.search import longest_text
+
         found = Table(title="longest sequence completing a step", title_justify="left")
         for column in ("configuration", "longest OK", "first failure", "trials"):
             found.add_column(column, justify="left" if column == "configuration" else "right")
         for rung, s in result.searches.items():
-            found.add_row(names.get(rung, rung), format_length(s["longest_ok"]) if s["longest_ok"] else "none",
+            found.add_row(names.get(rung, rung), longest_text(s, format_length),
                           format_length(s["shortest_failed"]) if s["shortest_failed"] else "-", str(len(s["trials"])))
         con.print(found)
     for note in result.notes:

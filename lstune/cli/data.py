@@ -7,6 +7,8 @@ from typing import Any
 
 import typer
 
+from lstune.cli.help import HelpCommand
+
 from lstune.cli.options import config_parameter, given_flags, section_parameters
 
 HELP = (
@@ -26,7 +28,7 @@ def register(app: typer.Typer) -> None:
                           default=typer.Option(400, "--preview-tokens", help="Tokens of the first sample to show.")),
         *section_parameters(["model", "data", "optim"]),
     ])
-    app.command("data", help=HELP)(command)
+    app.command("data", help=HELP, cls=HelpCommand)(command)
 
 
 def _data_command(**kwargs: Any) -> int:
@@ -40,6 +42,6 @@ def _data_command(**kwargs: Any) -> int:
     preview, tokens = kwargs.pop("preview"), kwargs.pop("preview_tokens")
     recipe = read_recipe(config_path) if config_path else {}
     config = build_config(recipe, given_flags(kwargs), recipe_name=str(config_path or "the recipe"),
-                          checks=lambda c: _data_given(c) + preflight_problems(c))
+                          checks=lambda c: _data_given(c) + preflight_problems(c, weights=False))
     print_data_preview(preview_data(config, max_tokens=tokens if preview else 0))
     return 0

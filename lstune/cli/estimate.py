@@ -12,6 +12,8 @@ import inspect
 from typing import Any, Optional
 
 import typer
+
+from lstune.cli.help import HelpCommand
 from rich.markup import escape
 
 from lstune.cli.options import config_parameter, given_flags, section_parameters
@@ -29,7 +31,7 @@ _HW = "Hardware"
 def register(app: typer.Typer) -> None:
     command = _estimate_command
     command.__signature__ = _signature()
-    app.command("estimate", help=HELP, no_args_is_help=False)(command)
+    app.command("estimate", help=HELP, no_args_is_help=False, cls=HelpCommand)(command)
 
 
 def _option(name: str, annotation: Any, option: Any) -> inspect.Parameter:

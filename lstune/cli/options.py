@@ -34,7 +34,8 @@ def _is_switch(f) -> bool:
 
 
 def config_parameter() -> inspect.Parameter:
-    return _param("config", Optional[Path], typer.Option(None, "--config", "-c", help="A YAML recipe (see recipes/)."))
+    text = "A YAML recipe: its path, or the name of one shipped with lstune (`lstune recipes`)."
+    return _param("config", Optional[Path], typer.Option(None, "--config", "-c", metavar="RECIPE", help=text))
 
 
 def section_parameters(sections: Iterable[str] | None = None) -> list[inspect.Parameter]:
@@ -54,6 +55,7 @@ def field_parameter(key: str, f, panel: str) -> inspect.Parameter:
     """The Typer option of one field: flag, help with its default, metavar, help panel from its metadata."""
     default = field_default(f)
     shown = f.metadata["show"](default) if "show" in f.metadata else default
+    shown = {True: "on", False: "off"}.get(shown, shown) if isinstance(shown, bool) else shown
     # Escaped: typer renders help as rich markup, which would swallow "[default: 4k]" and "[seq, vocab]".
     # No default (None) is said by the help text itself ("required", "default: one epoch", ...).
     text = f.metadata["help"] if default is None else f"{f.metadata['help']} [default: {shown}]"
@@ -61,11 +63,18 @@ def field_parameter(key: str, f, panel: str) -> inspect.Parameter:
     flag = flag_name(key)
     if _is_switch(f):
         return _param(key, Optional[bool], typer.Option(None, f"{flag}/--no-{flag[2:]}", **common))
+    metavar = f.metadata.get("metavar") or _metavar(f.metadata["parser"])
     if f.metadata.get("multiple"):  # repeatable; typer gives [] when absent
-        option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
-        return _param(key, Optional[list[str]], option)
-    option = typer.Option(None, flag, metavar=f.metadata.get("metavar", "VALUE"), **common)
-    return _param(key, Optional[str], option)
+        return _param(key, Optional[list[str]], typer.Option(None, flag, metavar=metavar, **common))
+    return _param(key, Optional[str], typer.Option(None, flag, metavar=metavar, **common))
+
+
+def _metavar(parser) -> str:
+    """What a value looks like, from the field's parser: its choices, N for a count, F for a number."""
+    func, keywords = getattr(parser, "func", parser), getattr(parser, "keywords", {})
+    if "choices" in keywords:
+        return "|".join(keywords["choices"])
+    return {parse.parse_int: "N", parse.parse_float: "F", parse.parse_auto_int: "auto|N"}.get(func, "VALUE")
 
 
 SECTIONS_TITLES = {name: section_type.title for name, section_type in SECTIONS}

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+
+from lstune.cli.help import HelpCommand
 from rich.markup import escape
 
 HELP = (
@@ -15,7 +17,7 @@ HELP = (
 
 
 def register(app: typer.Typer) -> None:
-    app.command("plot", help=HELP)(plot)
+    app.command("plot", help=HELP, cls=HelpCommand)(plot)
 
 
 def plot(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import typer
 
+from lstune.cli.help import HelpCommand
+
 
 def register(app: typer.Typer) -> None:
-    app.command("presets", help="List the model presets (configs shipped with lstune; random-initialised).")(
+    app.command("presets", cls=HelpCommand, help="List the model presets (configs shipped with lstune; random-initialised).")(
         _presets_command
     )
 

@@ -130,7 +130,7 @@ class RichReporter:
             self.progress = _progress(self.con)
             self.progress.start()
             self.task = self.progress.add_task(
-                "train", total=plan["steps"], completed=plan["start_step"], status="", eta="-", phase="starting"
+                "train", total=plan["steps"], completed=plan["start_step"], status=[], eta="-", phase="starting"
             )
 
     def note(self, text: str) -> None:
@@ -146,12 +146,7 @@ class RichReporter:
         eta = self.clock.eta(metrics) if self.clock is not None else None
         total = self.clock.total if self.clock is not None else None
         if self.progress is not None:
-            status = (
-                f"loss {metrics['loss']:.4f}{_eval_text(metrics).replace('  ', ' · ')} · "
-                f"mem {human_bytes(metrics['peak_device_mem_bytes'])} · rss {human_bytes(metrics['host_rss_bytes'])} · "
-                f"{metrics['tokens_per_s']:,.0f} tok/s · {metrics['step_time_s']:.2f} s/step · "
-                f"lr {metrics['lr']:.1e} · gnorm {metrics['grad_norm']:.2f}"
-            )
+            status = _status_items(metrics)
             self.progress.update(self.task, completed=metrics["step"], status=status, eta=human_duration(eta))
         # In a terminal the bar shows every step; --log-every N > 1 also keeps a line every N steps above it.
         keep_line = self.progress is None or self.log_every > 1
@@ -163,16 +158,49 @@ class RichReporter:
             self.progress.stop()
 
 
+def _status_items(m: dict[str, Any]) -> list[str]:
+    """The live display's metrics, one item each (never split across lines)."""
+    items = [f"loss {m['loss']:.4f}"] + [item for item in _eval_text(m).split("  ") if item]
+    return items + [
+        f"mem {human_bytes(m['peak_device_mem_bytes'])}", f"rss {human_bytes(m['host_rss_bytes'])}",
+        f"{m['tokens_per_s']:,.0f} tok/s", f"{m['step_time_s']:.2f} s/step", f"lr {m['lr']:.1e}",
+        f"gnorm {m['grad_norm']:.2f}",
+    ]
+
+
+def status_lines(items: list[str], width: int) -> list[str]:
+    """The items joined by " · ", a new line wherever the next would pass `width`: at 80 columns every metric
+    is kept (two lines), where one cut line lost all but the loss."""
+    lines: list[str] = []
+    for item in items:
+        if lines and len(lines[-1]) + 3 + len(item) <= width:
+            lines[-1] += " · " + item
+        else:
+            lines.append(item)
+    return lines
+
+
+class _TrainProgress(Progress):
+    """The bar's row (bar, step count, elapsed, ETA, phase: fixed widths that fit 80 columns), then the metrics
+    under it on as many lines as the terminal's width needs (`status_lines`)."""
+
+    def get_renderables(self):
+        from rich.text import Text
+
+        yield self.make_tasks_table(self.tasks)
+        for task in self.tasks:
+            lines = status_lines(task.fields.get("status") or [], max(20, self.console.width - 2))
+            if lines:
+                yield Text("\n".join("  " + line for line in lines), no_wrap=True, overflow="ellipsis")
+
+
 def _progress(con: Console) -> Progress:
-    """The bar, step count, elapsed time and ETA first, at fixed widths, so that they survive 80 columns;
-    the metrics take what is left and are cut with an ellipsis (the log line and metrics.jsonl keep them all)."""
     from rich.table import Column
 
-    return Progress(
+    return _TrainProgress(
         TextColumn("[bold]train"), BarColumn(bar_width=min(30, max(10, con.width // 8))), MofNCompleteColumn(),
         TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
         TextColumn("{task.fields[phase]}", table_column=Column(width=20, no_wrap=True, overflow="ellipsis")),
-        TextColumn("{task.fields[status]}", table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
         console=con, transient=False, expand=True,
     )
 

@@ -7,19 +7,21 @@ from typing import Any
 
 import typer
 
+from lstune.cli.help import HelpCommand
+
 from lstune.cli.options import config_parameter, given_flags, section_parameters, to_argv
 
 HELP = (
     "Fine-tune a causal LM on long sequences.\n\n"
     "Flags override the recipe given with --config; every config problem is reported at once, before any "
-    "model or data is loaded. The demo: lstune train --config recipes/tiny-llama/4k-cpu-demo.yaml."
+    "model or data is loaded. The demo: lstune train --config tiny-llama/4k-cpu-demo."
 )
 
 
 def register(app: typer.Typer) -> None:
     command = _train_command
     command.__signature__ = _signature()
-    app.command("train", help=HELP, no_args_is_help=False)(command)
+    app.command("train", help=HELP, no_args_is_help=False, cls=HelpCommand)(command)
 
 
 def _signature() -> inspect.Signature:

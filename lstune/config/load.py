@@ -22,14 +22,36 @@ MAX_RECIPE_BYTES = 1024 * 1024
 MAX_RECIPE_NODES = 10_000  # YAML nodes after alias expansion
 
 
+# The recipes shipped with lstune (package data; in a clone, lstune/recipes links to the repository's recipes/).
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Name (`tiny-llama/4k-cpu-demo`) -> file, for every recipe shipped with lstune, sorted by name."""
+    files = sorted(RECIPES_DIR.glob("*/*.yaml")) if RECIPES_DIR.is_dir() else []
+    return {f"{p.parent.name}/{p.stem}": p for p in files}
+
+
+def find_recipe(given: str | Path) -> Path:
+    """The recipe file `--config` names: a path when one exists there, else a shipped recipe by name, with or without
+    `.yaml` and a leading `recipes/` (so the README's `--config recipes/...` works from any folder)."""
+    path = Path(given)
+    if path.exists() or path.is_absolute():
+        return path
+    name = str(given).replace("\\", "/").removeprefix("./").removeprefix("recipes/").removesuffix(".yaml")
+    return shipped_recipes().get(name, path)
+
+
 def read_recipe(path: str | Path) -> dict[str, Any]:
-    """The mapping in a YAML recipe; ConfigError when missing, unreadable, too large or not a mapping."""
-    path = Path(path)
+    """The mapping in a YAML recipe (a path, or a shipped recipe's name: `find_recipe`); ConfigError when missing,
+    unreadable, too large or not a mapping."""
     where = f"--config {str(path)!r}"
+    path = find_recipe(path)
     if path.is_dir():
         raise ConfigError([f"{where} is a folder; give the path of a YAML recipe file{_recipes_in(path)}."])
     if not path.is_file():
-        raise ConfigError([f"{where} does not exist; give the path of a YAML recipe (see recipes/)."])
+        raise ConfigError([f"{where} does not exist; give the path of a YAML recipe, or the name of one shipped "
+                           "with lstune (`lstune recipes` lists them)."])
     if path.stat().st_size > MAX_RECIPE_BYTES:
         raise ConfigError([f"{where} is {path.stat().st_size:,} bytes; a recipe is at most {MAX_RECIPE_BYTES:,}."])
     try:

@@ -233,3 +233,31 @@ def format_length(n: int) -> str:
             value = n / size
             return f"{value:g}{unit}"
     return str(n)
+
+
+# The record fields lstune reads (lstune.data.records.KIND_FIELDS and OPTIONAL_FIELDS; a test keeps them equal).
+RECORD_FIELDS = ("text", "messages", "input_ids", "labels", "attention_mask", "prompt", "completion", "instruction",
+                 "output", "input", "system", "conversations")
+
+
+def parse_field_map(value: Any) -> dict[str, str] | None:
+    """--data-fields: 'text=body' or 'prompt=question,completion=answer' (a recipe may give a mapping
+    {text: body} or a list of FIELD=COLUMN) -> {lstune field: the data's column}."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        pairs = [(str(k).strip(), str(v).strip()) for k, v in value.items()]
+    else:
+        items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+        pairs = [tuple(part.strip() for part in str(item).split("=", 1)) for item in items if str(item).strip()]
+    if not pairs or any(len(pair) != 2 or not all(pair) for pair in pairs):
+        raise ValueError("must be FIELD=COLUMN pairs, comma-separated, e.g. text=body or "
+                         "prompt=question,completion=answer")
+    unknown = [field for field, _ in pairs if field not in RECORD_FIELDS]
+    if unknown:
+        raise ValueError(f"names {', '.join(map(repr, unknown))}, not a field lstune reads; the fields are "
+                         f"{', '.join(RECORD_FIELDS)}")
+    mapping = dict(pairs)
+    if len(mapping) != len(pairs) or len(set(mapping.values())) != len(pairs):
+        raise ValueError("names a field or a column twice; give each once")
+    return mapping

@@ -35,7 +35,7 @@ def flag_name(key: str) -> str:
 _nonneg_int = partial(p.parse_int, minimum=0)
 _pos_int = partial(p.parse_int, minimum=1)
 TILE_SETTING_HINT = "'auto', 'off' or a tile count >= 1"
-_LORA_ONLY = ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout")
+_LORA_ONLY = ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout", "lora_dora", "lora_rslora")
 
 
 @dataclass
@@ -96,10 +96,15 @@ class ModelSection:
         "Modules LoRA adapts: comma-separated names, or 'auto' = every linear layer but the output head.",
         partial(p.parse_str_list, items="module names", hint="module names like q_proj,v_proj or auto"),
         accepts_list=True,
+        metavar="auto|NAMES",
     )
     merge_lora: bool = _opt(
         False, "With LoRA: also write the merged full model to OUTPUT_DIR/final-merged.", p.parse_bool
     )
+    # peft's LoRA variants (issue 38).
+    lora_dora: bool = _opt(False, "DoRA (peft use_dora): adapt each weight's magnitude and direction.", p.parse_bool)
+    lora_rslora: bool = _opt(False, "rsLoRA (peft use_rslora): scale adapters by alpha/sqrt(r), not alpha/r.",
+                             p.parse_bool)
     load_in_4bit: bool = _opt(
         False,
         "QLoRA: load the frozen base in 4 bits (bitsandbytes NF4, double quantization, bf16 compute; "
@@ -167,6 +172,19 @@ class DataSection:
         p.parse_optional_str,
         metavar="FILE|NAME",
     )
+    # Which part of the source, and which of its columns are lstune's fields (issue 38).
+    data_split: str | None = _opt(
+        None, "The split of a hub dataset or saved DatasetDict folder to train on (default: train).",
+        p.parse_optional_str, metavar="SPLIT",
+    )
+    data_subset: str | None = _opt(
+        None, "The subset (configuration) of a hub dataset, e.g. wikitext-103-raw-v1.", p.parse_optional_str,
+        metavar="NAME",
+    )
+    data_fields: Any = _opt(
+        None, "Read lstune's fields from other columns: FIELD=COLUMN, comma-separated (text=body or "
+        "prompt=question,completion=answer).", p.parse_field_map, metavar="FIELD=COLUMN", accepts_list=True,
+    )
     eval_data: str | None = _opt(
         None, "Validation data, in the same formats as --data (evaluated every --eval-every steps and at the end); "
         "builtin:passkey-eval (16 held-out passkey records) adds the passkey accuracy.",
@@ -205,6 +223,11 @@ class DataSection:
             return ["--data: give every source of a mixture a weight (a.jsonl:0.7 --data b/:0.3), or none "
                     "(each source then counts by its size)."]
         return []
+
+    def reading(self) -> dict[str, Any]:
+        """How to read --data: its split, subset and field mapping (`lstune.data.dataset.build_dataset`'s keywords)."""
+        return dict(split=self.data_split, subset=self.data_subset, fields=self.data_fields)
+
     def has_eval(self) -> bool:
         return self.eval_data is not None or self.eval_split is not None
 
@@ -396,7 +419,7 @@ class ParallelSection:
     )
     hostfile: str | None = _opt(
         None, "DeepSpeed hostfile for multi-node runs (one line per node: `node-1 slots=8`).",
-        p.parse_optional_str,
+        p.parse_optional_str, metavar="FILE",
     )
 
     def problems(self) -> list[str]:

@@ -236,44 +236,47 @@ def build_dataset(
     pack: bool = False,
     seed: int = 0,
     max_records: int | None = None,
+    split: str | None = None,
+    subset: str | None = None,
+    fields: dict[str, str] | None = None,
 ):
     """Read `source`, tokenize it (cached by `datasets`), and lay it out as `seq_len`-token samples.
 
     `seed` orders the documents before packing (unused in long mode); `max_records` keeps only the
-    first records of the source. Several sources (a list, each `SOURCE:WEIGHT` or all unweighted) give
+    first records of the source; `split`, `subset` and `fields` pick the part of each source and map its columns
+    (`lstune.data.sources.load_records`). Several sources (a list, each `SOURCE:WEIGHT` or all unweighted) give
     a `MixtureDataset` (lstune.data.mixture). Raises DataError for anything the user must fix.
     """
     from lstune.data.mixture import MixtureDataset
     from lstune.data.sources import mixture_entries
 
     entries = mixture_entries(source)
+    read = dict(max_records=max_records, split=split, subset=subset, fields=fields)
     if len(entries) == 1:
-        return _build_one(entries[0][0], tokenizer, seq_len, pack=pack, seed=seed, max_records=max_records)
-    parts = [_build_one(name, tokenizer, seq_len, pack=pack, seed=seed, max_records=max_records)
-             for name, _ in entries]
+        return _build_one(entries[0][0], tokenizer, seq_len, pack=pack, seed=seed, **read)
+    parts = [_build_one(name, tokenizer, seq_len, pack=pack, seed=seed, **read) for name, _ in entries]
     weights = [w for _, w in entries]
     return MixtureDataset(parts, [name for name, _ in entries], None if weights[0] is None else weights, seed)
 
 
-def _build_one(
-    source: str, tokenizer: Any, seq_len: int, *, pack: bool, seed: int, max_records: int | None
-) -> LongContextDataset:
+def _build_one(source: str, tokenizer: Any, seq_len: int, *, pack: bool, seed: int, **read: Any) -> LongContextDataset:
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
-    records = load_records(source, max_records=max_records)
+    records = load_records(source, **read)
     kind = detect_kind(records.dataset.column_names)
     check_one_kind(records.dataset, kind, source)
     check_tokenizer(kind, tokenizer)
     docs = _tokenize(records.dataset, kind.name, tokenizer)
     info = {"source": source, "origin": records.origin, "kind": kind.name, "fields": list(kind.fields),
-            "records": len(records.dataset), "seq_len": seq_len}
+            "records": len(records.dataset), "seq_len": seq_len, "field_map": dict(read.get("fields") or {})}
     return LongContextDataset(docs, seq_len, pack=pack, pad_id=_pad_id(tokenizer), seed=seed, info=info)
 
 
 def describe(summary: dict[str, Any]) -> str:
     """One sentence on what happened to the data, e.g. for `lstune train` to print."""
     s = summary
-    fields = ", ".join(repr(f) for f in s["fields"])
+    mapped = s.get("field_map") or {}
+    fields = ", ".join(repr(f) + (f" from column {mapped[f]!r}" if mapped.get(f, f) != f else "") for f in s["fields"])
     text = (f"{s['records']} records (field{'s' if len(s['fields']) > 1 else ''} {fields}) -> {s['samples']} "
             f"samples of {s['seq_len']} tokens ({s['mode']} mode), {s['tokens']} tokens, "
             f"{_percent(s['padding_tokens'], s['samples'] * s['seq_len'])} padding")

@@ -69,8 +69,8 @@ def detect_kind(columns: Sequence[str]) -> RecordKind:
         f"the records have columns {sorted(columns)} but none lstune can train on. Give each record a "
         "'text' field (plain text), a 'messages' field (list of {role, content} chat turns), "
         "'input_ids' (pre-tokenized, with optional 'labels'), 'prompt' + 'completion', Alpaca's 'instruction' + "
-        "'output' (+ 'input'), or ShareGPT's 'conversations' ({from, value} turns); rename the column if it has "
-        "another name."
+        "'output' (+ 'input'), or ShareGPT's 'conversations' ({from, value} turns); a column of another name "
+        "maps with --data-fields (e.g. --data-fields text=body)."
     )
 
 

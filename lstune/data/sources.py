@@ -9,6 +9,7 @@ text never has to fit in RAM.
 
 from __future__ import annotations
 
+import errno
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,9 +47,11 @@ def mixture_entries(source: str | list[str]) -> list[tuple[str, float | None]]:
     return [split_weight(entry) if len(entries) > 1 else (entry, None) for entry in entries]
 
 
-def check_source(source: str) -> None:
+def check_source(source: str, *, split: str | None = None, subset: str | None = None) -> None:
     """DataError when `source` names a bundled dataset that does not exist, or is meant as a local path
-    (see `looks_like_path`) that does not exist. Cheap: the CLI runs it before anything is loaded."""
+    (see `looks_like_path`) that does not exist, or has no splits or subsets to pick from (`_check_parts`).
+    Cheap: the CLI runs it before anything is loaded."""
+    _check_parts(source, split, subset)
     if source.startswith("builtin:"):
         name = source.removeprefix("builtin:")
         if name not in BUILTINS:
@@ -59,15 +62,35 @@ def check_source(source: str) -> None:
                         f"accepted: {ACCEPTED}.")
 
 
-def load_records(source: str, *, max_records: int | None = None) -> Records:
-    """The raw records of `source` (only the first `max_records` when given); DataError if none."""
-    check_source(source)
+def _check_parts(source: str, split: str | None, subset: str | None) -> None:
+    """--data-subset picks a hub dataset's configuration; --data-split a split of a hub dataset or of a saved
+    DatasetDict folder. A built-in source or a data file has neither."""
+    path = Path(source).expanduser()
+    local = not source.startswith("builtin:") and (path.exists() or looks_like_path(source))
+    if subset is not None and (source.startswith("builtin:") or local):
+        raise DataError(f"--data-subset {subset!r} picks a hub dataset's subset, and {source} is not a hub dataset; "
+                        "drop --data-subset (for a local copy, point --data at the subset's files).")
+    saved = path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+    if split not in (None, "train") and (source.startswith("builtin:") or (local and not saved)):
+        raise DataError(f"--data-split {split!r} picks a split of a hub dataset or of a saved DatasetDict folder; "
+                        f"{source} has only its records (one split): drop --data-split, or point --data at the "
+                        "split's own file.")
+
+
+def load_records(source: str, *, max_records: int | None = None, split: str | None = None,
+                 subset: str | None = None, fields: dict[str, str] | None = None) -> Records:
+    """The raw records of `source` (only the first `max_records` when given); DataError if none. `split` and
+    `subset` pick a part of a hub dataset or saved DatasetDict (default: its train split); `fields` maps
+    lstune's field names to the data's columns ({"text": "body"}: the column body is read as text)."""
+    check_source(source, split=split, subset=subset)
     if source.startswith("builtin:"):
         records = _load_builtin(source.removeprefix("builtin:"))
     elif Path(source).expanduser().exists():
-        records = _load_local(Path(source).expanduser())
+        records = _load_local(Path(source).expanduser(), split)
     else:
-        records = _load_hub(source)
+        records = _load_hub(source, split, subset)
+    if fields:
+        records = _map_fields(records, fields, source)
     if len(records.dataset) == 0:
         raise DataError(f"data source {source}: {records.origin} has no records. "
                         "Point the data source at a non-empty dataset.")
@@ -91,7 +114,25 @@ def _load_builtin(name: str) -> Records:
     return Records(Dataset.from_list(records), f"builtin:{name}")
 
 
-def _load_local(path: Path) -> Records:
+def _map_fields(records: Records, fields: dict[str, str], source: str) -> Records:
+    """The columns named in `fields` renamed to lstune's fields; a column already bearing such a name is refused
+    (which of the two to train on would be a guess)."""
+    columns = records.dataset.column_names
+    missing = [column for column in fields.values() if column not in columns]
+    if missing:
+        raise DataError(f"--data-fields: {source} has no column {', '.join(map(repr, missing))}; its columns are "
+                        f"{', '.join(columns)}.")
+    clash = [field for field, column in fields.items() if field in columns and field != column
+             and field not in fields.values()]
+    if clash:
+        raise DataError(f"--data-fields: {source} already has a column {', '.join(map(repr, clash))}; map that "
+                        "name too (e.g. text=body,body=text swaps them) or drop the mapping.")
+    renamed = {column: field for field, column in fields.items() if field != column}
+    mapped = ", ".join(f"{field}={column}" for field, column in fields.items())
+    return Records(records.dataset.rename_columns(renamed), f"{records.origin}, fields {mapped}")
+
+
+def _load_local(path: Path, split: str | None = None) -> Records:
     if path.is_file():
         builder = _builder_for(path)
         if path.stat().st_size == 0:
@@ -99,7 +140,7 @@ def _load_local(path: Path) -> Records:
                             "Point the data source at a file with records.")
         return Records(_read_files(builder, [path]), f"{builder} file {path}")
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-        return _load_saved(path)
+        return _load_saved(path, split or "train")
     return _load_folder(path)
 
 
@@ -111,18 +152,20 @@ def _builder_for(path: Path) -> str:
     return builder
 
 
-def _load_saved(path: Path) -> Records:
-    """A folder written by `Dataset.save_to_disk` (or `DatasetDict.save_to_disk`: its train split)."""
+def _load_saved(path: Path, split: str) -> Records:
+    """A folder written by `Dataset.save_to_disk` (one split), or by `DatasetDict.save_to_disk` (`split` of it)."""
     from datasets import DatasetDict, load_from_disk
 
     saved = load_from_disk(str(path))
     if not isinstance(saved, DatasetDict):
+        if split != "train":
+            raise DataError(f"--data-split {split!r}: {path} was saved as one Dataset, with no splits; drop "
+                            "--data-split.")
         return Records(saved, f"save_to_disk folder {path}")
-    if "train" not in saved:
-        raise DataError(f"data source {path}: the saved DatasetDict has splits {sorted(saved)} but no "
-                        "'train'. Save the split to train on as 'train', or point the data source at "
-                        "that split's folder.")
-    return Records(saved["train"], f"save_to_disk folder {path} (split train)")
+    if split not in saved:
+        raise DataError(f"data source {path}: the saved DatasetDict has splits {sorted(saved)} but no {split!r}. "
+                        "Pick one with --data-split (default train), or point the data source at that split's folder.")
+    return Records(saved[split], f"save_to_disk folder {path} (split {split})")
 
 
 def _load_folder(path: Path) -> Records:
@@ -146,12 +189,17 @@ def _read_files(builder: str, files: list[Path]) -> Dataset:
     from datasets import load_dataset
 
     names = ", ".join(str(p) for p in files[:3]) + (" ..." if len(files) > 3 else "")
+    _check_cache_room(files, names)
     try:
         with _quiet_datasets():  # its parse errors are reported below, once, with the file and line
             dataset = load_dataset(builder, data_files=[str(p) for p in files], split="train")
         # Arrow keeps text bytes as they were read; invalid UTF-8 would only fail later, mid-tokenization.
         dataset.data.table.validate(full=True)
         return dataset
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise _unreadable(names, builder, e, files) from e
+        raise _no_cache_room(names, sum(p.stat().st_size for p in files)) from e
     except ValueError as e:
         # datasets refuses to build a split of zero rows with this message; it is the user's empty data.
         if "corresponds to no data" not in str(e):
@@ -160,6 +208,38 @@ def _read_files(builder: str, files: list[Path]) -> Dataset:
                         "Point the data source at a non-empty dataset.") from e
     except Exception as e:  # any parse failure of user files is a data problem, not an lstune bug
         raise _unreadable(names, builder, e, files) from e
+
+
+def _check_cache_room(files: list[Path], names: str) -> None:
+    """Sources larger than memory need no streaming: datasets converts them once to Arrow files in its cache and
+    memory-maps those, so RAM is not the limit; the cache's disk is. A source larger than that disk's free space
+    cannot be converted (its Arrow copy is at least about its size): refused with both sizes, before the
+    conversion fills the disk."""
+    import shutil
+
+    from datasets import config
+
+    total = sum(p.stat().st_size for p in files)
+    cache = Path(config.HF_DATASETS_CACHE)
+    existing = next((parent for parent in (cache, *cache.parents) if parent.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    if total > free:
+        raise _no_cache_room(names, total, free, cache)
+
+
+def _no_cache_room(names: str, total: int, free: int | None = None, cache: Path | None = None) -> DataError:
+    from datasets import config
+
+    cache = cache or Path(config.HF_DATASETS_CACHE)
+    room = f" and {_gib(free)} is free there" if free is not None else ", and that disk filled up"
+    return DataError(f"data source {names} is {_gib(total)}: datasets converts it once to memory-mapped Arrow files "
+                     f"in its cache ({cache}){room}. Point HF_DATASETS_CACHE at a disk with room for at least "
+                     f"{_gib(total)}, or train on a part of the files.")
+
+
+def _gib(n: int) -> str:
+    unit, size = next((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("bytes", 1)) if n >= s or s == 1)
+    return f"{n / size:.1f} {unit}" if size > 1 else f"{n} bytes"
 
 
 @contextmanager
@@ -246,19 +326,21 @@ def _json_line_problem(line: str, number: int) -> str | None:
     return None
 
 
-def _load_hub(name: str) -> Records:
+def _load_hub(name: str, split: str | None = None, subset: str | None = None) -> Records:
     from datasets import load_dataset
 
+    split = split or "train"
     try:
-        dataset = load_dataset(name, split="train")
+        dataset = load_dataset(name, subset, split=split)
     except Exception as e:  # offline, unknown name, gated, no train split: all need the user's action
         raise DataError(
             f"data source {name!r} is neither a local path nor a reachable hub dataset "
             f"({type(e).__name__}: {e}). "
-            f"Pass {ACCEPTED}; for a hub dataset, check the name and that the network is reachable "
+            f"Pass {ACCEPTED}; for a hub dataset, check the name, --data-subset and --data-split, and that the network is reachable "
             "(HF_HUB_OFFLINE / HF_DATASETS_OFFLINE unset), or download it first and pass the local folder."
         ) from e
-    return Records(dataset, f"hub dataset {name} (split train)")
+    part = f"subset {subset}, split {split}" if subset else f"split {split}"
+    return Records(dataset, f"hub dataset {name} ({part})")
 
 
 def looks_like_path(source: str) -> bool:

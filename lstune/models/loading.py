@@ -74,6 +74,44 @@ def resolve_source(name: str) -> ModelSource:
     )
 
 
+# The files a Hugging Face model folder keeps its weights in (single file, sharded with an index, or legacy .bin).
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+TOKENIZER_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def check_local_files(source: ModelSource, init: str) -> None:
+    """The cheap checks of a local model folder, before any estimate or heavy import: weights present when they are
+    to be loaded (--init pretrained or auto), and its tokenizer's JSON files readable. ModelError with the fix."""
+    if source.kind != "local":
+        return
+    folder = Path(source.location)
+    problems = []
+    if init != "random" and not any(next(folder.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        problems.append(f"--model {source.name!r} is a folder without weights (no *.safetensors or pytorch_model*.bin "
+                        "beside its config.json); copy the weights there, or train from a random initialisation "
+                        "with --init random.")
+    for name in TOKENIZER_JSON:
+        problem = _unreadable_json(folder / name)
+        if problem:
+            problems.append(f"--model {source.name!r}: its tokenizer file {name} cannot be read ({problem}); replace "
+                            "it with the model's own, or remove the folder's tokenizer files to use lstune's "
+                            "byte-level tokenizer.")
+    if problems:
+        raise ModelError(" ".join(problems), problems=problems)
+
+
+def _unreadable_json(path: Path) -> str | None:
+    import json
+
+    if not path.is_file():
+        return None
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+    return None
+
+
 def _looks_like_hub_id(name: str) -> bool:
     parts = name.split("/")
     return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "/", "~"))
@@ -228,9 +266,10 @@ def _not_plain_linear(model) -> list[str]:
             and type(module).__module__.startswith(model_code)]
 
 
-def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any):
+def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any, dora: bool = False,
+               rslora: bool = False):
     """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head and those
-    with a forward of their own (`_not_plain_linear`)."""
+    with a forward of their own (`_not_plain_linear`). `dora` / `rslora`: peft's DoRA and rsLoRA variants."""
     from peft import LoraConfig, get_peft_model
 
     auto = targets == "auto"
@@ -241,6 +280,8 @@ def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any
         target_modules="all-linear" if auto else list(targets),
         exclude_modules=(_not_plain_linear(model) or None) if auto else None,
         task_type="CAUSAL_LM",
+        use_dora=dora,
+        use_rslora=rslora,
     )
     try:
         with warnings.catch_warnings():

@@ -6,16 +6,18 @@ outside it: does the model name resolve, does the data source exist.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 from lstune.config.schema import TrainConfig
 from lstune.errors import ConfigError, UserError
 
 
-def preflight_problems(config: TrainConfig) -> list[str]:
-    """Every problem found with the model source and the data source."""
+def preflight_problems(config: TrainConfig, *, weights: bool = True) -> list[str]:
+    """Every problem found with the model source (its weights too unless `weights` is False: `lstune data` reads
+    only the tokenizer) and the data source. Imports nothing heavy: these answer before any estimate or load."""
     problems: list[str] = []
-    for check in (_check_model, _check_data):
+    for check in (partial(_check_model, weights=weights), _check_data):
         try:
             check(config)
         except UserError as exc:
@@ -25,10 +27,10 @@ def preflight_problems(config: TrainConfig) -> list[str]:
     return problems + missing_trackers(config.run.trackers())
 
 
-def _check_model(config: TrainConfig) -> None:
-    from lstune.models.loading import resolve_source
+def _check_model(config: TrainConfig, *, weights: bool) -> None:
+    from lstune.models.loading import check_local_files, resolve_source
 
-    resolve_source(config.model.name)
+    check_local_files(resolve_source(config.model.name), config.model.init if weights else "random")
 
 
 def _check_data(config: TrainConfig) -> None:
@@ -39,7 +41,7 @@ def _check_data(config: TrainConfig) -> None:
         return  # a malformed --data is reported by its section
     if config.data.source is not None:
         for source, _ in mixture_entries(config.data.source):
-            check_source(source)
+            check_source(source, split=config.data.data_split, subset=config.data.data_subset)
     if config.data.eval_data is not None:
         check_source(config.data.eval_data)
     check_chat_template(config.data.chat_template)
@@ -86,3 +88,20 @@ def _same_setting(key: str, saved, current) -> bool:
         if Path(saved).exists() and Path(current).exists():
             return Path(saved).resolve() == Path(current).resolve()
     return saved == current
+
+
+NO_BASE_NOTE = "NO_BASE_MODEL.txt"  # written into OUTPUT_DIR/final beside an adapter that has no base to load
+
+
+def adapter_without_base(config: TrainConfig, source_kind: str) -> str | None:
+    """The warning for a LoRA run whose OUTPUT_DIR/final will hold an adapter with no loadable base: its base was
+    randomly initialised (a preset, or --init random), so no saved weights exist that the adapter applies to.
+    None when the run writes a loadable model (a full fine-tune, a pretrained base, or --merge-lora)."""
+    model = config.model
+    random_init = model.init == "random" or (model.init == "auto" and source_kind == "preset")
+    if not model.lora_r or model.merge_lora or not random_init:
+        return None
+    return (f"warning: LoRA on a randomly initialised base ({model.name}): OUTPUT_DIR/final will hold only the "
+            "adapter, and no saved weights exist for its base, so it cannot be loaded on its own. Add --merge-lora "
+            "to also write the full model (OUTPUT_DIR/final-merged), or adapt a model with pretrained weights "
+            f"(a hub id or a local folder, without --init random). {NO_BASE_NOTE} in final/ says so too.")

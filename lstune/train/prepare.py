@@ -82,8 +82,10 @@ def adapt_model(model, spec: ModelSection, runtime):
 def add_lora(model, spec: ModelSection):
     """Step 2: LoRA adapters when `spec` asks for them (the model as it is otherwise)."""
     if spec.lora_r:
-        model = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout, targets=spec.lora_targets)
-        log.info("LoRA r=%d applied", spec.lora_r)
+        model = apply_lora(model, r=spec.lora_r, alpha=spec.lora_alpha, dropout=spec.lora_dropout,
+                           targets=spec.lora_targets, dora=spec.lora_dora, rslora=spec.lora_rslora)
+        log.info("LoRA r=%d applied%s%s", spec.lora_r, " (DoRA)" if spec.lora_dora else "",
+                 " (rsLoRA)" if spec.lora_rslora else "")
     return model
 
 

@@ -88,7 +88,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
     from lstune.train.disk_space import check_disk_space
     from lstune.train.engine_choice import check_fits, prediction_note, runtime_cluster
     from lstune.train.plan import plan as make_plan
-    from lstune.train.preflight import check_resume_compatible
+    from lstune.train.preflight import adapter_without_base, check_resume_compatible
 
     with runtime.decided_alike():  # every rank refuses alike what these check: one message, the main process's
         if resume_from is not None:
@@ -97,6 +97,9 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         runtime.use_dims(run_plan.dims)
         for note in run_plan.notes:
             reporter.note(note)
+    no_base = adapter_without_base(config, run_plan.spec.source.kind)  # warned now, noted in final/ (`_export`)
+    if no_base:
+        reporter.note(no_base)
     # Rank 0's estimate for every rank: nodes with different host memory must not pick different engines or tile
     # counts (ZeRO-3 gathers weights once per tile, so the ranks' collectives would no longer match).
     run_plan = run_plan.with_estimate(runtime.comm.broadcast(run_plan.estimate))
@@ -228,9 +231,10 @@ def _setup_data(config: TrainConfig, tokenizer, model_config, *, source: str | N
 
         raise ConfigError(["no training data: set config.data.source (--data)."])
     max_records = data.max_records if source is None else None
+    read = data.reading() if source is None else {}  # --data-split/-subset/-fields: --data's, like --max-records
     source = source or data.source
     dataset = build_dataset(
-        source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=max_records
+        source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=max_records, **read
     )
     max_id, vocab = dataset.summary()["max_token_id"], model_config.vocab_size
     if max_id is not None and max_id >= vocab:
@@ -616,6 +620,16 @@ def _export(config, engine, loaded, runtime: Runtime, result: TrainResult, repor
     if config.model.merge_lora:
         result.merged_dir = _export_one(result, MERGED_DIR, engine, loaded, runtime, folder, merge_lora=True)
     reporter.note(f"final model saved: {result.final_dir}")
+    _note_missing_base(config, loaded.source.kind, result.final_dir, runtime)
+
+
+def _note_missing_base(config, source_kind: str, final_dir: Path, runtime: Runtime) -> None:
+    """final/NO_BASE_MODEL.txt beside an adapter that has no base to load (lstune.train.preflight)."""
+    from lstune.train.preflight import NO_BASE_NOTE, adapter_without_base
+
+    warning = adapter_without_base(config, source_kind)
+    if warning and runtime.is_main:
+        (final_dir / NO_BASE_NOTE).write_text(warning.removeprefix("warning: ") + "\n", encoding="utf-8")
 
 
 def _point_adapter_at_base(folder: Path, source) -> None:

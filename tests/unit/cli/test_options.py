@@ -28,7 +28,7 @@ def test_help_shows_defaults_and_brackets_grouped_by_section(cli_help):
     flat = " ".join(cli_help.replace("│", " ").split())
     assert "(k = 1024). [default: 4k]" in flat and "never the full [seq, vocab] logits" in flat
     assert "[default: auto]" in flat and "[default: None]" not in flat
-    panels = [title for title in ("Model", "Data", "Memory", "Parallelism", "Optimisation", "Run") if f"─ {title} ─" in cli_help]
+    panels = [title for title in ("Model", "Data", "Memory", "Parallelism", "Optimisation", "Run") if f"\n{title}:\n" in cli_help]
     assert len(panels) == 6
 
 

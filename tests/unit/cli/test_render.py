@@ -33,15 +33,34 @@ def _run(width: int, terminal: bool, log_every: int = 1, steps: int = 3) -> str:
 @pytest.mark.parametrize("width", [80, 100, 200])
 def test_terminal_bar_keeps_count_elapsed_and_eta_at_every_width(width):
     text = _run(width, terminal=True)
-    last = [line for line in text.splitlines() if "train" in line and "/60" in line][-1]
+    lines = text.splitlines()
+    at = max(i for i, line in enumerate(lines) if "train" in line and "/60" in line)
+    last = lines[at]
     assert "3/60" in last and "eta 0:28:30" in last, last  # 57 steps left × 30 s
     assert re.search(r"\d:\d\d:\d\d", last.split("3/60")[1])  # elapsed time after the count
     assert len(last.rstrip()) <= width
     assert "forward layer 2/4" in last
-    if width >= 100:
-        assert "mem 3.0 GiB" in last, "device memory stays on the display"
-    if width >= 200:
-        assert "loss 2.5000" in last and "mem 3.0 GiB" in last
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_every_metric_stays_on_the_live_display_at_80_and_100_columns(width):
+    """The metrics sit under the bar, on as many lines as the width needs, never cut (issue 38: at 80 columns
+    the one-line bar lost all but the loss)."""
+    lines = _run(width, terminal=True).splitlines()
+    at = max(i for i, line in enumerate(lines) if "train" in line and "3/60" in line)
+    below = lines[at + 1:at + 4]
+    shown = " ".join(below)
+    for metric in ("loss 2.5000", "mem 3.0 GiB", "rss 5.0 GiB", "12,345 tok/s", "30.00 s/step", "lr 1.0e-03",
+                   "gnorm 0.50"):
+        assert metric in shown, (metric, below)
+    assert all(len(line.rstrip()) <= width for line in lines), [line for line in lines if len(line.rstrip()) > width]
+    assert "…" not in shown
+
+
+def test_status_lines_break_between_metrics_only():
+    from lstune.cli.render import status_lines
+
+    assert status_lines(["loss 2.5000", "mem 3.0 GiB", "lr 1.0e-03"], 26) == ["loss 2.5000 · mem 3.0 GiB", "lr 1.0e-03"]
 
 
 def test_pipe_lines_have_total_eta_and_eval_loss():
