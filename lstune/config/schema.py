@@ -317,10 +317,9 @@ class MemorySection:
     )
     recompute_attention: str = _opt(
         "auto",
-        "Whether backward re-runs attention's forward with each checkpointed layer: 'off' keeps attention's output "
-        "and log-sum-exp beside each layer's checkpoint (on the host when the checkpoint is offloaded) so backward "
-        "skips that O(seq²) work; 'on' re-runs it (less memory); 'auto' = off where the estimate says the extra "
-        "bytes fit the device or the host budget, on at the longest lengths (docs/memory.md).",
+        "'on': backward re-runs attention's forward with each checkpointed layer; 'off': attention's output and "
+        "log-sum-exp are kept beside the checkpoint instead (on the host if it is offloaded), skipping that O(seq²) "
+        "work. 'auto': off where the estimate says the bytes fit, on at the longest lengths.",
         partial(p.parse_choice, choices=("auto", "on", "off")),
         metavar="auto|on|off",
     )
