@@ -38,3 +38,20 @@ def _torch_threads():
         return
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _lstune_logger_reset():
+    """An in-process CLI call (in a test or a module-scoped fixture) configures the `lstune` logger for a
+    terminal: its own handler, no propagation. Reset it before each test so `caplog` sees lstune's records
+    whatever ran before."""
+    import logging
+
+    from lstune.cli.logs import _MARK
+
+    logger = logging.getLogger("lstune")
+    for handler in [h for h in logger.handlers if getattr(h, _MARK, False)]:
+        logger.removeHandler(handler)
+    logger.setLevel(logging.NOTSET)
+    logger.propagate = True
+    yield

@@ -8,23 +8,32 @@ forward, the tiled MLP's and the tiled loss's recompute, attention's backward re
 
     model TFLOP/s per device = model_flops / median step time / devices / 1e12
     MFU                      = model TFLOP/s per device / the device's bf16 dense peak (lstune.estimate.hardware)
+    HFU                      = hardware TFLOP/s per device (recompute counted) / the same peak
 
 The step time is the median of the timed steps; tokens/s counts every token of the step on every device.
 
 With the kernel rates (`--rates`, lstune.bench.rates), the ideal step: the step at the speed of its kernels alone,
-each part of its hardware FLOPs at the rate measured on the same machine for the kernel that runs it —
+each part of its FLOPs at the rate measured on the same machine for the kernel that runs it —
 
     ideal_s  = (matmul / GEMM rate + attention forwards / forward rate + attention backward / backward rate) / devices
     vs_ideal = median step time / ideal_s
 
 the GEMM rate over every measured shape (their FLOPs over their seconds), the attention rates those measured at the
-length nearest the trial's. Recompute (checkpointing's, the tiled MLP's and loss's) counts as lstune runs it; what
-the hardware FLOPs leave out (elementwise ops, norms, copies, the optimizer) does not.
+length nearest the trial's. Two ideals (lstune.estimate.flops.kernel_flops): `ideal_s` counts recompute
+(checkpointing's, the tiled MLP's and loss's) as lstune runs it; `ideal_no_recompute_s` runs the model FLOPs' matmuls
+and one attention forward (the attention kernel's backward, 2.5 forwards, in both). What the FLOPs leave out
+(elementwise ops, norms, copies, the optimizer) counts in neither.
+
+Memory: on CUDA the estimate is compared with the allocated peak and with the reserved one (what the allocator took
+from the device, fragmentation included: what runs out first). On a CPU there is no device: a trial's RSS is not
+what the estimate's device model predicts, so no error is given.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from lstune.estimate.flops import KernelFlops
 
 
 def derive(record: dict[str, Any], rates: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -35,16 +44,28 @@ def derive(record: dict[str, Any], rates: list[dict[str, Any]] | None = None) ->
     est = record["estimate"]
     seconds, devices = record["median_s"], record["world_size"]
     model_tflops = est["model_flops"] / seconds / devices / 1e12
+    hardware_tflops = est["hardware_flops"] / seconds / devices / 1e12
+    device = on_device(record)
     figures = {
         "tokens_per_s": record["tokens_per_step"] / seconds,
         "model_tflops": model_tflops,
-        "hardware_tflops": est["hardware_flops"] / seconds / devices / 1e12,
+        "hardware_tflops": hardware_tflops,
         "mfu": model_tflops / est["peak_tflops"],
-        "estimate_peak_error_pct": percent_error(est["device_peak_bytes"], record.get("peak_allocated")),
+        "hfu": hardware_tflops / est["peak_tflops"],
+        "estimate_peak_error_pct": percent_error(est["device_peak_bytes"], record.get("peak_allocated"))
+        if device else None,
+        "estimate_reserved_error_pct": percent_error(est["device_peak_bytes"], record.get("peak_reserved"))
+        if device else None,
         "estimate_time_error_pct": percent_error(est["step_seconds"], seconds),
     }
     figures.update(ideal_figures(record, rates))
     return figures
+
+
+def on_device(record: dict[str, Any]) -> bool:
+    """Whether the trial ran on an accelerator (its estimate's device model then predicts a measured peak)."""
+    return record.get("hardware", {}).get("device", {}).get("kind", "cuda") == "cuda" \
+        and not str(record.get("device", "cuda")).startswith("cpu")
 
 
 def ideal_figures(record: dict[str, Any], rates: list[dict[str, Any]] | None) -> dict[str, Any]:
@@ -55,11 +76,17 @@ def ideal_figures(record: dict[str, Any], rates: list[dict[str, Any]] | None) ->
     gemm, attention = gemm_flops_per_s(rates), nearest_attention(rates, record["seq_len"])
     if gemm is None or attention is None:
         return {}
-    est = record["estimate"]
-    seconds = (est["hardware_matmul_flops"] / gemm
-               + est["hardware_attention_forward_flops"] / (attention["fwd_tflops"] * 1e12)
-               + est["hardware_attention_backward_flops"] / (attention["bwd_tflops"] * 1e12)) / record["world_size"]
-    return {"ideal_s": seconds, "vs_ideal": record["median_s"] / seconds, "ideal_attention_len": attention["seq"]}
+    est, devices = record["estimate"], record["world_size"]
+    rate = (gemm, attention["fwd_tflops"] * 1e12, attention["bwd_tflops"] * 1e12)
+    backward = est["hardware_attention_backward_flops"]
+    seconds = KernelFlops(est["hardware_matmul_flops"], est["hardware_attention_forward_flops"],
+                          backward).ideal_seconds(*rate) / devices
+    figures = {"ideal_s": seconds, "vs_ideal": record["median_s"] / seconds, "ideal_attention_len": attention["seq"]}
+    if "model_matmul_flops" in est:  # records from before 2026-11-27 lack the split
+        bare = KernelFlops(est["model_matmul_flops"], est["model_attention_forward_flops"],
+                           backward).ideal_seconds(*rate) / devices
+        figures.update(ideal_no_recompute_s=bare, vs_ideal_no_recompute=record["median_s"] / bare)
+    return figures
 
 
 def gemm_flops_per_s(rates: list[dict[str, Any]]) -> float | None:

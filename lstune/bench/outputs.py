@@ -83,7 +83,9 @@ def check_folder(path: Path, *, overwrite: bool) -> BenchFolder:
     """`path` as the bench's output folder, checked before any trial runs (UserError naming what is in the way and
     the fix): no link at bench's names, none of them the user's, an earlier bench's replaced only with --overwrite."""
     if os.path.lexists(path) and not path.is_dir():
-        raise ConfigError([f"--output-dir {str(path)!r} is a file; give a folder."])
+        from lstune.untrusted import path_kind
+
+        raise ConfigError([f"--output-dir {str(path)!r} is {path_kind(path)}; give a folder."])
     if not path.exists():
         return BenchFolder(path, set())
     present = _present(path)

@@ -41,9 +41,10 @@ def markdown(result) -> str:
 
 
 STEP_COLUMNS = ("configuration", "tokens", "step median / min (s)", "tokens/s", "model TFLOP/s", "MFU",
-                "hardware TFLOP/s", "peak allocated", "peak reserved", "peak host RSS", "estimated peak (error)",
-                "estimated step (error)")
-IDEAL_COLUMNS = ("ideal step (s)", "× ideal")  # with the kernel rates (--rates) only
+                "hardware TFLOP/s", "HFU", "peak allocated", "peak reserved", "peak host RSS",
+                "estimated peak (error: allocated / reserved)", "estimated step (error)")
+# With the kernel rates (--rates) only: the ideal with recompute counted as lstune runs it, and without any.
+IDEAL_COLUMNS = ("ideal step (s)", "× ideal", "ideal, no recompute (s)", "× ideal, no recompute")
 
 
 def measurement_table(result) -> list[str]:
@@ -59,28 +60,39 @@ def measurement_table(result) -> list[str]:
         est, ideal = m["estimate"], ideal_cells(m) if result.rates else []
         rows.append(
             head + f"| {m['median_s']:.3f} / {m['min_s']:.3f} | {m['tokens_per_s']:,.0f} | {m['model_tflops']:.3g} "
-            f"| {100 * m['mfu']:.1f} % | {m['hardware_tflops']:.3g} | {size(m.get('peak_allocated'))} "
-            f"| {size(m.get('peak_reserved'))} | {size(m.get('peak_rss'))} "
-            f"| {size(est['device_peak_bytes'])} ({_pct(m.get('estimate_peak_error_pct'))}) "
+            f"| {100 * m['mfu']:.1f} % | {m['hardware_tflops']:.3g} | {100 * m.get('hfu', 0):.1f} % "
+            f"| {size(m.get('peak_allocated'))} | {size(m.get('peak_reserved'))} | {size(m.get('peak_rss'))} "
+            f"| {size(est['device_peak_bytes'])} ({peak_errors(m)}) "
             f"| {est['step_seconds']:.3g} s ({_pct(m.get('estimate_time_error_pct'))}) |"
             + "".join(f" {cell} |" for cell in ideal))
     cuda = bool(result.fingerprint["gpus"])
     rows += ["", "Peak allocated: " + ("`torch.cuda.max_memory_allocated` (reserved: `max_memory_reserved`)" if cuda
              else "the trial process's peak RSS less its RSS before the model was built (no device on CPU)")
-             + "; MFU against the device's bf16 dense peak (docs/bench.md has the FLOP count)."]
+             + "; MFU: model FLOPs, HFU: hardware FLOPs (recompute counted), both against the device's bf16 dense "
+             "peak (docs/bench.md has the FLOP count)."
+             + ("" if cuda else " No estimate error on a CPU: RSS is not the device the estimate models.")]
     if result.rates:
-        rows += ["", "Ideal step: the step's hardware matmul FLOPs at the measured GEMM rate and its attention FLOPs "
-                 "at the attention rates measured at the nearest length, recompute included, nothing else counted "
-                 "(docs/bench.md); × ideal: the median step over it."]
+        rows += ["", "Ideal step: the step's matmul FLOPs at the measured GEMM rate and its attention FLOPs at the "
+                 "attention rates measured at the nearest length, nothing else counted (docs/bench.md) — once with "
+                 "recompute as lstune runs it, once without any (the model FLOPs' matmuls, one attention forward); "
+                 "× ideal: the median step over each."]
     return rows + [""]
 
 
+def peak_errors(m: dict[str, Any]) -> str:
+    """The estimate's error against the allocated and the reserved peak; "no device" for a CPU trial."""
+    if m.get("estimate_peak_error_pct") is None and m.get("estimate_reserved_error_pct") is None:
+        return "no device" if m.get("peak_allocated") else "-"
+    return f"{_pct(m.get('estimate_peak_error_pct'))} / {_pct(m.get('estimate_reserved_error_pct'))}"
+
+
 def ideal_cells(m: dict[str, Any]) -> list[str]:
-    """The ideal step and the measured median in its multiples (IDEAL_COLUMNS), "—" where there is none (a failed
-    trial, rates without both kinds of kernel)."""
-    if m.get("ideal_s") is None:
-        return ["—", "—"]
-    return [f"{m['ideal_s']:.3g}", f"{m['vs_ideal']:.2f}"]
+    """The ideal steps and the measured median in their multiples (IDEAL_COLUMNS), "—" where there is none (a failed
+    trial, rates without both kinds of kernel, a record without the no-recompute split)."""
+    cells = []
+    for ideal, times in (("ideal_s", "vs_ideal"), ("ideal_no_recompute_s", "vs_ideal_no_recompute")):
+        cells += ["—", "—"] if m.get(ideal) is None else [f"{m[ideal]:.3g}", f"{m[times]:.2f}"]
+    return cells
 
 
 def search_table(result) -> list[str]:

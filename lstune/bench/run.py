@@ -159,11 +159,15 @@ def _finish(result: BenchResult, config: TrainConfig, rungs: list[Rung], folder:
 
 def _check_gpu_count(config: TrainConfig, fp: dict[str, Any]) -> None:
     """On a CUDA machine, --gpus no more than the devices its processes see: the fingerprint's (nvidia-smi's) list,
-    narrowed by CUDA_VISIBLE_DEVICES, which nvidia-smi ignores."""
+    narrowed by CUDA_VISIBLE_DEVICES, which nvidia-smi ignores; on CPU, no more than the cores (--force past it)."""
     import os
 
-    from lstune.parallel.launch import gpu_count_problems
+    from lstune.parallel.launch import cpu_count_problems, gpu_count_problems, usable_cores
 
+    if not fp["gpus"] and config.parallel.hostfile is None and not config.run.force:
+        problems = cpu_count_problems(config.parallel.gpus, usable_cores())
+        if problems:
+            raise ConfigError(problems)
     if fp["gpus"] and config.parallel.hostfile is None:
         visible = len(fp["gpus"])
         if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:

@@ -119,7 +119,8 @@ class TrialRunner:
             os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
             self._context = multiprocessing.get_context("forkserver")
             self._context.set_forkserver_preload(preload_modules(self.cuda))
-        process = self._context.Process(target=_child, args=(job, str(result_path), str(log_path)), daemon=False)
+        process = self._context.Process(target=_child, args=(job, str(result_path), str(log_path), os.getpid()),
+                                        daemon=False)
         process.start()
         return _Forked(process)
 
@@ -145,8 +146,13 @@ class TrialRunner:
         return None, peak
 
 
-def _child(job, result_path: str, log_path: str) -> None:
-    """A forked trial's body: its output goes to its log, not over the parent's display."""
+def _child(job, result_path: str, log_path: str, bench_pid: int) -> None:
+    """A forked trial's body: its output goes to its log, not over the parent's display. It ends with the bench
+    (`bench_pid`): a bench killed with -9 leaves no trial running unwatched (and the forkserver, which lives as long
+    as a trial holds its pipe, then ends too)."""
+    from lstune.parallel.lifetime import end_with
+
+    end_with(bench_pid)
     fd = open_new_log(Path(log_path))
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -190,6 +196,7 @@ class _Launched(_Process):
     @classmethod
     def start(cls, job, result_path: Path, log_path: Path, cuda: bool) -> "_Launched":
         from lstune.parallel.launch import launch_command
+        from lstune.parallel.lifetime import preexec
 
         job_file = write_text_new(job_path(result_path), json.dumps(job.to_dict()))
         env = dict(os.environ)
@@ -198,7 +205,8 @@ class _Launched(_Process):
         command = launch_command([str(job_file), str(result_path)], job.processes, job.config.get("hostfile"),
                                  module="lstune.bench.trial")
         with os.fdopen(open_new_log(log_path), "w") as log:
-            return cls(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+            return cls(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        preexec_fn=preexec(signal.SIGKILL)))  # ends with the bench
 
     def exit_code(self) -> int | None:
         return self.popen.poll()

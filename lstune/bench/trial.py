@@ -263,13 +263,13 @@ def estimate_summary(prediction, config, model_config) -> dict[str, Any]:
     one sample's FLOPs shared by the SP group). The hardware FLOPs come split by the kernel that runs them — dense
     matmuls, attention forwards (recompute included), attention backward — so that the ideal step can time each
     part at its own measured rate (lstune.bench.metrics)."""
-    from lstune.estimate.flops import attention_split
+    from lstune.estimate.flops import kernel_flops
 
     # The estimate's step already counts every micro-batch a rank runs (grad_accum × SP, lstune.estimate): its
     # FLOPs are one SP group's, so the step's total is theirs times the data-parallel groups.
     flops = prediction.flops
     samples = prediction.hardware.world_size // prediction.sp
-    attention_forward, attention_backward = attention_split(flops, model_config, config.data.seq_len)
+    run, bare = kernel_flops(flops, model_config, config.data.seq_len)
     return {
         "device_peak_bytes": prediction.device_peak_bytes, "host_peak_bytes": prediction.host_peak_bytes,
         "step_seconds": prediction.step_seconds, "fits": prediction.fits,
@@ -277,8 +277,10 @@ def estimate_summary(prediction, config, model_config) -> dict[str, Any]:
         "model_flops": flops.model * samples, "hardware_flops": flops.hardware * samples,
         "hardware_matmul_flops": flops.hardware_matmul * samples,
         "hardware_attention_flops": flops.hardware_attention * samples,
-        "hardware_attention_forward_flops": attention_forward * samples,
-        "hardware_attention_backward_flops": attention_backward * samples,
+        "hardware_attention_forward_flops": run.attention_forward * samples,
+        "hardware_attention_backward_flops": run.attention_backward * samples,
+        # The same step with no recompute (lstune.estimate.flops.kernel_flops): the "× ideal" without recompute.
+        "model_matmul_flops": bare.matmul * samples, "model_attention_forward_flops": bare.attention_forward * samples,
         "peak_tflops": prediction.hardware.device.peak_tflops, "device_capacity": prediction.device_capacity,
     }
 
@@ -347,6 +349,9 @@ def run_to_file(job: Job, result_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m lstune.bench.trial JOB.json RESULT.json` (each process of a launched trial runs this)."""
+    from lstune.parallel.lifetime import die_with_launcher
+
+    die_with_launcher()  # ends with its launcher, which ends with the bench
     job_path, result_path = argv if argv is not None else sys.argv[1:]
     run_to_file(Job(**json.loads(Path(job_path).read_text())), result_path)
 

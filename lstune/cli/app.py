@@ -21,7 +21,8 @@ import typer
 from lstune import __version__
 from lstune.cli.help import HelpGroup
 from lstune.errors import UserError
-from lstune.train.signals import Terminated, on_sigterm
+from lstune.parallel.lifetime import PARENT_ENV
+from lstune.train.signals import STOP_SIGNALS, Terminated, on_sigterm
 
 app = typer.Typer(
     name="lstune",
@@ -115,17 +116,31 @@ def main(argv: list[str] | None = None) -> None:
     alive (an error, a signal) leaves through os._exit once its output is flushed: the interpreter's teardown
     with a live gloo/NCCL group can abort (SIGABRT) or wait on a peer, turning exit code 2 into a crash report;
     the group cannot be ended properly there, since the other ranks may never reach the barrier that needs."""
+    if os.environ.get(PARENT_ENV):
+        from lstune.parallel.lifetime import die_with_launcher
+
+        die_with_launcher()  # a rank of lstune's launcher: it ends with the launcher, even one killed with -9
     try:
         _main(argv)
     except SystemExit as exc:
         if _launched_group_alive():
             _hard_exit(exc.code)
         raise
-    except BaseException:
+    except BaseException as exc:
         if _launched_group_alive():
+            _lost_peer_exit(exc)
             traceback.print_exc()
             _hard_exit(1)
         raise
+
+
+def _lost_peer_exit(exc: BaseException) -> None:
+    """A rank whose collective failed because another process went away leaves quietly (LOST_PEER_EXIT): the
+    launcher reports the process that went away in one line (lstune.parallel.agent). `--debug` keeps its trace."""
+    from lstune.parallel.agent import LOST_PEER_EXIT, lost_a_peer
+
+    if lost_a_peer(exc) and "--debug" not in sys.argv:
+        _hard_exit(LOST_PEER_EXIT)
 
 
 def _launched_group_alive() -> bool:
@@ -149,7 +164,8 @@ def _hard_exit(code) -> None:
 def _main(argv: list[str] | None) -> None:
     args = _hoist_globals(_normalise_resume(list(sys.argv[1:] if argv is None else argv)))
     debug = "--debug" in args
-    previous = signal.signal(signal.SIGTERM, on_sigterm) if _in_main_thread() else None
+    # SIGHUP (the terminal or ssh session closed) stops a run as SIGTERM does: save, then exit.
+    previous = {sig: signal.signal(sig, on_sigterm) for sig in STOP_SIGNALS} if _in_main_thread() else {}
     try:
         code = app(args=args, prog_name="lstune", standalone_mode=False)
     except UserError as exc:
@@ -171,8 +187,8 @@ def _main(argv: list[str] | None) -> None:
         typer.echo("lstune: interrupted", err=True)
         sys.exit(130)
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -182,7 +198,8 @@ def _report(exc: UserError, debug: bool) -> None:
     launcher (torchrun) then terminates the ranks still running — this one included, before its message was out
     (seen: a bad eval set under --gpus 2 said only "SIGTERM received before training started", exit 130)."""
     if _in_main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
     if debug:
         traceback.print_exc()
     if debug or not exc.quiet:

@@ -138,25 +138,25 @@ def outcome_text(record: dict[str, Any]) -> str:
 def render_summary(result) -> None:
     from rich.table import Table
 
-    from lstune.bench.report import ideal_cells, size
+    from lstune.bench.report import ideal_cells, peak_errors, size
     from lstune.cli.render import console
     from lstune.config.parse import format_length
 
     con, names = console(), {r["name"]: r["label"] for r in result.rungs}
     table = Table(title="measured", title_justify="left")
-    extra = ("ideal step", "× ideal") if result.rates else ()
-    for column in ("configuration", "tokens", "step (median)", "tokens/s", "MFU", "peak", "estimate (error)", *extra):
+    extra = ("ideal step", "× ideal", "ideal, no recompute", "× ideal, no recompute") if result.rates else ()
+    for column in ("configuration", "tokens", "step (median)", "tokens/s", "MFU", "HFU", "peak",
+                   "estimate (error: allocated / reserved)", *extra):
         table.add_column(column, justify="left" if column == "configuration" else "right")
     for m in result.measurements():
         row = [names.get(m["rung"], m["rung"]), format_length(m["seq_len"])]
         if m.get("outcome") == "ok":
-            err = m.get("estimate_peak_error_pct")
             row += [f"{m['median_s']:.3f} s", f"{m['tokens_per_s']:,.0f}", f"{100 * m['mfu']:.1f} %",
-                    size(m.get("peak_allocated")),
-                    f"{size(m['estimate']['device_peak_bytes'])} ({'-' if err is None else f'{err:+.0f} %'})"]
+                    f"{100 * m.get('hfu', 0):.1f} %", size(m.get("peak_allocated")),
+                    f"{size(m['estimate']['device_peak_bytes'])} ({peak_errors(m)})"]
             row += ideal_cells(m) if extra else []
         else:
-            row += [m.get("outcome", "?"), "", "", "", ""] + ["", ""] * bool(extra)
+            row += [m.get("outcome", "?"), "", "", "", "", ""] + [""] * len(extra)
         table.add_row(*row)
     con.print(table)
     if result.searches:

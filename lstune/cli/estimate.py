@@ -22,7 +22,8 @@ HELP = (
     "Predict the device and host memory peak of a training run, the longest sequence that fits, the cheapest "
     "changes that would fit, and the step time — before anything is downloaded or rented.\n\n"
     "Takes every `lstune train` flag and recipe (--config). Hardware: this machine's CUDA device when there is "
-    "one, else --gpu or --device-mem; --host-mem defaults to this machine's RAM."
+    "one, else --gpu or --device-mem; --host-mem defaults to the host of the named GPU's class (said in the "
+    "output), or this machine's RAM for its own device."
 )
 SECTIONS = ("model", "data", "memory", "parallel", "optim")
 _HW = "Hardware"
@@ -53,7 +54,9 @@ def _signature() -> inspect.Signature:
             help="Memory of one device, e.g. 80G (another GPU, or to override the table's).")),
         _option("host_mem", Optional[str], typer.Option(
             None, "--host-mem", metavar="BYTES", rich_help_panel=_HW,
-            help=escape("Host memory of one node, e.g. 512G [default: this machine's RAM]."))),
+            help=escape("Host memory of one node, e.g. 512G [default: with --gpu or --device-mem, the host of "
+                        "that GPU's class (128 GiB per H100/H200/A100-80GB, 64 GiB per A100-40GB/L40S); else this "
+                        "machine's RAM]."))),
         _option("nodes", Optional[str], typer.Option(
             None, "--nodes", metavar="N", rich_help_panel=_HW,
             help=escape("Nodes, each with --gpus devices [default: 1]."))),
@@ -80,9 +83,11 @@ def _estimate_command(**kwargs: Any) -> int:
 
         result = trace_estimate(config, hardware)
     else:
+        from lstune.estimate.preset_facts import preset_spec
         from lstune.train.plan import plan
 
-        result = plan(config, hardware).estimate  # the run's plan: train's refusals, then the estimate
+        # The run's plan: train's refusals, then the estimate; a preset's config and counts from the kept facts.
+        result = plan(config, hardware, spec=preset_spec(config)).estimate
     if as_json:
         import json
 
@@ -151,8 +156,8 @@ def _render(e) -> None:
     con, hw, b = console(), e.hardware, e.breakdown
     dp = hw.world_size // e.sp
     con.print(f"[bold]{e.model}[/bold] at {format_length(e.seq_len)} tokens: SP {e.sp} × DP {dp} on "
-              f"{hw.nodes} × {hw.gpus} {hw.device.name} ({hw.source}); host {human_bytes(hw.host_bytes)} per node, "
-              f"{human_bytes(e.host_capacity)} of it usable (the rest kept for the OS)")
+              f"{hw.nodes} × {hw.gpus} {hw.device.name} ({hw.source}); host {human_bytes(hw.host_bytes)} per node "
+              f"({hw.host_source}), {human_bytes(e.host_capacity)} of it usable (the rest kept for the OS)")
     d = b.dtypes
     con.print(f"engine: {e.engine.describe()}; dtypes: frozen {_dt(d['frozen'])}, trainable {_dt(d['trainable'])}, "
               f"residual stream {_dt(d['residual'])}, activations {_dt(d['act'])}")
@@ -173,16 +178,25 @@ def _render(e) -> None:
         table.add_row(item.name, _bytes(item.device), _bytes(item.host), item.detail)
     table.add_row("[bold]total[/bold]", human_bytes(e.device_peak_bytes), human_bytes(b.host_peak),
                   f"host per node: {human_bytes(e.host_peak_bytes)} ({hw.gpus} ranks)")
+    m = e.margin
     table.add_row("capacity", human_bytes(e.device_capacity), human_bytes(e.host_capacity),
-                  f"margin: device {human_bytes(e.device_capacity - e.device_peak_bytes)}, "
+                  f"left: device {human_bytes(e.device_capacity - e.device_peak_bytes)}, "
                   f"host {human_bytes(e.host_capacity - e.host_peak_bytes)}")
+    table.add_row("margin a fit keeps", human_bytes(m.device), human_bytes(m.host),
+                  f"{m.device_share:.0%} of the device, {m.host_share:.0%} of the usable host (docs/estimate.md)")
     con.print(table)
     colour = "green" if e.fits else "red"
     con.print(f"verdict: [{colour}]{e.verdict()}[/{colour}]")
     con.print(f"longest sequence that fits this configuration: [bold]{format_length(e.longest_seq_len)}[/bold]"
               if e.longest_seq_len else "longest sequence that fits: none (even 1K tokens do not fit)")
-    con.print(f"step: {e.flops.hardware:.3g} FLOPs run ({e.flops.model:.3g} model FLOPs), ~{e.step_seconds:,.1f} s, "
-              f"~{e.tokens_per_second:,.0f} tokens/s")
+    con.print(f"step (predicted): {e.flops.hardware:.3g} FLOPs run ({e.flops.model:.3g} model FLOPs), "
+              f"~{e.step_seconds:,.1f} s, ~{e.tokens_per_second:,.0f} tokens/s; MFU {e.mfu:.1%} (model FLOPs), "
+              f"HFU {e.hfu:.1%} (recompute counted) of the {hw.device.peak_tflops:g} TFLOP/s bf16 peak")
+    if e.ideal_seconds:
+        run, bare = e.ideal_seconds
+        con.print(f"  × ideal (the step's kernels alone at {hw.device.name}'s kernel rates): "
+                  f"{e.step_seconds / run:.2f} × with recompute ({run:,.1f} s), "
+                  f"{e.step_seconds / bare:.2f} × without ({bare:,.1f} s)")
     c = e.copies
     if c.checkpoint_bytes or c.chunk_out_bytes:
         chunks = (f"; attention chunks {human_bytes(c.chunk_out_bytes)} out, {human_bytes(c.chunk_in_bytes)} in"

@@ -55,7 +55,7 @@ def _train_command(**kwargs: Any) -> int:
 
         refuse(model_problems(config))  # before N processes start, each to refuse the same
         argv = _relaunch_argv(ctx, flags, config_path)
-        return relaunch(argv, config.parallel.gpus, config.parallel.hostfile)
+        return relaunch(argv, config.parallel.gpus, config.parallel.hostfile, force=config.run.force)
 
     from lstune.parallel.comm import close_process_group
     from lstune.train.run import train

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 from lstune.config.schema import FLAT_FIELDS, TrainConfig, flag_name
 from lstune.errors import ConfigError
+from lstune.untrusted import path_kind
 
 
 # A recipe is a few dozen keys. These bounds keep a hostile one (a "billion laughs" of nested aliases, a
@@ -50,8 +51,10 @@ def read_recipe(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         raise ConfigError([f"{where} is a folder; give the path of a YAML recipe file{_recipes_in(path)}."])
     if not path.is_file():
-        raise ConfigError([f"{where} does not exist; give the path of a YAML recipe, or the name of one shipped "
-                           "with lstune (`lstune recipes` lists them)."])
+        what = path_kind(path)
+        said = "does not exist" if what == "nothing" else f"is {what}, not a file"
+        raise ConfigError([f"{where} {said}; give the path of a YAML recipe, or the name of one shipped with lstune "
+                           "(`lstune recipes` lists them)."])
     if path.stat().st_size > MAX_RECIPE_BYTES:
         raise ConfigError([f"{where} is {path.stat().st_size:,} bytes; a recipe is at most {MAX_RECIPE_BYTES:,}."])
     try:

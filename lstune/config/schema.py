@@ -22,6 +22,7 @@ from typing import Any, Callable, ClassVar
 
 from lstune.config import parse as p
 from lstune.config.record import holds_a_run
+from lstune.untrusted import path_kind
 
 
 def _opt(default: Any, help: str, parser: Callable[[Any], Any], **meta: Any) -> Any:
@@ -538,8 +539,9 @@ class RunSection:
     )
     force: bool = _opt(
         False,
-        "Train even when the memory estimate (`lstune estimate`) predicts the run will not fit on this GPU, or "
-        "--output-dir's disk has no room for one of its checkpoints.",
+        "Train even when the memory estimate (`lstune estimate`) predicts the run will not fit on this GPU, "
+        "--output-dir's disk has no room for one of its checkpoints, or --gpus N on CPU asks more processes than "
+        "cores.",
         p.parse_bool,
     )
     trust_checkpoint: bool = _opt(
@@ -578,7 +580,8 @@ class RunSection:
         """Nothing is overwritten unasked: an existing folder holding a run needs --resume or --overwrite (one
         holding only a failed attempt's record and log does not: see lstune.config.record)."""
         if output_dir.exists() and not output_dir.is_dir():
-            return [f"--output-dir {str(output_dir)!r} is a file; give a folder (a new one, or a run's to resume)."]
+            return [f"--output-dir {str(output_dir)!r} is {path_kind(output_dir)}; give a folder (a new one, or a run's "
+                    "to resume)."]
         if self.resume or self.overwrite or not output_dir.exists():
             return []
         if not holds_a_run(output_dir):

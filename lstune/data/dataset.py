@@ -33,7 +33,7 @@ from lstune.data.records import (
     document_features,
     tokenize_batch,
 )
-from lstune.data.sources import load_records
+from lstune.data.sources import load_records, record_byte_limit
 from lstune.errors import DataError
 
 if TYPE_CHECKING:
@@ -251,7 +251,8 @@ def build_dataset(
     from lstune.data.sources import mixture_entries
 
     entries = mixture_entries(source)
-    read = dict(max_records=max_records, split=split, subset=subset, fields=fields)
+    read = dict(max_records=max_records, split=split, subset=subset, fields=fields,
+                max_record_bytes=record_byte_limit(seq_len))
     if len(entries) == 1:
         return _build_one(entries[0][0], tokenizer, seq_len, pack=pack, seed=seed, **read)
     parts = [_build_one(name, tokenizer, seq_len, pack=pack, seed=seed, **read) for name, _ in entries]

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from lstune.data.batch import IGNORE_INDEX
+from lstune.data.templates import render
 from lstune.errors import DataError
 
 IGNORE = IGNORE_INDEX  # the name data's modules use
@@ -195,11 +196,27 @@ def _text_documents(texts: list, tokenizer: Any) -> list[tuple[np.ndarray, np.nd
 
 
 def _int_array(value: Any, column: str, index: int) -> np.ndarray:
+    """`value` as int64 token ids; DataError for anything but whole numbers: a float column (Parquet's double, JSON's
+    1.5) would otherwise be truncated to other ids silently, and a bool column read as ids 0 and 1."""
     try:
-        return np.asarray(value, dtype=np.int64).reshape(-1)
+        found = np.asarray(value)
+        if found.dtype.kind in "fcb" or (found.dtype == object and any(isinstance(v, (float, bool)) for v in
+                                                                       found.reshape(-1).tolist())):
+            raise TypeError
+        return np.asarray(found, dtype=np.int64).reshape(-1)
     except (TypeError, ValueError, OverflowError):
         raise DataError(f"record {index}: '{column}' must be a list of whole numbers (token ids), not "
-                        f"{type(value).__name__} values like {str(value)[:40]!r}.") from None
+                        f"{_element_type(value)} values like {str(value)[:40]!r}.") from None
+
+
+def _element_type(value: Any) -> str:
+    """The type of a column's non-integer elements, for the message ('float' for Parquet's doubles)."""
+    items = value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(items, (list, tuple)):
+        odd = [v for v in items if isinstance(v, bool) or not isinstance(v, int)]
+        if odd:
+            return type(odd[0]).__name__
+    return type(value).__name__
 
 
 def _pretokenized_document(batch: Mapping[str, list], row: int, index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -361,14 +378,12 @@ def _not_rendered(index: int, turn: int, message: Mapping, how: str) -> str:
 def _render_text(tokenizer: Any, messages: list, index: int, *, probe: bool = False) -> str | None:
     """The rendered text; for a `probe` (a variant of the record, not the record), None if the template fails."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    except Exception as e:  # as in `_render`
+        return render(tokenizer, messages, index, "Fix the record (roles, order, contents) or use a template that "
+                      "accepts it.", tokenize=False, add_generation_prompt=False)
+    except DataError:
         if probe:
             return None
-        raise DataError(
-            f"record {index}: the tokenizer's chat template failed on this conversation ({type(e).__name__}: {e}). "
-            "Fix the record (roles, order, contents) or use a tokenizer whose template accepts it."
-        ) from e
+        raise
 
 
 def _prefix_length(
@@ -386,19 +401,11 @@ def _prefix_length(
 
 
 def _render(tokenizer: Any, messages: list, generation_prompt: bool, index: int) -> np.ndarray:
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages,
-            tokenize=True,
-            add_generation_prompt=generation_prompt,
-            tokenizer_kwargs={"verbose": False},  # long conversations are intended: no length warning
-        )
-    except Exception as e:  # templates raise arbitrary errors (jinja raise_exception) on data they reject
-        raise DataError(
-            f"record {index}: the tokenizer's chat template failed on this conversation "
-            f"({type(e).__name__}: {e}). Fix the record (roles, order) or use a tokenizer whose "
-            "template accepts it."
-        ) from e
+    ids = render(
+        tokenizer, messages, index, "Fix the record (roles, order) or use a template that accepts it.",
+        tokenize=True, add_generation_prompt=generation_prompt,
+        tokenizer_kwargs={"verbose": False},  # long conversations are intended: no length warning
+    )
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding by default
         ids = ids["input_ids"]
     return np.asarray(ids, dtype=np.int64).reshape(-1)

@@ -62,6 +62,18 @@ def check_source(source: str, *, split: str | None = None, subset: str | None = 
                         f"accepted: {ACCEPTED}.")
 
 
+# A JSON record (one line of a .jsonl file) is refused past the bytes a sample can use: `record_byte_limit`.
+# datasets' JSON reader takes minutes and ~22x a line's size in memory for one huge line (a 200 MB line: ~4.4 GB)
+# before lstune keeps the sample's `seq_len` tokens of it.
+MIN_RECORD_BYTES = 64 * 2**20
+RECORD_BYTES_PER_TOKEN = 64  # JSON of a token: its text (escaped: up to 6 bytes a character) or its id and comma
+
+
+def record_byte_limit(seq_len: int) -> int:
+    """The largest JSON record a sample of `seq_len` tokens could need (at least MIN_RECORD_BYTES)."""
+    return max(MIN_RECORD_BYTES, seq_len * RECORD_BYTES_PER_TOKEN)
+
+
 def _check_parts(source: str, split: str | None, subset: str | None) -> None:
     """--data-subset picks a hub dataset's configuration; --data-split a split of a hub dataset or of a saved
     DatasetDict folder. A built-in source or a data file has neither."""
@@ -78,15 +90,17 @@ def _check_parts(source: str, split: str | None, subset: str | None) -> None:
 
 
 def load_records(source: str, *, max_records: int | None = None, split: str | None = None,
-                 subset: str | None = None, fields: dict[str, str] | None = None) -> Records:
-    """The raw records of `source` (only the first `max_records` when given); DataError if none. `split` and
+                 subset: str | None = None, fields: dict[str, str] | None = None,
+                 max_record_bytes: int | None = None) -> Records:
+    """The raw records of `source` (only the first `max_records` when given); DataError if none, or if a JSON
+    Lines record is longer than `max_record_bytes`. `split` and
     `subset` pick a part of a hub dataset or saved DatasetDict (default: its train split); `fields` maps
     lstune's field names to the data's columns ({"text": "body"}: the column body is read as text)."""
     check_source(source, split=split, subset=subset)
     if source.startswith("builtin:"):
         records = _load_builtin(source.removeprefix("builtin:"))
     elif Path(source).expanduser().exists():
-        records = _load_local(Path(source).expanduser(), split)
+        records = _load_local(Path(source).expanduser(), split, max_record_bytes)
     else:
         records = _load_hub(source, split, subset)
     if fields:
@@ -132,16 +146,46 @@ def _map_fields(records: Records, fields: dict[str, str], source: str) -> Record
     return Records(records.dataset.rename_columns(renamed), f"{records.origin}, fields {mapped}")
 
 
-def _load_local(path: Path, split: str | None = None) -> Records:
+def _load_local(path: Path, split: str | None = None, max_record_bytes: int | None = None) -> Records:
+    from lstune.untrusted import path_kind
+
+    if path_kind(path) not in ("a file", "a folder"):
+        raise DataError(f"data source {path} is {path_kind(path)}, not a file or folder of records; pass a "
+                        ".jsonl/.json/.parquet/.arrow file or a folder of them.")
     if path.is_file():
         builder = _builder_for(path)
         if path.stat().st_size == 0:
             raise DataError(f"data source {path}: the file is empty. "
                             "Point the data source at a file with records.")
+        _check_line_lengths([path], max_record_bytes)
         return Records(_read_files(builder, [path]), f"{builder} file {path}")
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         return _load_saved(path, split or "train")
-    return _load_folder(path)
+    return _load_folder(path, max_record_bytes)
+
+
+def _check_line_lengths(files: list[Path], limit: int | None) -> None:
+    """DataError naming the file and line of the first JSON Lines record longer than `limit` bytes. Streams each
+    file that could hold one (a smaller file cannot) in 8 MiB blocks: memory stays one block."""
+    for path in files:
+        if limit is None or path.suffix.lower() != ".jsonl" or path.stat().st_size <= limit:
+            continue
+        line, run = 1, 0
+        with open(path, "rb") as f:
+            while block := f.read(8 * 2**20):
+                pieces = block.split(b"\n")
+                for i, piece in enumerate(pieces):
+                    run += len(piece)
+                    if run > limit:
+                        break
+                    if i < len(pieces) - 1:
+                        line, run = line + 1, 0
+                else:
+                    continue
+                raise DataError(
+                    f"{path} line {line} is longer than {limit / 2**20:,.0f} MiB, more than a sample of this "
+                    "--seq-len can use (lstune keeps its first --seq-len tokens, and reading such a line takes "
+                    "minutes and ~20x its size in memory). Split the record into documents, or shorten it.")
 
 
 def _builder_for(path: Path) -> str:
@@ -168,7 +212,7 @@ def _load_saved(path: Path, split: str) -> Records:
     return Records(saved[split], f"save_to_disk folder {path} (split {split})")
 
 
-def _load_folder(path: Path) -> Records:
+def _load_folder(path: Path, max_record_bytes: int | None = None) -> Records:
     """All data files under `path` (recursively, hidden ones skipped), which must share one format."""
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
@@ -182,6 +226,7 @@ def _load_folder(path: Path) -> Records:
         raise DataError(f"data source {path}: the folder mixes formats ({', '.join(sorted(builders))}). "
                         "Keep one format per folder, or point the data source at a single file.")
     builder = builders.pop()
+    _check_line_lengths(nonempty, max_record_bytes)
     return Records(_read_files(builder, nonempty), f"folder {path} ({len(nonempty)} {builder} files)")
 
 

@@ -13,9 +13,21 @@ which trains fine but costs a few tokens per turn.
 
 from __future__ import annotations
 
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from lstune.errors import DataError
+
+# How long one rendering of one conversation may take. A template is a program (Jinja, sandboxed: it runs no code of
+# the host, but its loops are unbounded: two nested loops over range(100000) render for hours); a real template
+# renders a conversation in milliseconds, its length being string joins.
+RENDER_SECONDS = 30.0
+# A plain conversation to tell a broken template from a record it rejects.
+_PLAIN = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello! How can I help?"}]
 
 KNOWN_TEMPLATES = {
     "chatml": (
@@ -42,8 +54,12 @@ def read_chat_template(value: str) -> str:
         return KNOWN_TEMPLATES[value.lower()]
     path = Path(value).expanduser()
     if not path.is_file():
-        raise DataError(f"--chat-template {value!r} is neither a known template ({', '.join(KNOWN_TEMPLATES)}) nor a "
-                        "file; give one of those names or the path of a Jinja chat template.")
+        from lstune.untrusted import path_kind
+
+        what = path_kind(path)
+        said = "is neither a known template" if what == "nothing" else f"is {what}, not a known template"
+        raise DataError(f"--chat-template {value!r} {said} ({', '.join(KNOWN_TEMPLATES)}) nor a file; give one of "
+                        "those names or the path of a Jinja chat template.")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -59,4 +75,69 @@ def set_chat_template(tokenizer, value: str | None) -> str | None:
     if value is None:
         return None
     tokenizer.chat_template = read_chat_template(value)
+    try:
+        tokenizer.lstune_chat_template = value  # named in messages about the template (`template_name`)
+    except AttributeError:
+        pass
     return f"chat template: {value} (--chat-template)"
+
+
+class TemplateTimeout(Exception):
+    """A chat template rendered past RENDER_SECONDS."""
+
+
+@contextmanager
+def render_time_limit(seconds: float | None = None) -> Iterator[None]:
+    """Raise TemplateTimeout in the block past `seconds` (RENDER_SECONDS by default; SIGALRM, so the main thread
+    only, where Python runs signal handlers: elsewhere the block runs unbounded). The signal interrupts Jinja's
+    Python loops."""
+    seconds = RENDER_SECONDS if seconds is None else seconds
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TemplateTimeout(f"it rendered for more than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def template_name(tokenizer: Any) -> str:
+    """How messages name the chat template in use: the --chat-template given, or the tokenizer's own."""
+    value = getattr(tokenizer, "lstune_chat_template", None)
+    return f"--chat-template {value!r}" if isinstance(value, str) else "the tokenizer's chat template"
+
+
+def render(tokenizer: Any, messages: list, index: int, what: str, **kwargs) -> Any:
+    """`tokenizer.apply_chat_template(messages, **kwargs)` within RENDER_SECONDS. A failure is a DataError that
+    blames the template when it also fails (or runs past the limit) on a plain two-turn conversation, else record
+    `index` (`what`: what to fix in the record)."""
+    try:
+        with render_time_limit():
+            return tokenizer.apply_chat_template(messages, **kwargs)
+    except Exception as exc:  # templates raise arbitrary errors (jinja raise_exception) on data they reject
+        if isinstance(exc, TemplateTimeout) or _fails_on_a_plain_conversation(tokenizer):
+            raise DataError(
+                f"{template_name(tokenizer)} cannot render a conversation ({type(exc).__name__}: {exc}); it fails on a "
+                "plain user/assistant exchange too, so the template is at fault, not record "
+                f"{index}. Fix the template, or use another (--chat-template chatml, llama3 or a file)."
+            ) from exc
+        raise DataError(
+            f"record {index}: {template_name(tokenizer)} failed on this conversation ({type(exc).__name__}: {exc}). "
+            f"{what}"
+        ) from exc
+
+
+def _fails_on_a_plain_conversation(tokenizer: Any) -> bool:
+    try:
+        with render_time_limit():
+            tokenizer.apply_chat_template(_PLAIN, tokenize=False, add_generation_prompt=False)
+    except Exception:  # noqa: BLE001 - any failure on the plain conversation is the template's
+        return True
+    return False

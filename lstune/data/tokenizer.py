@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from lstune.errors import ModelError, UserError
+from lstune.untrusted import describe, parser_errors
 
 logger = logging.getLogger("lstune")
 
@@ -194,7 +195,9 @@ class ByteTokenizer:
                 f"{directory} has no {cls.CONFIG_NAME}; it was not saved with lstune's byte tokenizer. "
                 "Load its own tokenizer with transformers.AutoTokenizer instead."
             )
-        config = json.loads(path.read_text())
+        from lstune.untrusted import read_json
+
+        config = read_json(path, error=ModelError)
         if config.get("tokenizer_class") != cls.__name__ or config.get("byte_offset") != cls.byte_offset:
             raise ModelError(f"{path} describes {config.get('tokenizer_class')!r}, not this ByteTokenizer.")
         return cls()
@@ -204,6 +207,23 @@ class ByteTokenizer:
         if add_special_tokens:
             ids = np.concatenate([np.array([self.bos_token_id], dtype=np.int64), ids])
         return ids
+
+
+# Files that hold a Hugging Face tokenizer: a folder with any of them ships one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "spiece.model")
+
+
+def _tokenizer_files(location: str) -> list[str]:
+    """The tokenizer files of a local model folder, each JSON one read as untrusted JSON first (ModelError naming
+    it when it is not valid, or nested past the parser's recursion)."""
+    from lstune.untrusted import read_json
+
+    found = [name for name in TOKENIZER_FILES if (Path(location) / name).is_file()]
+    for name in found:
+        if name.endswith(".json"):
+            read_json(Path(location) / name, error=ModelError, what="the tokenizer file")
+    return found
 
 
 def load_model_tokenizer(
@@ -218,12 +238,14 @@ def load_model_tokenizer(
     if kind != "preset":
         from transformers import AutoTokenizer
 
+        shipped = _tokenizer_files(location) if kind == "local" else []
         try:
             tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError, TypeError) as exc:
-            if kind != "local":
-                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-                raise ModelError(f"--model {name!r}: its tokenizer could not be loaded ({first}).") from None
+        except (*parser_errors(), OSError, RecursionError) as exc:
+            if kind != "local" or shipped:  # a folder's tokenizer files that do not load are not "no tokenizer"
+                where = f" ({', '.join(shipped)} in {location})" if shipped else ""
+                raise ModelError(f"--model {name!r}: its tokenizer{where} could not be loaded ({describe(exc)}); fix "
+                                 "or replace those files.") from None
             logger.debug("no HF tokenizer in %s: %s", location, exc)
         else:
             if not is_empty_tokenizer(tokenizer):

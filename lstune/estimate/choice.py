@@ -12,7 +12,8 @@ from lstune.config.schema import MemorySection, TrainConfig, zero_problems
 from lstune.errors import ConfigError
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import LOSS_TILE_BYTES, Engine, Settings, breakdown, loss_backend, size_text
-from lstune.estimate.settings import (AUTO_HEADROOM, device_capacity, fits, host_capacity, ladder, settings)
+from lstune.estimate.settings import (AUTO_HEADROOM, device_capacity, device_target, fits, host_capacity, host_limit,
+                                      ladder, settings)
 from lstune.estimate.shapes import ModelShape, ParamCounts
 
 
@@ -122,12 +123,12 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     not cut into 32 tiles. Under --mini-sequence, MST's tiles; on CUDA the loss is Liger's (chunked, and faster
     than plain logits) wherever it applies."""
     options = _memory_options(config, hardware, shape, sp, engine)
-    placed = [placed_settings(_resolved(config, chunks, mini), hardware, shape, params, sp, engine, offload)
+    placed = [placed_settings(resolved(config, chunks, mini), hardware, shape, params, sp, engine, offload)
               for offload, chunks, mini in options]
     peaks = [breakdown(shape, params, s) for s, _ in placed]
     fitting = [i for i, b in enumerate(peaks) if fits(b, hardware)]
     # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
-    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_capacity(hardware)] or [0]
+    host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_limit(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
     saving = _saving_pick(config, hardware, shape, params, options, placed, pick)
     moved = saving is not None and saving != pick
@@ -136,7 +137,7 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     (offload, chunks, mini), (base, budgets) = options[pick], placed[pick]
     if saving is not None:
         base = replace(base, save_attention=True)
-    mlp, loss, settled = _choose_tiles(_resolved(config, chunks, mini), hardware, shape, params, base)
+    mlp, loss, settled = _choose_tiles(resolved(config, chunks, mini), hardware, shape, params, base)
     reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
               else f"ALST's tiles: the peak is above {AUTO_HEADROOM:.0%} of the device even so")
     if offload and config.memory.offload_checkpoints == "auto":
@@ -162,16 +163,17 @@ def _saving_pick(config: TrainConfig, hardware: Cluster, shape: ModelShape, para
     """--recompute-attention auto: the option (of `options`, with their `placed` settings) that keeps attention's
     output (lstune.memory.attention_saved) — the pick itself, or the same attention chunks and mini-sequence with
     checkpoints offloaded (the kept output goes to the host with them) — whose device peak stays within
-    AUTO_HEADROOM of the device and whose host peak fits; None (recompute) when none does: at the longest lengths.
+    the device target auto tiles keep (`device_target`: AUTO_HEADROOM, or the margin where it asks more) and whose
+    peaks fit with the margin (`fits`); None (recompute) when none does: at the longest lengths.
     Neither more chunks nor mini-sequence are taken on to keep the attention forward: they cost about as much."""
     m = config.memory
-    if m.recompute_attention != "auto" or not m.checkpointing:
+    if m.recompute_attention != "auto" or not m.checkpointing or shape.sinks:  # sinks: recomputed (attention_saved)
         return None
     _, chunks, mini = options[pick]
     same = [pick] + [i for i, (_, c, n) in enumerate(options) if c == chunks and n == mini and i != pick]
     for i in same:
         b = breakdown(shape, params, replace(placed[i][0], save_attention=True))
-        if fits(b, hardware) and b.device_peak <= AUTO_HEADROOM * device_capacity(hardware):
+        if fits(b, hardware) and b.device_peak <= device_target(hardware, b):  # the margin, as auto tiles keep it
             return i
     return None
 
@@ -202,29 +204,30 @@ def placement_budgets(shape: ModelShape, params: ParamCounts, s: Settings,
     why = []
     if host is None:
         elsewhere = breakdown(shape, params, replace(s, host_mem_budget=0, checkpoint_device_budget=None)).host_peak
-        host = max(host_capacity(hardware) // hardware.gpus - elsewhere, 0)
+        host = max(host_limit(hardware) // hardware.gpus - elsewhere, 0)
         ranks = f" / {hardware.gpus} ranks" if hardware.gpus > 1 else ""
-        why.append(f"host {size_text(host)} (the host's usable {size_text(host_capacity(hardware))}{ranks} less "
+        why.append(f"host {size_text(host)} (the host's usable {size_text(host_limit(hardware))} within the margin"
+                   f"{ranks} less "
                    f"{size_text(elsewhere)} else on it)")
     if device is None:
         b = breakdown(shape, params, replace(s, host_mem_budget=host, checkpoint_device_budget=None))
         every = breakdown(shape, params, replace(s, host_mem_budget=None, checkpoint_device_budget=None)).placement
         if b.placement is not None and b.placement.host_bytes() < every.host_bytes():
-            target = int(AUTO_HEADROOM * device_capacity(hardware))
+            target = device_target(hardware, b)
             device = max(target - b.device_besides_checkpoints, 0)
             why.append(f"device {size_text(device)} ({AUTO_HEADROOM:.0%} of the device less "
                        f"{size_text(b.device_besides_checkpoints)} else at the peak)")
     return host, device, ", ".join(why)
 
 
-def _offload_options(config, hardware, shape, sp, engine) -> list[bool]:
+def offload_options(config, hardware, shape, sp, engine) -> list[bool]:
     """The checkpoint offload settings `auto` may take, off first (module doc of choose_memory)."""
     m = config.memory
     if m.offload_checkpoints != "auto":
         return [bool(m.offload_checkpoints)]
     if not (m.checkpointing and hardware.on_cuda):
         return [False]
-    from lstune.memory.checkpoint import offload_min_tokens
+    from lstune.memory.offload_math import offload_min_tokens
 
     res = 2 if settings(config, hardware, sp, engine).bf16 else 4
     local = config.optim.micro_batch_size * math.ceil(config.data.seq_len / sp)
@@ -232,13 +235,13 @@ def _offload_options(config, hardware, shape, sp, engine) -> list[bool]:
     return [False, True] if hides else [False]
 
 
-def _chunk_options(config: TrainConfig, hardware: Cluster, shape: ModelShape, sp: int) -> list[str | int]:
+def chunk_options(config: TrainConfig, hardware: Cluster, shape: ModelShape, sp: int) -> list[str | int]:
     """The --attn-chunks settings `auto` may take: off, then 2, 4, ... up to chunks of the shortest length whose
     copies hide under their attention at this device's rates (attention_chunks.auto_chunk_tokens)."""
     setting = config.memory.attn_chunks
     if setting != "auto":
         return [setting]
-    from lstune.memory.attention_chunks import auto_chunk_tokens  # imports torch: only when chunking may be chosen
+    from lstune.memory.offload_math import auto_chunk_tokens
 
     d = hardware.device
     tokens = auto_chunk_tokens(shape.q_width, shape.kv_width, pcie_bytes_per_s=d.host_link_gbps * 1e9,
@@ -252,15 +255,15 @@ def _memory_options(config, hardware, shape, sp, engine, *,
     """(checkpoint offload, attention chunks, mini-sequence) triples `auto` may take, cheapest first
     (choose_memory's doc); `extremes`: only unchunked and the most chunks (enough to tell whether some choice fits:
     more chunks only lower the device peak)."""
-    chunks = _chunk_options(config, hardware, shape, sp)
+    chunks = chunk_options(config, hardware, shape, sp)
     if extremes:
         chunks = list(dict.fromkeys([chunks[0], chunks[-1]]))
-    offloads = _offload_options(config, hardware, shape, sp, engine)
-    minis = _mini_sequence_options(config)
+    offloads = offload_options(config, hardware, shape, sp, engine)
+    minis = mini_sequence_options(config)
     return [(offload, n, mini) for n in chunks for mini in minis for offload in offloads]
 
 
-def _mini_sequence_options(config: TrainConfig) -> list[bool]:
+def mini_sequence_options(config: TrainConfig) -> list[bool]:
     """The mini-sequence settings `auto` may take, off first: on needs the MLP tiled (`--tiled-mlp off` keeps it
     off)."""
     m = config.memory
@@ -269,7 +272,7 @@ def _mini_sequence_options(config: TrainConfig) -> list[bool]:
     return [False] if m.tiled_mlp == "off" else [False, True]
 
 
-def _resolved(config: TrainConfig, chunks: str | int, mini: bool) -> TrainConfig:
+def resolved(config: TrainConfig, chunks: str | int, mini: bool) -> TrainConfig:
     """`config` with the attention chunks and mini-sequence setting of one of `_memory_options`' choices."""
     if config.memory.attn_chunks == chunks and config.memory.mini_sequence is mini:
         return config
@@ -278,7 +281,7 @@ def _resolved(config: TrainConfig, chunks: str | int, mini: bool) -> TrainConfig
 
 def fits_some_choice(config, hardware, shape, params, sp, engine) -> bool:
     """Whether the run fits with one of the offload, attention chunk and mini-sequence settings it may take."""
-    return any(fits(breakdown(shape, params, placed_settings(_resolved(config, chunks, mini), hardware, shape, params,
+    return any(fits(breakdown(shape, params, placed_settings(resolved(config, chunks, mini), hardware, shape, params,
                                                               sp, engine, offload)[0]), hardware)
                for offload, chunks, mini in _memory_options(config, hardware, shape, sp, engine, extremes=True))
 
@@ -289,10 +292,10 @@ def _choose_tiles(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     m = config.memory
     mlp_auto = m.tiled_mlp == "auto" and m.mini_sequence is not True
     loss_auto = m.tiled_loss == "auto" and loss_backend(base) == "alst"
-    target = AUTO_HEADROOM * device_capacity(hardware)
-
     def peak(mlp, loss) -> int:
         return breakdown(shape, params, replace(base, tiled_mlp=mlp, tiled_loss=loss)).device_peak
+
+    target = device_target(hardware, breakdown(shape, params, base))
 
     if not (mlp_auto or loss_auto):
         return m.tiled_mlp, m.tiled_loss, peak(m.tiled_mlp, m.tiled_loss) <= target

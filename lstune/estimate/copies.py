@@ -37,7 +37,7 @@ def step_copies(shape: ModelShape, s: Settings, b: Breakdown, flops: StepFlops, 
     checkpoint = 2 * b.placement.host_bytes() if b.placement is not None else 0
     if chunks <= 1 or not s.offload_checkpoints:
         return StepCopies(checkpoint)
-    from lstune.memory.attention_chunks import offload_copy_bytes  # imports torch: only for chunked runs
+    from lstune.memory.offload_math import offload_copy_bytes
 
     # On CUDA the blocks of a long document take the flash kernel (attention_blocks.block_kind; packed documents'
     # boundary blocks do not, and copy a little less).

@@ -4,7 +4,8 @@ Per token and layer, a matmul of a `[in, out]` weight costs 2·in·out FLOPs for
 gradient (2·in·out) and, for trainable weights, the weight gradient (2·in·out): a frozen LoRA base costs
 forward + input gradient only; its adapters r·(in + out) cost all three. Causal attention computes S(S+1)/2
 (query, key) pairs per layer (fewer inside a sliding window), 4·head_dim·heads FLOPs per pair forward (QKᵀ and
-PV), twice that backward.
+PV), twice that backward — in the layers with softmax attention only (a hybrid's linear-attention and state-space
+layers, `ModelShape.mixers`, cost their recurrence, 4 FLOPs per state element and token, linear in length).
 
 `model` is the MFU numerator: forward + backward, no recompute. `hardware` adds what lstune runs again:
 checkpointing's second forward of every layer, the tiled MLP's recompute of each tile in backward, the tiled
@@ -58,6 +59,7 @@ def step_flops(
     layer_fwd = 2 * shape.layer_matmul_params() * s * shape.layers
     head_fwd = 2 * shape.hidden * shape.vocab * s
     attention_fwd = _attention_forward(shape, s)
+    layer_fwd += shape.linear_mixer_flops(s)  # linear-attention / SSM recurrences: linear in length
     adapter_fwd = 2 * lora_r * _adapter_widths(shape) * s * shape.layers if lora else 0
     base_backward = 1 if lora else 2
     matmul_model = (layer_fwd + head_fwd) * (1 + base_backward) + 3 * adapter_fwd
@@ -77,7 +79,9 @@ def step_flops(
     placed = extra_layer_forwards / shape.layers
     extra = placed * (layer_fwd + adapter_fwd + attention_fwd)
     recompute += placed * (layer_fwd + adapter_fwd)
-    rerun = 1 - min(attention_saved_layers, shape.layers) / shape.layers if checkpointing else 0
+    # A hybrid's attention forward is its softmax layers' alone (issue 34b), and only those keep an output.
+    softmax_layers = sum(m in ("attention", "hybrid") for m in shape.mixers) if shape.mixers else shape.layers
+    rerun = 1 - min(attention_saved_layers, softmax_layers) / max(softmax_layers, 1) if checkpointing else 0
     attention_hw = attention_fwd * (1 + ATTENTION_BACKWARD_KERNEL + rerun + placed)
     matmul_hw = matmul_model + recompute
     return StepFlops(float(model), float(matmul_hw + attention_hw), float(matmul_hw), float(attention_hw), s,
@@ -93,6 +97,32 @@ def attention_split(flops: StepFlops, model_config: Any, seq_len: int) -> tuple[
     sequences = flops.tokens / seq_len
     backward = ATTENTION_BACKWARD_KERNEL * _attention_forward(ModelShape.from_config(model_config), seq_len) * sequences
     return flops.hardware_attention - backward, backward
+
+
+@dataclass(frozen=True)
+class KernelFlops:
+    """A step's FLOPs by the kernel that runs them, so that each part can be timed at its kernel's rate."""
+
+    matmul: float
+    attention_forward: float
+    attention_backward: float  # the kernel's backward, P recomputed: 2.5 forwards (ATTENTION_BACKWARD_KERNEL)
+
+    def ideal_seconds(self, gemm: float, attention_forward: float, attention_backward: float) -> float:
+        """At these rates (FLOP/s), back to back: the step's kernels and nothing else."""
+        return (self.matmul / gemm + self.attention_forward / attention_forward
+                + self.attention_backward / attention_backward)
+
+
+def kernel_flops(flops: StepFlops, model_config: Any, seq_len: int) -> tuple[KernelFlops, KernelFlops]:
+    """`flops` by kernel two ways: (as lstune runs the step, recompute counted: `hardware`'s matmuls and attention
+    forwards; the step with no recompute at all: `model`'s matmuls, one attention forward). Both keep the attention
+    kernel's own backward (2.5 forwards): no FlashAttention-class kernel runs without recomputing P. The "× ideal" of
+    lstune.bench.metrics and the estimate divide a step by each: the first says what the step spends beyond its
+    kernels, the second also what its recompute costs."""
+    forward, backward = attention_split(flops, model_config, seq_len)
+    once = backward / ATTENTION_BACKWARD_KERNEL
+    return (KernelFlops(flops.hardware_matmul, forward, backward),
+            KernelFlops(flops.model - (1 + ATTENTION_BACKWARD) * once, once, backward))
 
 
 def _attention_forward(shape: ModelShape, seq_len: int) -> int:

@@ -11,6 +11,16 @@ memory bandwidth) keeps the attention rate and takes 530 for the linear work, fi
 steps (docs/benchmarks/2026-11-26-h200 and -h200-b: 50.72 and 51.21 s, where the H100's rates predicted 56.7 s);
 attention is 78 % of that step, so the linear rate rests on one length and is the less certain of the two. The
 other GPUs get the H100's fractions of their data-sheet peaks until `lstune bench` measures them.
+
+The kernel rates (`gemm_kernel_tflops`, `attention_*_kernel_tflops`) are those `lstune bench --rates` measured for
+the isolated kernels — GEMMs weighted by their FLOPs, causal attention at 128K — the "ideal" step's rates
+(lstune.estimate.flops.KernelFlops): H100 80GB HBM3 2026-11-23 (762, 562, 529 TFLOP/s), H200 2026-11-26 (756, 550,
+543); the other GPUs the H100's fractions of their peaks (not measured).
+
+A GPU named without `--host-mem` brings a host of its class (`host_gib_per_gpu`: RAM per GPU of the node): 128 GiB
+per H100 / H200 / A100-80GB (the one-GPU machines lstune was measured on had 125.9 GiB; 8-GPU nodes have 1-2 TiB),
+64 GiB per A100-40GB / L40S. The estimate says which host it assumed; this machine's RAM is the host only when its
+own CUDA device (or its CPU) is the device.
 """
 
 from __future__ import annotations
@@ -34,17 +44,35 @@ class Hardware:
     attention_tflops: float  # causal attention kernel, forward and backward
     host_link_gbps: float  # pinned host <-> device copies, GB/s
     kind: str = "cuda"  # "cuda" or "cpu"
+    host_gib_per_gpu: int = 128  # the host a node of this GPU has, per GPU, when --host-mem is not given (module doc)
+    # Isolated kernels' measured bf16 rates (module doc), the ideal step's; 0: none measured or scaled.
+    gemm_kernel_tflops: float = 0.0
+    attention_forward_kernel_tflops: float = 0.0
+    attention_backward_kernel_tflops: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+_H100_KERNELS = (762.0, 562.0, 529.0)  # measured 2026-11-23 (docs/benchmarks/2026-11-23-h100)
+
+
+def _scaled_kernels(peak: float) -> dict:
+    """The H100's measured kernel rates as fractions of its 989 TFLOP/s peak, applied to `peak` (not measured)."""
+    gemm, forward, backward = (rate * peak / 989.0 for rate in _H100_KERNELS)
+    return {"gemm_kernel_tflops": gemm, "attention_forward_kernel_tflops": forward,
+            "attention_backward_kernel_tflops": backward}
+
+
 GPUS: dict[str, Hardware] = {
-    "h100-80gb": Hardware("h100-80gb", 85_017_493_504, 989.0, 340.0, 500.0, 50.0),
-    "h200": Hardware("h200", int(139.8 * GIB), 989.0, 530.0, 510.0, 50.0),
-    "a100-80gb": Hardware("a100-80gb", int(79.15 * GIB), 312.0, 107.0, 156.0, 25.0),
-    "a100-40gb": Hardware("a100-40gb", int(39.39 * GIB), 312.0, 107.0, 156.0, 25.0),
-    "l40s": Hardware("l40s", int(44.39 * GIB), 362.0, 125.0, 163.0, 25.0),
+    "h100-80gb": Hardware("h100-80gb", 85_017_493_504, 989.0, 340.0, 500.0, 50.0, **_scaled_kernels(989.0)),
+    "h200": Hardware("h200", int(139.8 * GIB), 989.0, 530.0, 510.0, 50.0, gemm_kernel_tflops=756.0,
+                     attention_forward_kernel_tflops=550.0, attention_backward_kernel_tflops=543.0),
+    "a100-80gb": Hardware("a100-80gb", int(79.15 * GIB), 312.0, 107.0, 156.0, 25.0, **_scaled_kernels(312.0)),
+    "a100-40gb": Hardware("a100-40gb", int(39.39 * GIB), 312.0, 107.0, 156.0, 25.0, host_gib_per_gpu=64,
+                          **_scaled_kernels(312.0)),
+    "l40s": Hardware("l40s", int(44.39 * GIB), 362.0, 125.0, 163.0, 25.0, host_gib_per_gpu=64,
+                     **_scaled_kernels(362.0)),
 }
 # A CPU "device": its memory is the host's (filled in by `resolve_hardware`); rates of a few cores.
 CPU = Hardware("cpu", 0, 1.0, 0.2, 0.1, 10.0, kind="cpu")
@@ -70,6 +98,7 @@ class Cluster:
     nodes: int
     host_bytes: int
     source: str  # where the device came from: "local CUDA device", "--gpu h100-80gb", ...
+    host_source: str = "--host-mem"  # where the host's size came from (`resolve_hardware`)
     # The step as `lstune estimate --trace` runs it in this cluster's place, on this CPU with fake tensors: the ALST
     # loss tiles (no Liger), mini-sequence without fused norms, offloaded attention chunks read in place, no CUDA
     # context (lstune.estimate.settings.settings). A plan made for it is the plan the trace runs.
@@ -86,7 +115,7 @@ class Cluster:
     def to_dict(self) -> dict:
         return {"device": self.device.to_dict(), "gpus": self.gpus, "nodes": self.nodes,
                 "world_size": self.world_size, "host_bytes": self.host_bytes, "source": self.source,
-                **({"traced": True} if self.traced else {})}
+                "host_source": self.host_source, **({"traced": True} if self.traced else {})}
 
 
 def resolve_hardware(
@@ -94,9 +123,11 @@ def resolve_hardware(
     nodes: int = 1, detect: bool = True,
 ) -> Cluster:
     """The cluster to estimate for. Device: `gpu` from the table, else this machine's CUDA device (when
-    `detect`), else the CPU; `device_mem` overrides its memory (an unlisted GPU: H100 rates). Host: `host_mem`,
-    else this machine's RAM. CPU processes share the node's RAM: each has its 1/`gpus` share as its "device", as
-    `lstune train` counts them (lstune.train.engine_choice.runtime_cluster)."""
+    `detect`), else the CPU; `device_mem` overrides its memory (an unlisted GPU: H100 rates). Host: `host_mem`;
+    else, for a GPU named (`gpu`, `device_mem`), the host of its class (`host_gib_per_gpu` × `gpus`: never this
+    machine's RAM, which says nothing of the named one's); else this machine's RAM. CPU processes share the node's
+    RAM: each has its 1/`gpus` share as its "device", as `lstune train` counts them
+    (lstune.train.engine_choice.runtime_cluster)."""
     problems = []
     if nodes < 1:
         problems.append(f"--nodes {nodes}: give at least 1 node.")
@@ -108,10 +139,21 @@ def resolve_hardware(
     if problems:
         raise ConfigError(problems)
     device, source = _device(gpu, device_mem, detect)
-    host = host_mem if host_mem is not None else local_host_bytes()
+    host, host_source = _host(device, source, host_mem, gpus)
     if device.kind == "cpu":
         device = replace(device, device_bytes=device_mem or host // gpus)
-    return Cluster(device, gpus, nodes, host, source)
+    return Cluster(device, gpus, nodes, host, source, host_source)
+
+
+def _host(device: Hardware, source: str, host_mem: int | None, gpus: int) -> tuple[int, str]:
+    """(bytes of host RAM per node, where that figure came from): resolve_hardware's rule."""
+    if host_mem is not None:
+        return host_mem, "--host-mem"
+    if device.kind == "cuda" and source.startswith("--"):
+        per = device.host_gib_per_gpu
+        return per * gpus * GIB, (f"assumed: {per} GiB per GPU, the default host of a {device.name} node; "
+                                  "give --host-mem for yours")
+    return local_host_bytes(), "this machine's RAM"
 
 
 def _device(gpu: str | None, device_mem: int | None, detect: bool) -> tuple[Hardware, str]:

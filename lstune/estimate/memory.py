@@ -41,8 +41,10 @@ its peak, lstune.train.trace) and against the device peaks measured on an H100 (
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
+from lstune.estimate.placement import cache_clear as placement_cache_clear
 from lstune.estimate.placement import checkpoint_terms
 from lstune.estimate.shapes import ModelShape, ParamCounts, ceil_div
 from lstune.memory.host_copies import host_copy_bytes, pinned_bytes
@@ -150,6 +152,7 @@ class Breakdown:
     placement: Any = None  # the checkpoint placement (lstune.memory.placement), None without an offloader
     # Device bytes the peak would shed with no checkpoint on the device (the phase peaking without them may differ).
     checkpoint_share: int = 0
+    attn_chunks: int = 1  # FPDT chunks of the local sequence (1: unchunked): the margin a fit keeps depends on it
 
     def add(self, name: str, device: int = 0, host: int = 0, detail: str = "") -> None:
         self.items.append(Item(name, int(device), int(host), detail))
@@ -196,7 +199,7 @@ def attn_chunk_count(setting: str | int, shape: ModelShape, local_seq: int) -> i
     """`--attn-chunks` resolved as lstune.memory.apply resolves it (the same functions) for `local_seq` tokens."""
     if setting == "off":
         return 1
-    from lstune.memory import attention_chunks as chunked  # imports torch: only when chunking is asked for
+    from lstune.memory import offload_math as chunked
 
     return chunked.chunk_count(setting, local_seq, chunked.auto_chunk_tokens(shape.q_width, shape.kv_width))
 
@@ -218,9 +221,24 @@ def lora_base_in_bf16(lora_r: int, dtype: str, on_cuda: bool) -> bool:
 
 
 def breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
-    """Per-rank device and host bytes at the peak of one step (module doc)."""
+    """Per-rank device and host bytes at the peak of one step (module doc). A search asks for the same settings
+    many times (an estimate makes ~3,400 byte models, ~900 of them different): each is made once (`_breakdown`)
+    and handed out as a copy, which the caller may change."""
+    b = _breakdown(shape, params, s)
+    return replace(b, items=[replace(i) for i in b.items], dtypes=dict(b.dtypes))
+
+
+def forget_byte_models() -> None:
+    """Drop the byte models made so far (`breakdown`'s cache and the placement's): each estimate starts afresh, so
+    a constant changed between two (a test's monkeypatch, a recalibration) is never answered from before it."""
+    _breakdown.cache_clear()
+    placement_cache_clear()
+
+
+@lru_cache(maxsize=8192)
+def _breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
     s = replace(s, attn_chunk_count=attn_chunk_count(s.attn_chunks, shape, ceil_div(s.seq_len, s.sp)))
-    b = Breakdown(dtypes=dtypes(s))
+    b = Breakdown(dtypes=dtypes(s), attn_chunks=s.attn_chunk_count)
     _static(b, params, s)
     _activations(b, shape, params, s)
     b.add("CUDA context and allocator reserve" if s.on_cuda and s.cuda_context else "process", *_overheads(s))
@@ -397,6 +415,7 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
 
         phases = [Phase("loss head", [kept(shape.layers), *_loss_parts(shape, s, act, res)], head_grad),
                   Phase("layer backward", [kept(shape.layers - 1), *layer], head_grad + layer_grad),
+                  *_embedding_backward(shape, s, res, all_grad, []),
                   Phase("optimizer step", [], all_grad)]
         _add_peak_phase(b, s, phases, all_grad)
         return
@@ -418,6 +437,7 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
         # The first layer's backward: one checkpoint left, every layer's gradients (they matter in a full fine-tune).
         Phase("first layer's backward", [checkpoints(1), *layer, kept("first")],
               head_grad + shape.layers * layer_grad),
+        *_embedding_backward(shape, s, res, all_grad, [checkpoints(0)]),  # every layer's kept output freed by then
         Phase("optimizer step", [checkpoints(0)], all_grad),
     ]
     _add_peak_phase(b, s, phases, all_grad, placed.host)
@@ -432,10 +452,11 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
 def _saved_attention(b: Breakdown, shape: ModelShape, s: Settings, placement, act: int, res: int):
     """--recompute-attention off (lstune.memory.attention_saved): per layer whose checkpoint is stored, attention's
     output in the activation dtype and its fp32 lse (chunked attention: its chunk store — k, v, output, lse — and the
-    token ids), kept from its forward to its backward beside the checkpoint: on the host where the checkpoint has a
-    host part (chunked: where the chunks go), else on the device. Adds the host bytes to `b`; returns the device part
+    token ids), kept from its forward to its backward beside the checkpoint (softmax-attention layers only; none with
+    sinks, which are recomputed): on the host where the checkpoint has a host part (chunked: where the chunks go),
+    else on the device. Adds the host bytes to `b`; returns the device part
     at a phase ("fwd": every device layer's; "bwd": also the last layer's fetched back; "first": layer 0's alone)."""
-    if not s.save_attention:
+    if not s.save_attention or shape.sinks:  # sinks (gpt-oss): lstune.memory.attention_saved recomputes those layers
         return lambda phase: ("saved attention (none: recomputed)", 0)
     t = s.local_tokens
     if s.attn_chunk_count > 1:
@@ -444,7 +465,9 @@ def _saved_attention(b: Breakdown, shape: ModelShape, s: Settings, placement, ac
     else:
         per_token_host = per_token_device = shape.q_width * act + 4 * shape.heads
     fractions = placement.host_fraction if placement is not None else (0.0,) * shape.layers
-    stored = [a for a in fractions if a is not None]
+    # Only softmax attention keeps an output: a hybrid's linear / MLP-only layers have none to keep (issue 34b).
+    mixers = shape.mixers or ("attention",) * shape.layers
+    stored = [a for a, mixer in zip(fractions, mixers) if a is not None and mixer in ("attention", "hybrid")]
     host_layers = sum(1 for a in stored if a) if s.attn_chunk_count <= 1 else (len(stored) if per_token_host else 0)
     device_layers = len(stored) - host_layers if s.attn_chunk_count <= 1 else len(stored)
     b.attention_saved_layers = len(stored)
@@ -476,6 +499,20 @@ class Phase:
     @property
     def total(self) -> int:
         return _total(self.parts) + self.gradients
+
+
+def _embedding_backward(shape: ModelShape, s: Settings, res: int, all_grad: int,
+                        held: list[tuple[str, int]]) -> list[Phase]:
+    """The input embedding's backward, after the first layer's, in a full fine-tune (a LoRA run's embedding is frozen:
+    no backward reaches it): every gradient is alive, the embedding's own (vocab × hidden fp32) the last made, beside
+    the gradient of the first layer's input it is made from. Above the optimizer step by that input gradient; the
+    peak where the layers' working sets are smaller than the embedding's gradient (a short sequence, many layers:
+    the trace peaks in aten.embedding_dense_backward). With static gradients (`_gradients_build_up`) they are counted
+    with the engine's state, and this moment is the optimizer step's plus the input gradient."""
+    if s.lora_r:
+        return []
+    return [Phase("input embedding's backward", [*held, ("the gradient of the first layer's input",
+                                                          s.local_tokens * shape.hidden * res)], all_grad)]
 
 
 def _add_peak_phase(b: Breakdown, s: Settings, phases: list[Phase], all_grad: int, host: int = 0) -> None:
@@ -548,7 +585,7 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     h, t, q, kv = shape.hidden, s.local_tokens, shape.q_width, shape.kv_width
     upcast = _norm_upcast(act) * h
     fused = s.mini_sequence and s.fuse_norms and s.tiled_mlp != "off"
-    extra_norms = max(0, p.norms_per_layer - 2) - (1 if fused and p.norms_per_layer >= 4 else 0)
+    further = _further_norm_width(shape, p, fused)
     grad = res * h
     if s.tiled_mlp == "off":
         mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=_lora_on_tokens(s, p))
@@ -572,13 +609,29 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     parts = [
         saved,
         (f"layer backward: peak moment, {name}", working),
-        ("layer backward: further norms (fp32 inputs)", t * 4 * h * max(0, extra_norms)),
+        ("layer backward: further norms (fp32 inputs)", t * 4 * further),
     ]
     if res > act:
         parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs", casts))
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
+    if shape.linear_layers and shape.state_elements:
+        # Under head-parallel SP a rank runs S tokens of 1/sp of the heads: the same bytes as its t tokens of all.
+        parts.append(("layer backward: a linear-attention / state-space mixer's recurrent states (fp32, one per "
+                      "64-token chunk)", shape.linear_state_bytes(t)))
     return parts
+
+
+def _further_norm_width(shape: ModelShape, p: ParamCounts, fused: bool) -> int:
+    """Per token, the input width of a layer's norms beyond the two counted in its moments (the input and the
+    post-attention norm, both hidden-wide): a sandwich model's third and fourth (Gemma's; mini-sequence fuses the
+    pre-MLP one into its tiles), a per-head q_norm over the query width and k_norm over the key width only (Qwen3:
+    not the hidden width, ParamCounts.norm_widths)."""
+    widths = list(p.layer_norm_widths(shape.hidden))
+    hidden_wide = 2 + (1 if fused and widths.count(shape.hidden) >= 4 else 0)
+    for _ in range(min(hidden_wide, widths.count(shape.hidden))):
+        widths.remove(shape.hidden)
+    return sum(widths)
 
 
 def _lora_dropout_replay(shape: ModelShape, s: Settings, act: int) -> int:
@@ -770,7 +823,7 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
     (a copy in a 16-bit run, the residual itself in fp32) and its output; rotated q and k, v and the attention output;
     the MLP's saved gate, up, activation and product when it is not tiled (tiled, it keeps only its input)."""
     h, res = shape.hidden, _residual_bytes(s)
-    norms = _norm_saved(s, res) * h * p.norms_per_layer
+    norms = _norm_saved(s, res) * sum(p.layer_norm_widths(h))
     if res > act:  # fp32 weights under autocast: q, k and v keep 16-bit casts of the input norm's output, not it
         norms -= res * h
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)

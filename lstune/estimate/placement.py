@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lstune.estimate.shapes import ModelShape
+from lstune.memory.offload_math import forget_sizes, place_checkpoints
 from lstune.memory.placement import CheckpointPlacement
 
 
@@ -41,13 +42,16 @@ def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
                       device_budget: int | None) -> CheckpointPlacement:
     """`place_checkpoints` on the inputs train gives it (lstune.memory.apply.checkpoint_placement), from the
     config's shapes: the host budget (none without offload), the device budget, the copy that hides on CUDA."""
-    from lstune.memory.checkpoint import place_checkpoints  # imports torch: only when checkpoints are placed
-
     return place_checkpoints(
         shape.layers, ckpt, tokens=s.local_tokens // max(s.micro_batch, 1),
         layer_matmul_params=shape.layer_matmul_params(), attention_width=shape.q_width, element_size=element_size,
         on_cuda=s.on_cuda, host_budget=s.host_mem_budget if s.offload_checkpoints else 0, device_budget=device_budget,
     )
+
+
+def cache_clear() -> None:
+    """Forget the host sizes the placements remembered (lstune.estimate.memory.forget_byte_models)."""
+    forget_sizes()
 
 
 def extra_layer_forwards(placement: CheckpointPlacement | None) -> int:

@@ -13,14 +13,16 @@ from lstune.config.schema import TrainConfig
 from lstune.estimate.choice import (MemoryChoice, choose_memory, engine_candidates, fits_some_choice,
                                     reach_candidates)
 from lstune.estimate.copies import StepCopies, step_copies
-from lstune.estimate.flops import StepFlops, step_flops
+from lstune.estimate.flops import KernelFlops, StepFlops, kernel_flops, step_flops
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.longest import longest_reach, longest_seq_len
 from lstune.estimate.memory import (Breakdown, Engine, attn_chunk_count, breakdown, loss_backend,
                                     saved_checkpoint_min_bytes)
 from lstune.estimate.placement import extra_layer_forwards, placement_summary
-from lstune.estimate.settings import device_capacity, host_capacity, model_config_of, resolve_sp, settings
-from lstune.estimate.shapes import ModelShape, ParamCounts, count_parameters
+from lstune.estimate.margin import Margin
+from lstune.estimate.preset_facts import counts_for
+from lstune.estimate.settings import device_capacity, host_capacity, model_config_of, resolve_sp, run_margin, settings
+from lstune.estimate.shapes import ModelShape, ParamCounts
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Estimate:
     copies: StepCopies = field(default_factory=StepCopies)  # host <-> device bytes of one step
     suggestions: list[Any] = field(default_factory=list)  # lstune.estimate.suggestions.Suggestion
     notes: list[str] = field(default_factory=list)
+    # The step's FLOPs by kernel, (with recompute as run, without any): lstune.estimate.flops.kernel_flops.
+    kernels: tuple[KernelFlops, KernelFlops] | None = None
 
     @property
     def device_peak_bytes(self) -> int:
@@ -54,12 +58,17 @@ class Estimate:
         return self.breakdown.host_peak * self.hardware.gpus
 
     @property
+    def margin(self) -> Margin:
+        """What a fit leaves free (lstune.estimate.margin): `fits` means the peaks stay this far below capacity."""
+        return run_margin(self.hardware, self.breakdown)
+
+    @property
     def fits_device(self) -> bool:
-        return self.device_peak_bytes <= self.device_capacity
+        return self.device_peak_bytes <= self.device_capacity - self.margin.device
 
     @property
     def fits_host(self) -> bool:
-        return self.host_peak_bytes <= self.host_capacity
+        return self.host_peak_bytes <= self.host_capacity - self.margin.host
 
     @property
     def fits(self) -> bool:
@@ -75,12 +84,43 @@ class Estimate:
         dp = self.hardware.world_size // self.sp
         return dp * self.flops.tokens / self.step_seconds if self.step_seconds else 0.0
 
+    @property
+    def mfu(self) -> float:
+        """Predicted model FLOPs per device and second over the device's bf16 dense peak (docs/bench.md)."""
+        return self._utilisation(self.flops.model)
+
+    @property
+    def hfu(self) -> float:
+        """The same with the hardware FLOPs: recompute counted."""
+        return self._utilisation(self.flops.hardware)
+
+    def _utilisation(self, flops: float) -> float:
+        if not self.step_seconds:
+            return 0.0
+        return flops / self.sp / self.step_seconds / (self.hardware.device.peak_tflops * 1e12)
+
+    @property
+    def ideal_seconds(self) -> tuple[float, float] | None:
+        """(with recompute as run, without any): the step's kernels alone at the device's measured kernel rates
+        (lstune.estimate.hardware), one device's share; None without rates (a CPU)."""
+        d = self.hardware.device
+        if not (self.kernels and d.gemm_kernel_tflops):
+            return None
+        rates = (d.gemm_kernel_tflops * 1e12, d.attention_forward_kernel_tflops * 1e12,
+                 d.attention_backward_kernel_tflops * 1e12)
+        run, bare = (k.ideal_seconds(*rates) / self.sp for k in self.kernels)
+        return run, bare
+
     def verdict(self) -> str:
+        m = self.margin
         if self.fits:
-            margin = self.device_capacity - self.device_peak_bytes
-            return f"fits: {margin / 2**30:,.1f} GiB to spare per device"
+            spare = self.device_capacity - m.device - self.device_peak_bytes
+            return (f"fits: {spare / 2**30:,.1f} GiB to spare per device beyond the {m.device_share:.0%} margin "
+                    f"({m.device / 2**30:,.1f} GiB)")
         where = [w for w, ok in (("device", self.fits_device), ("host", self.fits_host)) if not ok]
-        return f"does not fit ({' and '.join(where)} memory)"
+        within = (self.device_peak_bytes <= self.device_capacity and self.host_peak_bytes <= self.host_capacity)
+        return (f"does not fit ({' and '.join(where)} memory" + (", inside the capacity but not its margin: "
+                "--force to try" if within else "") + ")")
 
     def to_dict(self) -> dict:
         return {
@@ -95,10 +135,14 @@ class Estimate:
             "device_peak_bytes": self.device_peak_bytes, "device_capacity_bytes": self.device_capacity,
             "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
+            "margin": self.margin.to_dict(),
             "longest_seq_len": self.longest_seq_len, "flops": self.flops.to_dict(),
             "saved_checkpoint_min_bytes": self.saved_checkpoint_min_bytes,
             "checkpoint_placement": placement_summary(self.breakdown.placement, self.flops),
             "step_seconds": self.step_seconds, "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu, "hfu": self.hfu,
+            "ideal_seconds": self.ideal_seconds[0] if self.ideal_seconds else None,
+            "ideal_no_recompute_seconds": self.ideal_seconds[1] if self.ideal_seconds else None,
             "host_copies": self.copies.to_dict(),
             "memory_choice": self.memory_choice.to_dict() if self.memory_choice else None,
             "suggestions": [s.to_dict() for s in self.suggestions], "notes": list(self.notes),
@@ -112,9 +156,8 @@ def predict(config: TrainConfig, hardware: Cluster, *, model_config: Any = None,
     memory plan applies them unresolved), the peaks and step time, the longest sequence (`reach`)."""
     model_config = model_config if model_config is not None else model_config_of(config)
     shape = ModelShape.from_config(model_config)
-    params = params or count_parameters(model_config, lora_r=config.model.lora_r,
-                                        lora_targets=config.model.lora_targets,
-                                        trust_remote_code=config.model.trust_remote_code)
+    params = params or counts_for(model_config, lora_r=config.model.lora_r, lora_targets=config.model.lora_targets,
+                                  trust_remote_code=config.model.trust_remote_code)
     sp = resolve_sp(config, hardware, model_config)
     engine = choose_engine(config, hardware, shape, params, sp)
     choice = choose_memory(config, hardware, shape, params, sp, engine) if resolve_auto else None
@@ -161,7 +204,7 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
     flops = _scaled(flops, rounds)
     return Estimate(
         model=config.model.name, seq_len=config.data.seq_len, hardware=hardware, engine=engine, sp=sp, breakdown=b,
-        params=params, flops=flops, copies=copies,
+        params=params, flops=flops, copies=copies, kernels=kernel_flops(flops, model_config, config.data.seq_len),
         step_seconds=step_seconds(flops, hardware, sp, engine, params) + copies.exposed_seconds,
         device_capacity=device_capacity(hardware), host_capacity=host_capacity(hardware), longest_seq_len=0,
         notes=_notes(config, shape, sp),

@@ -8,6 +8,7 @@ from typing import Any
 
 from lstune.config.schema import TrainConfig
 from lstune.estimate.hardware import Cluster
+from lstune.estimate.margin import Margin, margin
 from lstune.estimate.memory import Breakdown, Engine, Settings, host_reserve_bytes, reserve_bytes
 
 
@@ -20,8 +21,14 @@ AUTO_HEADROOM = 0.9
 
 
 def model_config_of(config: TrainConfig):
+    """The model's config: a preset's resolved attributes kept with lstune (no torch, lstune.estimate.preset_facts),
+    else transformers' config."""
+    from lstune.estimate.preset_facts import preset_config_facts
     from lstune.models.loading import resolve_model
 
+    facts = preset_config_facts(config.model.name)
+    if facts is not None:
+        return facts
     return resolve_model(config.model.name, trust_remote_code=config.model.trust_remote_code).config
 
 
@@ -56,7 +63,28 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
 
 
 def fits(b: Breakdown, hardware: Cluster) -> bool:
-    return b.device_peak <= device_capacity(hardware) and b.host_peak * hardware.gpus <= host_capacity(hardware)
+    """Whether the peaks of `b` leave the margin free (lstune.estimate.margin): what "fits" means everywhere."""
+    m = run_margin(hardware, b)
+    return (b.device_peak <= device_capacity(hardware) - m.device
+            and b.host_peak * hardware.gpus <= host_capacity(hardware) - m.host)
+
+
+def run_margin(hardware: Cluster, b: Breakdown) -> Margin:
+    """The margin of a run with breakdown `b` on `hardware` (chunked attention keeps more of the device)."""
+    return margin(device_capacity(hardware), host_capacity(hardware), on_cuda=hardware.on_cuda,
+                  chunked=b.attn_chunks > 1)
+
+
+def host_limit(hardware: Cluster) -> int:
+    """A node's usable host less the margin: what its ranks may plan to use together."""
+    return host_capacity(hardware) - run_margin(hardware, Breakdown()).host
+
+
+def device_target(hardware: Cluster, b: Breakdown) -> int:
+    """The device peak `auto` plans for (tiles, the placement's device budget): AUTO_HEADROOM of the device, or
+    less where the margin asks more (chunked attention)."""
+    capacity = device_capacity(hardware)
+    return int(min(AUTO_HEADROOM * capacity, capacity - run_margin(hardware, b).device))
 
 
 def device_capacity(hardware: Cluster) -> int:

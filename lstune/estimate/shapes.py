@@ -8,11 +8,12 @@ by peft on the meta model, the largest layer, the norms per layer.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from lstune.models.introspect import attention_heads
+from lstune.models.introspect import attention_heads, is_norm
 
 # Architectures whose MLP is a plain up/act/down (two matrices); every other one is gated (SwiGLU/GeGLU: three).
 _UNGATED_MLP = frozenset({"gpt2", "gpt_neox", "gpt_bigcode", "opt", "falcon", "bloom", "phi", "starcoder2", "gptj",
@@ -43,6 +44,12 @@ class ModelShape:
     tied: bool
     gated: bool
     windows: tuple[int | None, ...]  # per layer: sliding window in tokens, None = full causal
+    # Per layer: "attention" (softmax), "linear" (linear attention, state-space, short convolution: O(S)),
+    # "hybrid" (both side by side, Falcon-H1) or "none" (an MLP-only block, Nemotron-H), from `layer_types`.
+    mixers: tuple[str, ...] = ()
+    chunks: tuple[int | None, ...] = ()  # per layer: chunked attention's chunk (Llama-4), None = not chunked
+    state_elements: int = 0  # one linear layer's recurrent state per sequence (heads · key dim · value dim)
+    sinks: bool = False  # learned attention sinks (gpt-oss): the block kernel, O(S) like SDPA's flash kernel
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -64,6 +71,8 @@ class ModelShape:
             shared_intermediate=_shared_width(c) if experts else 0,
             vocab=c.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
             gated=getattr(c, "model_type", "") not in _UNGATED_MLP, windows=_windows(c, layers),
+            mixers=_mixers(c, layers), chunks=_chunks(c, layers), state_elements=_state_elements(c, hidden),
+            sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
 
     @property
@@ -84,8 +93,29 @@ class ModelShape:
         return attention + self.mlp_matrices * self.hidden * self.active_intermediate + router
 
     def attention_pairs(self, seq_len: int) -> int:
-        """(query, key) pairs over all layers of one causal sequence: S(S+1)/2 per full layer, fewer in windows."""
-        return sum(_causal_pairs(seq_len, window) for window in self.windows)
+        """(query, key) pairs over all layers of one causal sequence: S(S+1)/2 per full layer, fewer in windows and
+        chunks, none in a hybrid's linear / MLP-only layers."""
+        mixers = self.mixers or ("attention",) * self.layers
+        chunks = self.chunks or (None,) * self.layers
+        return sum(_chunked_pairs(seq_len, chunk) if chunk else _causal_pairs(seq_len, window)
+                   for window, chunk, mixer in zip(self.windows, chunks, mixers) if mixer in ("attention", "hybrid"))
+
+    @property
+    def linear_layers(self) -> int:
+        """Layers with a linear-attention / state-space mixer (hybrids' "hybrid" layers included)."""
+        return sum(m in ("linear", "hybrid") for m in self.mixers)
+
+    def linear_mixer_flops(self, seq_len: int) -> int:
+        """One forward of every linear mixer's recurrence over one sequence: per token the state update (k ⊗ v)
+        and its read-out (q · state), 2 FLOPs per state element each — linear in length. The mixers' projections
+        and convolutions are not in it (their weights are not in `layer_matmul_params`' attention formula either:
+        an estimate of the same order, labelled predicted)."""
+        return 4 * self.state_elements * seq_len * self.linear_layers
+
+    def linear_state_bytes(self, seq_len: int, chunk: int = 64) -> int:
+        """What one linear layer's chunked recurrent kernel keeps for backward over one sequence: the fp32 state at
+        every chunk edge (chunk_gated_delta_rule, Mamba-2's chunked scan: 64-token chunks)."""
+        return 4 * self.state_elements * -(-seq_len // chunk)
 
 
 def _first(config: Any, *names: str) -> int:
@@ -114,6 +144,71 @@ def _windows(c: Any, layers: int) -> tuple[int | None, ...]:
     return (None,) * layers
 
 
+_SINK_MODELS = frozenset({"gpt_oss"})
+_ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
+_LINEAR_TYPES = frozenset({"linear_attention", "mamba", "conv", "mamba2"})
+_MLP_ONLY_TYPES = frozenset({"mlp", "moe"})
+
+
+def _mixers(c: Any, layers: int) -> tuple[str, ...]:
+    """Each layer's token mixer from `layer_types` (transformers 5 names every hybrid's layers there); an unknown
+    type counts as attention (the larger estimate)."""
+    types = getattr(c, "layer_types", None) or getattr(c, "layers_block_type", None)
+    if not types or len(types) != layers:
+        return ("attention",) * layers
+
+    def kind(t: str) -> str:
+        if t == "hybrid":
+            return "hybrid"
+        if t in _LINEAR_TYPES:
+            return "linear"
+        return "none" if t in _MLP_ONLY_TYPES else "attention"
+
+    return tuple(kind(t) for t in types)
+
+
+def _chunks(c: Any, layers: int) -> tuple[int | None, ...]:
+    chunk = getattr(c, "attention_chunk_size", None)
+    types = getattr(c, "layer_types", None)
+    if not chunk or not types or len(types) != layers:
+        return (None,) * layers
+    return tuple(chunk if t == "chunked_attention" else None for t in types)
+
+
+def _state_elements(c: Any, hidden: int) -> int:
+    """One linear layer's recurrent state (heads · key dim · value dim), from the families' config names: Gated
+    DeltaNet (Qwen3-Next / Qwen3.5), KDA (Kimi-Linear), Mamba-2 (Nemotron-H, Bamba, GraniteMoeHybrid, Falcon-H1),
+    Mamba-1 (Jamba), lightning attention (MiniMax); 0 for short convolutions only (LFM2)."""
+    get = functools.partial(_get_any, c)
+    if get("linear_num_value_heads"):
+        return get("linear_num_value_heads") * get("linear_key_head_dim") * get("linear_value_head_dim")
+    if get("linear_num_heads") and get("linear_head_dim"):  # KDA
+        return get("linear_num_heads") * get("linear_head_dim") ** 2
+    heads = get("mamba_num_heads", "mamba_n_heads")
+    state = get("ssm_state_size", "mamba_d_state", "state_size")
+    if heads and state:
+        return heads * (get("mamba_head_dim", "mamba_d_head") or 64) * state
+    if get("mamba_expand") and state:
+        return get("mamba_expand") * hidden * state
+    if getattr(c, "model_type", "") == "minimax":
+        head_dim = get("head_dim") or hidden // c.num_attention_heads
+        return c.num_attention_heads * head_dim * head_dim
+    return 0
+
+
+def _get_any(c: Any, *names: str) -> int:
+    for name in names:
+        value = getattr(c, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _chunked_pairs(n: int, chunk: int) -> int:
+    full, rest = divmod(n, chunk)
+    return full * chunk * (chunk + 1) // 2 + rest * (rest + 1) // 2
+
+
 def _causal_pairs(n: int, window: int | None) -> int:
     if window is None or window >= n:
         return n * (n + 1) // 2
@@ -136,15 +231,23 @@ class ParamCounts:
     # The trainable tensors' sizes in the order model.parameters() yields them (each once), which is the order
     # DeepSpeed cuts its optimizer sub-groups in (lstune.estimate.memory.ds_sub_groups); () where not known.
     trainable_tensors: tuple[int, ...] = ()
+    # Per token, the input width of each norm of a decoder layer (`norm_widths`); () where not known: every norm
+    # then counts at the hidden width.
+    norm_widths: tuple[int, ...] = ()
 
     @property
     def frozen(self) -> int:
         return self.total - self.trainable
 
+    def layer_norm_widths(self, hidden: int) -> tuple[int, ...]:
+        """`norm_widths`, or `norms_per_layer` norms of `hidden` where they are not known."""
+        return self.norm_widths or (hidden,) * self.norms_per_layer
+
     def to_dict(self) -> dict:
         return {"total": self.total, "trainable": self.trainable, "frozen": self.frozen, "adapters": self.adapters,
                 "adapted_linears": self.adapted_linears, "largest_layer": self.largest_layer,
-                "norms_per_layer": self.norms_per_layer, "embeddings": self.embeddings,
+                "norms_per_layer": self.norms_per_layer, "norm_widths": list(self.norm_widths),
+                "embeddings": self.embeddings,
                 "lora_wrapped": self.lora_wrapped, "lora_wrapped_largest": self.lora_wrapped_largest}
 
 
@@ -155,7 +258,7 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lstune.models.introspect import decoder_layers, is_norm
+    from lstune.models.introspect import decoder_layers
     from lstune.models.loading import apply_lora
 
     with torch.device("meta"):
@@ -163,10 +266,12 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     base = _unique_numel(model.parameters())
     layers = decoder_layers(model)
     largest = max(_unique_numel(layer.parameters()) for layer in layers)
-    norms = sum(1 for m in layers[0].modules() if m is not layers[0] and is_norm(m))
+    widths = norm_widths(layers[0], ModelShape.from_config(config))
+    norms = len(widths)
     embeddings = _unique_numel([*model.get_input_embeddings().parameters(), *model.get_output_embeddings().parameters()])
     if not lora_r:
-        return ParamCounts(base, base, 0, 0, largest, norms, embeddings, trainable_tensors=_numels(model.parameters()))
+        return ParamCounts(base, base, 0, 0, largest, norms, embeddings, trainable_tensors=_numels(model.parameters()),
+                           norm_widths=widths)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers' deprecations peft trips; noise here
         peft_model = apply_lora(model, r=lora_r, alpha=None, dropout=0.0, targets=lora_targets)
@@ -175,7 +280,25 @@ def count_parameters(config: Any, *, lora_r: int = 0, lora_targets: Any = "auto"
     wrapped = _wrapped(peft_model)
     return ParamCounts(base + adapters, adapters, adapters, adapted, largest, norms, embeddings,
                        _unique_numel(wrapped), max((p.numel() for p in wrapped), default=0),
-                       _numels(p for p in peft_model.parameters() if p.requires_grad))
+                       _numels(p for p in peft_model.parameters() if p.requires_grad), widths)
+
+
+def norm_widths(layer, shape: ModelShape) -> tuple[int, ...]:
+    """Per token, the input width of each norm in `layer` (found structurally, lstune.models.introspect.is_norm): a
+    norm's weight spans what it normalises, so a norm of `head_dim` is a per-head one (Qwen3's, Gemma-3's q_norm and
+    k_norm) over every query head or every key head — the key's when its name says k (the one naming convention this
+    relies on: nothing in the module tells a query norm from a key norm). Any other norm spans its own width (hidden;
+    OLMo-2's q_norm and k_norm over the whole q and k widths)."""
+    widths = []
+    for name, module in layer.named_modules():
+        if module is layer or not is_norm(module):
+            continue
+        width = max(p.numel() for p in module.parameters())
+        if width == shape.head_dim and width != shape.hidden:
+            key = name.rsplit(".", 1)[-1].startswith("k")
+            width = shape.kv_width if key else shape.q_width
+        widths.append(width)
+    return tuple(widths)
 
 
 def _wrapped(peft_model) -> list:

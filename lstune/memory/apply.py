@@ -157,6 +157,13 @@ class MemoryPlan:
         logger.info("memory techniques undone")
 
 
+def _patched_here(module: "nn.Module") -> bool:
+    """A forward patched by a memory technique (the token mixers' per-document forward is not one: it comes first)."""
+    from lstune.models.mixers import DocumentMixer
+
+    return "forward" in vars(module) and not isinstance(vars(module)["forward"], DocumentMixer)
+
+
 def apply_memory_techniques(
     model: "nn.Module", memory: MemorySection | None = None, *, seq_len: int, parts: ModelParts | None = None
 ) -> MemoryPlan:
@@ -174,7 +181,7 @@ def apply_memory_techniques(
     _validate(memory, seq_len)
     parts = parts or find_parts(model)
     patched = [*parts.layers.modules(), *([parts.final_norm] if parts.final_norm is not None else [])]
-    if any("forward" in vars(module) for module in patched):
+    if any(_patched_here(module) for module in patched):
         raise UserError("memory techniques are already applied to this model; call plan.undo() first.")
     # 'auto' mini-sequence, like 'auto' offload, is the estimate's to resolve; unresolved it stays off.
     plan = MemoryPlan(seq_len=seq_len, parts=parts, tiled_mlp=memory.tiled_mlp,
@@ -231,10 +238,11 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
     if setting == "off":
         return
     plan.attn_chunk_stats = chunked_attn.ChunkStats()
+    names, calls = _probe_attention(plan.parts, probing)
     install = partial(chunked_attn.install_chunked_attention, plan.parts.layers, setting,
-                      auto_tokens=auto_tokens,
+                      auto_tokens=auto_tokens, names=names,
                       offload=memory.offload_checkpoints is True, stats=plan.attn_chunk_stats)
-    fused = _attention_norms(plan.parts) if probing else {}
+    fused = _attention_norms(calls, names) if calls is not None else {}
     if fused:
         inputs = probe_inputs(plan.parts, chunks=plan.attn_chunking)
         reference = probe_hidden_states(plan.parts, inputs)
@@ -254,15 +262,31 @@ def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bo
     plan._undos.extend(install())
 
 
-def _attention_norms(parts: ModelParts) -> dict[int, tuple[str | None, str | None]]:
-    """Per layer, the norms feeding only / fed only by the attention, from one recorded probe forward."""
-    from lstune.models.introspect import layer_attention
+def _probe_attention(parts: ModelParts, probing: bool) -> tuple[tuple[str | None, ...], list | None]:
+    """From one probe forward: each layer's softmax attention child (None: none, a hybrid's linear or state-space
+    layer) — the child that calls lstune's attention function — and every layer's recorded child calls (for the
+    norms around it). Without real weights (meta / fake), or on HF's own attention (refused per chunk: it builds a
+    mask), the structural guess and no calls."""
+    from lstune.models import hf_internals
+    from lstune.models.attention import recording_attention_modules
+    from lstune.models.introspect import attention_names
 
+    on_lstune = str(hf_internals.attention_implementation(parts.lm.config)).startswith("lstune_")
+    if not probing:
+        return attention_names(parts.layers), None
     inputs = probe_inputs(parts)
-    calls = tiled_mlp_mod.record_child_calls(parts.layers, lambda: probe_hidden_states(parts, inputs))
+    with recording_attention_modules() as calling:
+        calls = tiled_mlp_mod.record_child_calls(parts.layers, lambda: probe_hidden_states(parts, inputs))
+    return attention_names(parts.layers, calling if on_lstune else None), calls
+
+
+def _attention_norms(calls: list, names: tuple[str | None, ...]) -> dict[int, tuple[str | None, str | None]]:
+    """Per layer, the norms feeding only / fed only by the attention, from the recorded probe forward."""
     fused = {}
-    for index, layer in enumerate(parts.layers):
-        pair = tiled_mlp_mod.find_fusable_norms(calls[index], layer_attention(layer))
+    for index, name in enumerate(names):
+        if name is None:
+            continue
+        pair = tiled_mlp_mod.find_fusable_norms(calls[index], name)
         if any(pair):
             fused[index] = pair
     return fused
@@ -296,6 +320,8 @@ def _discover_fusion(parts: ModelParts, chunks: AttentionChunks) -> dict[int, tu
     calls = tiled_mlp_mod.record_child_calls(parts.layers, lambda: probe_hidden_states(parts, inputs))
     fused = {}
     for index, name in enumerate(parts.mlp_names):
+        if name is None:
+            continue
         pre, post = tiled_mlp_mod.find_fusable_norms(calls[index], name)
         if pre or post:
             fused[index] = (pre, post)

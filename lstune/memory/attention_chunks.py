@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
@@ -71,7 +70,8 @@ from torch.autograd.function import once_differentiable
 from lstune.errors import DataError, ModelError, UserError
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
 from lstune.memory.attention_saved import LayerSaves, current_saves
-from lstune.memory.checkpoint import MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS
+from lstune.memory.offload_math import (  # noqa: F401  (re-exported: chunked attention's sizes live with their math)
+    auto_chunk_tokens, chunk_count, offload_copy_bytes)
 from lstune.memory.host_copies import HostBlocks
 from lstune.memory.patching import FusedNorm, Undo, patch_forward
 from lstune.memory.tiling import (
@@ -85,6 +85,7 @@ from lstune.memory.tiling import (
     tile_bounds,
 )
 from lstune.models.attention import chunked_attention_calls
+from lstune.models.attention_sinks import apply_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import AttentionChunks, sequence_layout
 from lstune.models.introspect import attention_heads, layer_attention
 
@@ -97,57 +98,8 @@ logger = logging.getLogger("lstune")
 _PER_TOKEN_ARGS = {"position_embeddings": -2, "position_ids": -1, "cache_position": -1}
 
 
-def auto_chunk_tokens(q_width: int, kv_width: int, *, pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
-                      flops_per_s: float = SUSTAINED_FLOPS, bytes_per_element: int = 2) -> int:
-    """`--attn-chunks auto`'s chunk length where the estimate does not choose the count (lstune.estimate.choose_memory
-    does for train): the shortest whose host copies hide under the attention they serve (FPDT), from the constants
-    of the checkpoint offload threshold (lstune.memory.checkpoint). Two bounds, c tokens a chunk, b bytes an element,
-    F/BW the compute rate over the copy bandwidth:
-    - forward, block (m, i): fetch chunk i's k and v (c · 2 · h_kv · b bytes) under c queries against its c keys
-      (4 · c² · h_q FLOPs, QKᵀ and PV): c >= h_kv · b · F / (2 · h_q · BW);
-    - backward, inner iteration (j, i): fetch q_j, dO_j and the merged output o_j (3 · c · h_q · b: the flash
-      kernel's backward recomputes the rowsums from o_j; the PyTorch kernel reads them instead, less) and read and
-      write the fp32 dq_j accumulator (8 · c · h_q; lse_j, 4 · c · heads, is under 1% of it and left out) under
-      FlashAttention's backward of the block (2.5 × the forward: 10 · c² · h_q FLOPs): c >= (3 · b + 8) · F / (10 · BW).
-    The backward bound is the larger whenever h_kv <= h_q in bf16: with F/BW = 16000 FLOP/B, 22,400 tokens → 32,768
-    after rounding up to a power of two, for every model (a PCIe Gen5 host, 50 GB/s: 16,384). A chunk's k copy is
-    at least MIN_COPY_BYTES. FPDT measured a ~64K-token sweet spot for its kernels."""
-    forward = kv_width * bytes_per_element * flops_per_s / (2 * q_width * pcie_bytes_per_s)
-    backward = (3 * bytes_per_element + 8) * flops_per_s / (10 * pcie_bytes_per_s)
-    floor = MIN_COPY_BYTES / (kv_width * bytes_per_element)
-    return 1 << math.ceil(math.log2(max(forward, backward, floor, 1)))
 
 
-def offload_copy_bytes(tokens: int, chunks: int, q_width: int, kv_width: int, heads: int, element_size: int,
-                       forward_runs: int = 1, flash: bool = False) -> tuple[int, int]:
-    """(device→host, host→device) bytes one layer's chunked attention copies in one step when its saved chunks live
-    on the host (`_ChunkStore` with offload), for `tokens` local tokens (batch × sequence) in `chunks` equal chunks
-    of c tokens, P = M(M+1)/2 (query, key) blocks, activations of `element_size` bytes (fp32 lse, delta, dq, dk,
-    dv). Under Ulysses pass the local tokens and the full widths: a rank's gathered chunk has SP times the tokens
-    and 1/SP of the heads. `forward_runs`: 2 when checkpointing re-runs the forward in backward. `flash`: every
-    block takes the flash kernel (`attention_blocks.block_kind`: one document, no window cut, no softcap, a probed
-    kernel), else the PyTorch kernel.
-    - forward, per run: out k, v, o and lse of every chunk; in the keys/values of earlier chunks, (P - M) · c;
-    - backward (a): in o, out q and dO; for the PyTorch kernel the rowsums: in o and dO, out delta; (b) per key chunk
-      in k, v, per block in q, dO, lse, delta (flash: the output o instead, its kernel recomputes the rowsums) and
-      (after the first key chunk) the fp32 dq accumulator, out dq but for the diagonal block's (the last of its key
-      chunk: dq_i is final and stays on the device for (c)); (c) the PyTorch kernel's in o once more (the module's
-      re-run; the flash kernels' diagonal block kept it on the device). dk and dv stay on the device: chunk i's
-      projections run right after outer iteration i.
-    `tests/unit/memory/test_attention_chunks.py` checks the store's copies against this."""
-    if chunks <= 1:
-        return 0, 0
-    b, S, M = element_size, tokens, chunks
-    c, blocks = tokens / chunks, chunks * (chunks + 1) // 2
-    lse = 4 * S * heads
-    rowsums_out, rowsums_in = (0, 0) if flash else (lse, 2 * S * q_width * b)
-    per_block_rows = q_width * b if flash else 4 * heads  # o, or delta
-    forward_out = S * (2 * kv_width + q_width) * b + lse
-    forward_in = (blocks - M) * c * 2 * kv_width * b
-    backward_out = 2 * S * q_width * b + rowsums_out + (blocks - M) * c * 4 * q_width
-    backward_in = ((1 if flash else 2) * S * q_width * b + rowsums_in + M * c * 2 * kv_width * b
-                   + blocks * c * (2 * q_width * b + 4 * heads + per_block_rows) + (blocks - M) * c * 4 * q_width)
-    return (int(forward_runs * forward_out + backward_out), int(forward_runs * forward_in + backward_in))
 
 
 def attention_widths(config: Any) -> tuple[int, int]:
@@ -168,11 +120,6 @@ def attention_chunking(setting: str | int, config: Any) -> AttentionChunks:
     return AttentionChunks(setting, auto_chunk_tokens(*widths))
 
 
-def chunk_count(setting: str | int, seq_len: int, auto_tokens: int) -> int:
-    """Chunks one (local) sequence of `seq_len` tokens is cut into (1 = unchunked): `len(chunk_bounds(...))`, counted
-    without listing the bounds (the estimate asks this of absurd lengths too, and must answer at once)."""
-    step = math.ceil(seq_len / AttentionChunks(setting, auto_tokens).count(seq_len))
-    return math.ceil(seq_len / step)
 
 
 def chunk_bounds(chunks: AttentionChunks, seq_len: int) -> list[tuple[int, int]]:
@@ -207,9 +154,13 @@ class ChunkStats:
 
 def install_chunked_attention(
     layers: nn.ModuleList, setting: str | int, *, auto_tokens: int | None = None, offload: bool, stats: ChunkStats | None = None,
-    fused: dict[int, tuple[str | None, str | None]] | None = None,
+    fused: dict[int, tuple[str | None, str | None]] | None = None, names: tuple[str | None, ...] | None = None,
 ) -> list[Undo]:
     """Make every layer's attention module run in chunks (module doc); returns the undos.
+
+    `names`: each layer's attention attribute (`introspect.attention_names`), None for a hybrid's layer without
+    softmax attention (linear attention, state-space, convolution: O(S) already), which is left alone; looked up
+    structurally when not given (`layer_attention`).
 
     `fused[i] = (pre_norm_name, post_norm_name)`: layer i's norms feeding only the attention / fed only by it (found
     by `mlp.find_fusable_norms` from a probe) run inside each chunk instead — the layer calls them as identities —
@@ -218,8 +169,11 @@ def install_chunked_attention(
     if setting == "off":
         return []
     undos = []
+    names = names or tuple(layer_attention(layer) for layer in layers)
     for index, layer in enumerate(layers):
-        module = getattr(layer, layer_attention(layer))
+        if names[index] is None:
+            continue
+        module = getattr(layer, names[index])
         norms = [getattr(layer, name) if name else None for name in (fused or {}).get(index, (None, None))]
         for norm, side in zip(norms, ("pre", "post")):
             if norm is not None:
@@ -227,7 +181,8 @@ def install_chunked_attention(
                 undos.append(FusedNorm.install(norm, what=what))
         chunked = ChunkedAttention(module, module.forward, chunks, offload=offload, stats=stats, norms=norms)
         undos.append(patch_forward(module, chunked, what=f"chunked attention, layer {index}"))
-    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused", len(layers),
+    logger.info("chunked attention (FPDT): %d layers, %s, saved chunks %s, %d norms fused",
+                sum(n is not None for n in names),
                 chunks.describe(), "offloaded to host" if offload else "on the device",
                 sum(n is not None for pair in (fused or {}).values() for n in pair))
     return undos
@@ -363,6 +318,7 @@ class _ChunkSink:
         self.sources: dict[int, dict[int, str]] = {}  # query chunk -> {key chunk it attends: block kind}
         self.order = _PositionOrder()
         self.gathered = False  # the calls see every SP rank's chunk m (Ulysses)
+        self.sink_grads: dict[int, Tensor] = {}  # query chunk -> its part of the attention sinks' gradient
 
     def begin(self, m: int, mode: str) -> None:
         self.m, self.mode, self.calls = m, mode, 0
@@ -376,15 +332,17 @@ class _ChunkSink:
             )
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, position_ids: Tensor | None,
-                 scaling: float | None, sliding_window: int | None, softcap: float | None, dropout: float) -> Tensor:
+                 scaling: float | None, sliding_window: int | None, softcap: float | None, dropout: float,
+                 sinks: Tensor | None = None) -> Tensor:
         self.calls += 1
         if dropout:
             raise ModelError(f"chunked attention has no attention dropout (got {dropout}); set attention_dropout=0 "
                              "in the model config or use --attn-chunks off.")
         store, m = self.store, self.m
         if self.mode == "forward":
+            sinks5 = None if sinks is None else sinks.detach().float().reshape(1, key.shape[1], -1, 1)
             self.config = dict(scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-                               window=sliding_window, softcap=softcap, kv_heads=key.shape[1])
+                               window=sliding_window, softcap=softcap, kv_heads=key.shape[1], sinks=sinks5)
             index_Bn, doc_Bn = self._token_ids(query, position_ids)
             store.put(("idx", m), index_Bn, offload=False)
             store.put(("doc", m), doc_Bn, offload=False)
@@ -401,7 +359,7 @@ class _ChunkSink:
             store.put(("q", m), _to5(query.detach(), key.shape[1]))
             self.leaf = out_BnHD.requires_grad_()
             return self.leaf
-        self.captured = (query, key, value)
+        self.captured = (query, key, value, sinks)
         return out_BnHD
 
     def _token_ids(self, query: Tensor, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -520,6 +478,8 @@ def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) 
         k4, v4 = (key, value) if i == m else (store.get(("k", i), device), store.get(("v", i), device))
         out, lse = block_forward(kind, q5, k4, v4, allowed, config["scale"], config["softcap"])
         acc_out, acc_lse = merge(acc_out, acc_lse, out, lse)
+    if config["sinks"] is not None:  # once, after the merge: the backward then runs on the sink-applied (o, lse)
+        acc_out, acc_lse = apply_sinks(acc_out, acc_lse, config["sinks"])
     return acc_out.to(query.dtype), acc_lse
 
 
@@ -720,6 +680,7 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         # checkpoint, and checkpoint's recompute runs the chunks on it with no attention kernel ("saved").
         saves = current_saves()
         ctx.entry, fresh = saves.next_entry() if saves is not None else (None, True)
+        fresh = fresh or ctx.entry.chunks is None  # the first forward kept nothing (attention sinks): recomputed
         if not fresh:
             ctx.layout, saved, sources, spec.sink.config, spec.sink.gathered = ctx.entry.chunks
             store.adopt(ctx.layout, saved, hidden_BSD.device)
@@ -738,7 +699,8 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
             sources = dict(spec.sink.sources)
             # Saved through save_for_backward (not held by ctx), so an enclosing checkpoint drops and recomputes them.
             ctx.layout, saved = store.packed()
-            if ctx.entry is not None:
+            # Not with attention sinks (gpt-oss): saved attention does not combine with them; the layer recomputes.
+            if ctx.entry is not None and spec.sink.config.get("sinks") is None:
                 ctx.entry.chunks = (ctx.layout, saved, sources, dict(spec.sink.config), spec.sink.gathered)
         ctx.sources = sources
         ctx.save_for_backward(hidden_BSD, *saved)
@@ -874,10 +836,20 @@ def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: dict[int, str], device
                                      merged, allowed, config["scale"], config["softcap"])
         dk4 += dk
         dv4 += dv
+        if j == i and config["sinks"] is not None:
+            spec.sink.sink_grads[i] = _sink_grad(rows, merged, store.get(("dout", j), device), config["sinks"])
         if store.has(("dq", j)):
             dq5 = dq5 + store.get(("dq", j), device)
         store.put(("dq", j), dq5, offload=j != i)
     return dk4, dv4
+
+
+def _sink_grad(rows: str, merged: tuple[Tensor, Tensor], dout5: Tensor, sinks5: Tensor) -> Tensor:
+    """Query chunk j's part of the sinks' gradient ([H]) from what its diagonal block read: the merged output or
+    its rowsums, and the lse (`attention_sinks.sink_gradient`)."""
+    first, lse = merged
+    delta = rowsums(first, dout5) if rows == "o" else first
+    return sink_gradient(lse, delta, sinks5).sum(dim=(0, 3)).reshape(-1)
 
 
 def _rows_key(kind: str) -> str:
@@ -893,11 +865,13 @@ def _projection_backward(spec, ctx, hidden_BSD, grad_BSD, i, dqkv, want_x) -> li
     x_BcD = hidden_BSD[:, a:b].detach().requires_grad_(want_x)
     with _replay_rng(ctx.rng[i], hidden_BSD.device), torch.enable_grad():
         y_BcD = spec.run(x_BcD, i, "backward")
-    query, key, value = spec.sink.captured
+    query, key, value, sinks = spec.sink.captured
     spec.sink.captured = ()
     pairs = [(y_BcD, grad_BSD[:, a:b])] + [
         (t, g.reshape(t.shape).to(t.dtype)) for t, g in zip((query, key, value), dqkv)
     ]
+    if sinks is not None:
+        pairs.append((sinks, spec.sink.sink_grads.pop(i).to(sinks.dtype)))
     pairs = [(t, g) for t, g in pairs if t.requires_grad]
     inputs = ([x_BcD] if want_x else []) + list(spec.into_grad or ctx.params)
     if not pairs:

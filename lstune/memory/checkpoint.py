@@ -56,49 +56,18 @@ from torch.utils.checkpoint import checkpoint
 
 from lstune.memory.attention_saved import LayerSaves
 from lstune.memory.host_copies import HostBlocks, host_copy_bytes
+from lstune.memory.offload_math import (  # noqa: F401  (re-exported: the offload's threshold lives with its math)
+    MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS, offload_min_tokens, place_checkpoints)
 from lstune.memory.patching import Undo, patch_forward
-from lstune.memory.placement import CheckpointPlacement, plan_placement
+from lstune.memory.placement import CheckpointPlacement
 
 if TYPE_CHECKING:
     from torch import nn
 
 logger = logging.getLogger("lstune")
 
-# Offload threshold constants (MEMO Eq. 1). Not measured here (no GPU on the development machine):
-# 25 GB/s is what pinned D2H copies reach on PCIe Gen4 x16 (Gen5 hosts reach ~50 GB/s, making this
-# conservative); 400 TFLOP/s is bf16 dense matmul throughput a training step sustains on an H100
-# (about 40 % of its 989 TFLOP/s peak).
-PCIE_BYTES_PER_S = 25e9
-SUSTAINED_FLOPS = 400e12
-# Pinned copies below ~1 MiB are dominated by their fixed ~10 us launch/sync cost.
-MIN_COPY_BYTES = 1 << 20
 
 
-def offload_min_tokens(
-    layer_flop_params: int,
-    hidden_size: int,
-    attention_width: int,
-    bytes_per_element: int = 2,
-    *,
-    pcie_bytes_per_s: float = PCIE_BYTES_PER_S,
-    flops_per_s: float = SUSTAINED_FLOPS,
-) -> int:
-    """The shortest local sequence at which copying one layer's checkpoint hides under its forward.
-
-    MEMO Eq. 1 with alpha = 0 (only the layer input is offloaded):
-        copy time  S · D · b / BW  <=  layer forward  (2 · P · S + 2 · S² · A) / F
-    where P is the parameters one token multiplies (MoE: active experts only) and A the attention
-    width (heads · head_dim; causal attention costs 2 · S² · A FLOPs). Solving for S:
-        S >= (D · b · F / BW - 2 · P) / (2 · A)
-    plus a floor so each copy is at least `MIN_COPY_BYTES`. With F/BW = 16000 FLOP/B and bf16:
-    Llama-3.1-8B (D 4096, P 218M) → 129 tokens (the floor: its layers hide the copy at any length);
-    Llama-3.2-1B → 257 (floor); Qwen3-0.6B (D 1024, P 15.7M) → 513 (floor; Eq. 1 alone: 322);
-    tiny-llama (D 128, P 185K) → 14,559 (Eq. 1: a thin layer computes too little to hide its copy).
-    """
-    linear_bound = (hidden_size * bytes_per_element * flops_per_s / pcie_bytes_per_s - 2 * layer_flop_params)
-    eq1 = max(0.0, linear_bound / (2 * attention_width))
-    floor = MIN_COPY_BYTES / (hidden_size * bytes_per_element)
-    return int(max(eq1, floor)) + 1
 
 
 @dataclass
@@ -451,26 +420,3 @@ def install_checkpointing(layers: "nn.ModuleList", offloader: CheckpointOffloade
 
 def partial_setattr(obj, name: str, value) -> Undo:
     return lambda: setattr(obj, name, value)
-
-
-def place_checkpoints(n_layers: int, checkpoint_bytes: int, *, tokens: int, layer_matmul_params: int,
-                      attention_width: int, element_size: int, on_cuda: bool, host_budget: int | None,
-                      device_budget: int | None) -> CheckpointPlacement:
-    """`plan_placement` with the inputs both `lstune train` (lstune.memory.apply, from the model) and `lstune
-    estimate` (lstune.estimate.placement, from the config's shapes) give it, computed here once: on CUDA the copy
-    rate (PCIe) and one layer's forward time at `tokens` (its matmuls and causal attention at a sustained rate),
-    whose ratio is the fraction of a checkpoint whose copy hides (MEMO Eq. 1); host bytes in pinned power-of-two
-    pieces on CUDA (lstune.memory.host_copies; lstune.memory.placement.plan_placement). `host_budget` 0: nothing on the host (no offload)."""
-    forward_s = None
-    if on_cuda:
-        flops = 2 * layer_matmul_params * tokens + 2 * tokens**2 * attention_width
-        forward_s = flops / SUSTAINED_FLOPS
-
-    def host_bytes_of(nbytes: int) -> int:
-        return host_copy_bytes(nbytes // element_size, element_size, pinned=on_cuda)
-
-    return plan_placement(
-        n_layers, checkpoint_bytes, host_budget=host_budget, device_budget=device_budget,
-        copy_bytes_per_s=PCIE_BYTES_PER_S if on_cuda else None, layer_forward_s=forward_s,
-        host_bytes_of=host_bytes_of, tokens=tokens,
-    )

@@ -69,10 +69,19 @@ class TiledForward:
         rows = hidden_states.shape[0] if dim == 1 else 1
         tiles = self.policy.tiles(hidden_states.shape[dim], width=self.width, rows=rows)
         params = [p for m in self.modules for p in m.parameters()]
-        run = partial(self._run_tile, args=args, kwargs=kwargs)
-        return sequence_tiled(
+        extras = _Extras([])
+        run = partial(self._run_tile, args=args, kwargs=kwargs, extras=extras)
+        out = sequence_tiled(
             run, hidden_states, tiles=tiles, dim=dim, params=params, preserve_rng=self.block.training
         )
+        recorded, extras.tiles = extras.tiles, None  # the backward's recomputes record nothing
+        if extras.flat:  # the block returns its output flat, [B·S, D] (Llama-4's MoE): so does the tiled one
+            out = out.reshape(-1, out.shape[-1])
+        if not recorded:
+            return out
+        if len(recorded) == 1:  # one tile: plain autograd, the block's own outputs
+            return (out, *recorded[0][1])
+        return (out, *stitch_extras(recorded, hidden_states.shape[:dim + 1], type(self.block).__name__, out))
 
     def _refuse_sequence_arguments(self, leading: torch.Size, args, kwargs) -> None:
         """A tensor argument shaped like the hidden states' tokens would reach every tile whole: refuse."""
@@ -81,15 +90,84 @@ class TiledForward:
                 names = "a per-token tensor argument"
                 raise ModelError(_EXTRA_ARGUMENT_MESSAGE.format(block=type(self.block).__name__, names=names))
 
-    def _run_tile(self, x: torch.Tensor, start: int, end: int, *, args, kwargs) -> torch.Tensor:
+    def _run_tile(self, x: torch.Tensor, start: int, end: int, *, args, kwargs, extras: "_Extras") -> torch.Tensor:
         # MoE blocks `.view` their input flat, which a sequence slice of a batch > 1 does not allow.
         x = x.contiguous()
         if self.pre_norm is not None:
             x = FusedNorm.call(self.pre_norm, x)
         y = self.block_forward(x, *args, **kwargs)
+        if isinstance(y, tuple):  # an MoE returning its router logits / scores beside the output
+            if extras.tiles is not None:
+                extras.tiles.append((x.shape[-2] if x.dim() >= 3 else x.shape[0], y[1:]))
+            y = y[0]
+        if _flat_output(x, y):  # tiles are stitched along the sequence: back to [B, t, D]
+            y = y.view(*x.shape[:-1], y.shape[-1])
+            extras.flat = True
         if self.post_norm is not None:
             y = FusedNorm.call(self.post_norm, y)
         return y
+
+
+def _flat_output(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """The block took [B, t, D] and returned [B·t, D] (MoE blocks that flatten the batch)."""
+    return x.dim() == 3 and y.dim() == 2 and y.shape[0] == x.shape[0] * x.shape[1]
+
+
+@dataclass
+class _Extras:
+    """The extra outputs (router logits) of each tile in forward; None once forward is done."""
+
+    tiles: list | None
+    flat: bool = False  # the block returns its output flattened to [B·t, D]
+
+
+def stitch_extras(tiles: list[tuple[int, tuple]], leading: torch.Size, block: str, anchor: torch.Tensor) -> list:
+    """A tiled MoE's extra outputs (router logits / scores) over the whole sequence, from each tile's (tokens, extra
+    outputs): per-token tensors shaped [B, t, ...] or flat [B·t, ...] (transformers' MoE blocks flatten the batch)
+    are joined along their tokens in the sequence's order; None stays None. They carry no gradient: the decoder
+    layers of the families that return them (gpt-oss, Llama-4) drop them, and HF's auxiliary router loss reads
+    them through other hooks. If a gradient ever reaches one, backward refuses (`_NoGradient`) rather than drop it."""
+    batch = leading[0] if len(leading) == 2 else 1
+    counts = [tokens for tokens, _ in tiles]
+    stitched = []
+    for parts in zip(*(extra for _, extra in tiles)):
+        if all(p is None for p in parts):
+            stitched.append(None)
+        elif all(torch.is_tensor(p) and p.dim() >= 2 and p.shape[:2] == (batch, n) for p, n in zip(parts, counts)):
+            stitched.append(_NoGradient.apply(torch.cat(parts, dim=1), anchor))
+        elif all(torch.is_tensor(p) and p.shape[0] == batch * n for p, n in zip(parts, counts)):
+            per_row = [p.reshape(batch, n, *p.shape[1:]) for p, n in zip(parts, counts)]
+            joined = torch.cat(per_row, dim=1).reshape(-1, *parts[0].shape[1:])
+            stitched.append(_NoGradient.apply(joined, anchor))
+        else:
+            raise ModelError(_EXTRA_OUTPUT_MESSAGE.format(block=block))
+    return stitched
+
+
+class _NoGradient(torch.autograd.Function):
+    """`value` in the graph behind `anchor`; a gradient reaching it is refused (tiling cannot carry it)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        return value.detach().clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is not None:
+            raise ModelError(
+                "a gradient reached the router logits of a sequence-tiled MoE block (an auxiliary router loss?), "
+                "which tiling does not carry; set tiled_mlp: off and mini_sequence: false, or train without the "
+                "router loss."
+            )
+        return None, None
+
+
+_EXTRA_OUTPUT_MESSAGE = (
+    "{block} returns more than its output, and lstune cannot tell the extra outputs' token dimension (it stitches "
+    "per-token tensors shaped [batch, tokens, ...] or [batch·tokens, ...]); set tiled_mlp: off and mini_sequence: "
+    "false for this model."
+)
 
 
 def widest_row(module: "nn.Module") -> int:
@@ -108,6 +186,8 @@ def install_tiled_blocks(
     `names`: each layer's block attribute (`ModelParts.mlp_names`), looked up here when not given."""
     installed = []
     for index, (layer, name) in enumerate(zip(layers, names or mlp_names(layers))):
+        if name is None:  # a hybrid's block with no MLP (only a token mixer): nothing to tile
+            continue
         pre_name, post_name = (fused or {}).get(index, (None, None))
         installed.append(_install_one(index, layer, getattr(layer, name), policy, pre_name, post_name))
     return installed
@@ -138,6 +218,8 @@ def check_call_signature(layers: "nn.ModuleList", names: tuple[str, ...] | None 
     import inspect
 
     for layer, name in zip(layers, names or mlp_names(layers)):
+        if name is None:
+            continue
         block = getattr(layer, name)
         params = list(inspect.signature(block.forward).parameters.values())[1:]
         required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
@@ -161,14 +243,16 @@ def check_per_token(layers: "nn.ModuleList", hidden_size: int, names: tuple[str,
     """
     checked = set()
     for layer, name in zip(layers, names or mlp_names(layers)):
+        if name is None:
+            continue
         block = getattr(layer, name)
         if type(block) in checked:
             continue
         checked.add(type(block))
         if not torch.is_tensor(_probe_block(block, hidden_size, tokens=2)):
             raise ModelError(
-                f"{type(block).__name__} returns more than one tensor (e.g. router logits), which sequence "
-                "tiling does not stitch; set tiled_mlp: off and mini_sequence: false for this model."
+                f"{type(block).__name__} does not return a tensor (or a tensor and its router outputs), which "
+                "sequence tiling cannot stitch; set tiled_mlp: off and mini_sequence: false for this model."
             )
         if not _is_per_token(block, hidden_size):
             raise ModelError(
@@ -195,7 +279,9 @@ def _probe_block(block: "nn.Module", hidden: int, *, tokens: int, start: int = 0
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(1, 6, hidden, generator=gen)[:, start:start + tokens].to(device=param.device, dtype=dtype)
     with eval_mode(block):
-        return block(x.contiguous())
+        y = block(x.contiguous())
+    y = y[0] if isinstance(y, tuple) and y and torch.is_tensor(y[0]) else y  # an MoE's router outputs beside
+    return y.view(*x.shape[:-1], y.shape[-1]) if torch.is_tensor(y) and _flat_output(x, y) else y
 
 
 def find_fusable_norms(calls: list["LayerCall"], block_name: str) -> tuple[str | None, str | None]:

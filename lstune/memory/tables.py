@@ -115,9 +115,10 @@ def measure_table(preset: str, layers: int, seqs: list[int], device: str, dtype:
     if attention == "lstune":
         # Every row gets the same mask-free attention, so the rows differ only by the memory techniques;
         # with HF's SDPA path transformers would also build an O(seq²) mask.
+        from lstune.memory.block_attention import block_attention
         from lstune.models.attention import use_lstune_attention
 
-        use_lstune_attention(model, backend="sdpa")
+        use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
     wanted = [(name, options) for name, options in CONFIGS.items()
               if (rows is None or any(r in name for r in rows))
               and (attention == "lstune" or (options or {}).get("attn_chunks", "off") == "off")]

@@ -11,11 +11,12 @@ transformers' own `find_packed_sequence_indices` uses). What the mask was for is
 * ``sdpa`` — `torch.nn.functional.scaled_dot_product_attention` with `is_causal=True` on each document span (one call
   when every row is one document: PyTorch's flash kernel on CUDA and on CPU). A sliding window shorter than a
   document is run as query blocks against only the keys in reach, with a small banded mask per block.
-  Cannot softcap logits.
+  Cannot softcap logits: softcapped calls run lstune's block kernel instead (`local_attention`), as do calls with
+  learned attention sinks on every backend (`attention_sinks`).
 * ``flex`` — `flex_attention` with a document-causal (and windowed) `BlockMask` and a softcap `score_mod`; compiled on
   CUDA. PyTorch has no flex backward on CPU, so on CPU it only runs without gradients.
 
-``auto`` takes flash_attention_2 where it can run, else flex when logits must be softcapped, else sdpa.
+``auto`` takes flash_attention_2 where it can run, else flex when logits must be softcapped on CUDA, else sdpa.
 
 Memory: the attention path allocates O(B·S) index tensors and the kernels' own O(B·S·H·D) buffers; no O(S²) tensor
 (per-block band masks of the windowed sdpa path are O(block·(block+window))). Removed versus HF eager/SDPA with a
@@ -44,7 +45,6 @@ registers one that builds nothing and refuses what it cannot honour (padding mas
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import logging
 from contextlib import contextmanager
@@ -55,17 +55,19 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from lstune.errors import ConfigError, ModelError, UserError
+from lstune.errors import ModelError, UserError
 from lstune.models import hf_internals
+from lstune.models.attention_backends import (  # noqa: F401  (re-exported: torch-free, for the run plan)
+    _BIDIRECTIONAL_MESSAGE, BACKENDS, _bidirectional_problem, _check_backend_name, _flash_attn_importable,
+    _flex_importable, available_backends, check_attention_support, resolve_backend)
 
 if TYPE_CHECKING:
     from torch import Tensor
     from torch.nn.attention.flex_attention import BlockMask
-    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger("lstune")
 
-BACKENDS = ("sdpa", "flex", "flash_attention_2")
 _INT32_LIMIT = 2**31
 # The windowed sdpa path runs query blocks of max(window, this) tokens: fewer kernel calls for tiny windows, at most
 # 2x the banded FLOPs for large ones.
@@ -162,97 +164,6 @@ def _position_ids_for(query_BHSD: Tensor, position_ids_BS: Tensor | None) -> Ten
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _flash_attn_importable() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-@functools.cache
-def _flex_importable() -> bool:
-    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-
-
-def available_backends() -> list[str]:
-    """Backends that can run here: sdpa always, flex with torch's flex_attention (training needs CUDA), and
-    flash_attention_2 when flash-attn is importable and CUDA is present."""
-    backends = ["sdpa"]
-    if _flex_importable():
-        backends.append("flex")
-    if _flash_attn_importable() and torch.cuda.is_available():
-        backends.append("flash_attention_2")
-    return backends
-
-
-def resolve_backend(
-    backend: str, *, device_type: str, dtype: torch.dtype | None, softcap: float | None, dropout: float = 0.0,
-    needs_grad: bool = True,
-) -> str:
-    """The concrete backend for `backend` ("auto" or a name from BACKENDS), or a UserError saying why it cannot run.
-
-    `dtype` None means "not known yet" (config time): only flash-attn's fp16/bf16 requirement depends on it.
-    """
-    _check_backend_name(backend)
-    if backend == "auto":
-        backend = _auto_backend(device_type, dtype, softcap)
-    refusal = _why_backend_cannot_run(backend, device_type, dtype, softcap, dropout, needs_grad)
-    if refusal:
-        error_class, message = refusal
-        raise error_class(message)
-    return backend
-
-
-def _check_backend_name(backend: str) -> None:
-    if backend not in ("auto", *BACKENDS):
-        raise ConfigError([f"attention backend {backend!r} is unknown; use one of: auto, {', '.join(BACKENDS)}."])
-
-
-def _auto_backend(device_type: str, dtype: torch.dtype | None, softcap: float | None) -> str:
-    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
-    if device_type == "cuda" and half and _flash_attn_importable():
-        return "flash_attention_2"
-    return "flex" if softcap is not None else "sdpa"
-
-
-def _why_backend_cannot_run(
-    backend: str, device_type: str, dtype: torch.dtype | None, softcap: float | None, dropout: float, needs_grad: bool
-) -> tuple[type[UserError], str] | None:
-    """(error class, message) when `backend` cannot compute this model's attention here, else None."""
-    if backend == "flash_attention_2":
-        if not (_flash_attn_importable() and device_type == "cuda"):
-            installed = "installed" if _flash_attn_importable() else "not installed"
-            return UserError, (
-                f"attention backend 'flash_attention_2' needs flash-attn and a CUDA device (here: {device_type}, "
-                f"flash-attn {installed}); install lstune[gpu] on a GPU machine or pick one of {available_backends()}."
-            )
-        if dtype is not None and dtype not in (torch.float16, torch.bfloat16):
-            return UserError, f"flash-attn runs in fp16/bf16 only, not {dtype}; train in bf16 or use backend 'sdpa'."
-    if backend == "sdpa" and softcap is not None:
-        return ModelError, (
-            f"the model softcaps attention logits (attn_logit_softcapping={softcap}) and SDPA cannot; use attention "
-            "backend 'flex' or 'flash_attention_2' on a CUDA GPU."
-        )
-    if backend == "flex":
-        if not _flex_importable():
-            return UserError, "this torch has no flex_attention; install torch>=2.7.1 or use attention backend 'sdpa'."
-        if device_type != "cuda" and needs_grad:
-            if softcap is not None:
-                return ModelError, (
-                    f"the model softcaps attention logits (attn_logit_softcapping={softcap}): only the flex and "
-                    f"flash_attention_2 backends can, and neither trains on {device_type} (PyTorch has no flex "
-                    "backward there). Train this model on a CUDA GPU."
-                )
-            return UserError, (
-                f"PyTorch has no flex_attention backward on {device_type}; train on a CUDA GPU or use attention "
-                "backend 'sdpa'."
-            )
-        if dropout:
-            return ModelError, (
-                f"flex attention has no dropout (attention_dropout={dropout}); set attention_dropout=0 in the model "
-                "config or use backend 'sdpa'."
-            )
-    return None
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------------------------
@@ -269,13 +180,20 @@ def local_attention(
     softcap: float | None = None,
     dropout: float = 0.0,
     backend: str = "auto",
+    sinks: Tensor | None = None,
+    block_kernel: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """Per-document causal attention of full-sequence q/k/v; returns `[B, S, H, D]` like HF's attention functions.
 
     `key_BHSD`/`value_BHSD` may have fewer heads than the query (GQA/MQA; H must be a multiple). `position_ids_BS`
     (full sequence, [B, S] or [1, S]) delimit documents; None means one document per row. `sliding_window` w lets a
     token see itself and the w-1 tokens before it, as transformers defines it. `softcap` c maps each scaled logit x to
-    c·tanh(x/c) before the softmax (Gemma-2). This is the kernel the Ulysses wrapper calls on head-sharded q/k/v.
+    c·tanh(x/c) before the softmax (Gemma-2). `sinks`: learned attention-sink logits, one per query head (gpt-oss;
+    `attention_sinks`). This is the kernel the Ulysses wrapper calls on head-sharded q/k/v.
+
+    Sinks, and softcapping on the sdpa backend (SDPA cannot softcap), run `block_kernel`: lstune's block attention
+    (`lstune.memory.block_attention.block_attention`, which returns and merges log-sum-exps), handed in by the
+    layer that composes models and memory (`use_lstune_attention(..., block_kernel=...)`, as `lstune train` does).
     """
     _check_qkv(query_BHSD, key_BHSD, value_BHSD)
     position_ids_BS = _position_ids_for(query_BHSD, position_ids_BS)
@@ -286,6 +204,12 @@ def local_attention(
         needs_grad=needs_grad,
     )
     _log_backend_choice(requested, backend, device_type, query_BHSD.dtype)
+    if sinks is not None or (softcap is not None and backend == "sdpa"):
+        if block_kernel is None:
+            what = "learned attention sinks" if sinks is not None else f"softcapped logits (softcap={softcap}) on sdpa"
+            raise ModelError(_BLOCK_KERNEL_MESSAGE.format(what=what))
+        return block_kernel(query_BHSD, key_BHSD, value_BHSD, position_ids_BS=position_ids_BS, scaling=scaling,
+                            sliding_window=sliding_window, softcap=softcap, sinks=sinks, dropout=dropout)
     if backend == "flash_attention_2":
         return _flash_varlen_attention(
             query_BHSD, key_BHSD, value_BHSD, position_ids_BS, scaling, sliding_window, softcap, dropout
@@ -491,30 +415,40 @@ def lstune_attention_forward(
     position_ids: Tensor | None = None,
     s_aux: Tensor | None = None,
     is_causal: bool | None = None,
+    block_kernel: Callable[..., Tensor] | None = None,
     **_unused: Any,
 ) -> tuple[Tensor, None]:
     """An attention function with transformers' signature (`AttentionInterface`): refuses what it cannot honour, then
     runs `local_attention`. Other HF kwargs (output_attentions, cu_seq_lens_*, ...) are ignored: documents always
-    come from `position_ids`, and no attention weights are ever materialised."""
+    come from `position_ids`, and no attention weights are ever materialised. `s_aux`: gpt-oss's attention sinks
+    (under Ulysses, the rank's heads' slice)."""
+    recorder = _ATTENTION_MODULES.get()
+    if recorder is not None:
+        recorder.append(getattr(module, "_module", module))  # the module itself, also inside Ulysses' view of it
     sliding_window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
-    if s_aux is not None:
-        raise ModelError(_SINKS_MESSAGE.format(name=type(module).__name__))
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ModelError(_BIDIRECTIONAL_MESSAGE.format(name=type(module).__name__))
+    chunk = attention_mask.chunk if isinstance(attention_mask, ModelMask) else None
     sink = _CHUNK_SINK.get()
     if sink is not None:
+        if chunk:
+            raise ModelError(_CHUNKED_MASK_FPDT_MESSAGE.format(chunk=chunk))
         out_BSHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
-                        softcap=softcap, dropout=dropout)
+                        softcap=softcap, dropout=dropout, sinks=s_aux)
         return out_BSHD, None
     saver = _ATTENTION_SAVER.get()
-    if saver is not None:
+    if saver is not None and s_aux is None and not chunk:
+        # Saved attention (issue 33) keeps plain causal attention only: a layer with sinks (gpt-oss) or the model's
+        # chunked attention (Llama-4) is recomputed, through local_attention below.
         out_BSHD = saver(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
                          softcap=softcap, dropout=dropout, backend=backend)
         if out_BSHD is not None:
             return out_BSHD, None
+    if chunk:
+        position_ids = chunk_positions(_position_ids_for(query, position_ids), chunk)
     out_BSHD = local_attention(
         query, key, value, position_ids_BS=position_ids, scaling=scaling, sliding_window=sliding_window,
-        softcap=softcap, dropout=dropout, backend=backend,
+        softcap=softcap, dropout=dropout, backend=backend, sinks=s_aux, block_kernel=block_kernel,
     )
     return out_BSHD, None
 
@@ -523,6 +457,22 @@ def lstune_attention_forward(
 # chunk of the sequence, its q/k/v go to this sink instead of a kernel. The sink has `mask_positions` / `mask_seq`
 # (the whole sequence the module got, for the model-mask check) and is called like `local_attention`.
 _CHUNK_SINK: ContextVar[Any] = ContextVar("lstune_chunk_sink", default=None)
+
+
+# While set, lstune's attention function appends the module calling it: which modules of a model are softmax
+# attention, found by running it (a hybrid's linear-attention and state-space mixers never call it).
+_ATTENTION_MODULES: ContextVar[list | None] = ContextVar("lstune_attention_modules", default=None)
+
+
+@contextmanager
+def recording_attention_modules() -> Iterator[list]:
+    """Within the block, every module that calls lstune's attention function is appended to the yielded list."""
+    calls: list = []
+    token = _ATTENTION_MODULES.set(calls)
+    try:
+        yield calls
+    finally:
+        _ATTENTION_MODULES.reset(token)
 
 
 @contextmanager
@@ -556,13 +506,15 @@ def full_position_ids(query_BHSD: Tensor, position_ids_BS: Tensor | None) -> Ten
     return _position_ids_for(query_BHSD, position_ids_BS)
 
 
-_SINKS_MESSAGE = (
-    "{name} uses learned attention sinks, which lstune's attention backends do not implement; this model cannot be "
-    "trained with lstune attention."
+_CHUNKED_MASK_FPDT_MESSAGE = (
+    "this model's layers with chunked attention ({chunk}-token chunks, Llama-4) cannot run under lstune's chunked "
+    "attention (FPDT), which tells documents apart by position; use --attn-chunks off (lstune's limitation: cutting "
+    "FPDT's chunks at the model's chunk edges would lift it)."
 )
-_BIDIRECTIONAL_MESSAGE = (
-    "{name} attends bidirectionally (is_causal=False / use_bidirectional_attention); lstune attention is causal only. "
-    "Use a causal LM, or set use_bidirectional_attention=False in the model config."
+_BLOCK_KERNEL_MESSAGE = (
+    "this model's attention has {what}, which lstune runs through its block attention kernel, and this attention "
+    "function was installed without one: pass block_kernel=lstune.memory.block_attention.block_attention to "
+    "use_lstune_attention (lstune train does)."
 )
 
 
@@ -605,6 +557,7 @@ class ModelMask:
 
     mask_function: Callable
     local_size: int | None
+    chunk: int | None = None  # set by `window_for` when the mask is chunked attention (Llama-4) of this size
     _checked: Any = field(default=None, repr=False)
 
     def __getattr__(self, name: str) -> Any:
@@ -619,7 +572,7 @@ class ModelMask:
 
     def window_for(self, position_ids_BS: Tensor | None, seq: int, device: Any = None) -> int | None:
         if self._checked is not None and self._checked[0] is position_ids_BS and self._checked[1] == seq:
-            return self.local_size
+            return None if self.chunk else self.local_size
         from torch._subclasses.fake_tensor import is_fake
 
         if position_ids_BS is None:
@@ -627,13 +580,24 @@ class ModelMask:
             # right only if the model's own mask agrees (it separates packed documents when it detects them).
             positions_BS = torch.arange(seq, device=device)[None]
             try:
-                _check_model_mask(self.mask_function, positions_BS, self.local_size)
+                self._check(positions_BS)
             except ModelError:
                 raise ModelError(_NO_POSITIONS_MESSAGE) from None
         elif not is_fake(position_ids_BS) and position_ids_BS.shape[-1] == seq:
-            _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
+            self._check(position_ids_BS)
         self._checked = (position_ids_BS, seq)
-        return self.local_size
+        return None if self.chunk else self.local_size
+
+    def _check(self, position_ids_BS: Tensor) -> None:
+        """The mask is causal per document with the named window — or, failing that, chunked attention in chunks
+        of the named size (`chunk`: every document cut every `local_size` positions, Llama-4)."""
+        try:
+            _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
+        except ModelError:
+            if self.local_size is None:
+                raise
+            _check_model_mask(self.mask_function, position_ids_BS, None, chunk=self.local_size)
+            self.chunk = self.local_size
 
 
 class MaskTensorUse(ModelError, AttributeError):
@@ -649,11 +613,12 @@ _MASK_TENSOR_MESSAGE = (
 )
 
 
-def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: int | None) -> None:
+def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: int | None,
+                      chunk: int | None = None) -> None:
     """ModelError unless `mask_function`, within each document, allows exactly causal (windowed) attention on sample
-    rows."""
+    rows — or with `chunk`, causal attention within each document's chunks of `chunk` positions."""
     seq = position_ids_BS.shape[-1]
-    doc_BS = document_ids(position_ids_BS)
+    doc_BS = document_ids(chunk_positions(position_ids_BS, chunk))
     rows_R = _sample_rows(doc_BS, window)
     kv_S = torch.arange(seq, device=position_ids_BS.device)
     batch_B = torch.arange(doc_BS.shape[0], device=kv_S.device)
@@ -674,19 +639,26 @@ def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: 
 
 
 _UNKNOWN_MASK_MESSAGE = (
-    "this model's attention mask is not causal per document{window_note}: it masks differently (e.g. chunked "
-    "attention, or a pattern set in its own mask code). lstune's attention kernels implement causal masks with "
-    "sliding windows only, so it cannot train this model exactly; supporting that mask pattern in lstune's kernels "
-    "would lift this."
+    "this model's attention mask is not causal per document{window_note}: it masks differently (a pattern set in "
+    "its own mask code). lstune's attention kernels implement causal masks with sliding windows or chunks only, "
+    "so it cannot train this model exactly; supporting that mask pattern in lstune's kernels would lift this."
 )
 
 
 _NO_POSITIONS_MESSAGE = (
     "this model does not pass position_ids to its attention layers, and its mask differs from one causal "
-    "(windowed) document per row — packed documents, or a mask pattern lstune's kernels do not implement (e.g. "
-    "chunked attention). lstune's attention takes documents from position_ids, so it cannot train this exactly: "
-    "train without --pack, or, for another mask pattern, this model is not supported (lstune's limitation)."
+    "(windowed or chunked) document per row — packed documents, or a mask pattern lstune's kernels do not "
+    "implement. lstune's attention takes documents from position_ids, so it cannot train this exactly: "
+    "train without --pack, or, for another mask pattern, this model is not supported (lstune's limitation: "
+    "passing position_ids on to the attention layers would lift the first)."
 )
+
+
+def chunk_positions(position_ids_BS: Tensor, chunk: int | None) -> Tensor:
+    """position_ids under chunked attention (Llama-4's `attention_chunk_size`): each document restarts every `chunk`
+    positions, so lstune's per-document causal kernels see each chunk as a document (a reset to 0 starts one).
+    HF's mask cuts by the same positions in packed rows (remap_positions_for_packed_sequence)."""
+    return position_ids_BS if chunk is None else position_ids_BS % chunk
 
 
 def _sample_rows(doc_BS: Tensor, window: int | None) -> Tensor:
@@ -784,11 +756,15 @@ def register_attention_function(
     return handle
 
 
-def use_lstune_attention(model: PreTrainedModel, *, backend: str = "auto") -> AttentionHandle:
+def use_lstune_attention(
+    model: PreTrainedModel, *, backend: str = "auto", block_kernel: Callable[..., Tensor] | None = None
+) -> AttentionHandle:
     """Make `model` run lstune's per-document causal attention (see module doc); `.undo()` restores it.
 
     `backend` is "auto" or one of BACKENDS; an unavailable one is refused now, the rest is decided per call from the
-    tensors' device and dtype. Applied after LoRA and before the memory techniques (the order of application in docs/memory.md).
+    tensors' device and dtype. `block_kernel`: lstune's block attention (`lstune.memory.block_attention`), for
+    attention sinks and softcapping on sdpa (`local_attention`); without it a model with sinks is refused now.
+    Applied after LoRA and before the memory techniques (the order of application in docs/memory.md).
     """
     _check_backend_name(backend)
     if backend != "auto":
@@ -796,8 +772,18 @@ def use_lstune_attention(model: PreTrainedModel, *, backend: str = "auto") -> At
         device = "cuda" if torch.cuda.is_available() else "cpu"
         softcap = getattr(model.config, "attn_logit_softcapping", None)
         resolve_backend(backend, device_type=device, dtype=None, softcap=softcap, needs_grad=False)
-    attention_fn = functools.partial(lstune_attention_forward, backend=backend)
+    if block_kernel is None and (where := sinks_module(model)):
+        raise ModelError(_BLOCK_KERNEL_MESSAGE.format(what=f"learned attention sinks ({where})"))
+    attention_fn = functools.partial(lstune_attention_forward, backend=backend, block_kernel=block_kernel)
     return register_attention_function(model, attention_fn, description=f"backend={backend}")
+
+
+def sinks_module(model: Any) -> str | None:
+    """The name of the first module with learned attention sinks (a `sinks` tensor: gpt-oss), or None."""
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "sinks", None), torch.Tensor):
+            return f"{type(module).__name__} {name}"
+    return None
 
 
 def _attention_configs(model: PreTrainedModel) -> list[tuple[Any, str | None]]:
@@ -814,56 +800,7 @@ def _attention_configs(model: PreTrainedModel) -> list[tuple[Any, str | None]]:
 
 
 def _refuse_unsupported_model(model: PreTrainedModel) -> None:
-    """Structural refusals that must come before any forward: learned sinks, bidirectional attention."""
-    for name, module in model.named_modules():
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            raise ModelError(_SINKS_MESSAGE.format(name=f"{type(model).__name__} ({name})"))
+    """Structural refusals that must come before any forward: bidirectional attention."""
     problem = _bidirectional_problem(model.config)
     if problem:
         raise ModelError(problem)
-
-
-def _bidirectional_problem(config: PretrainedConfig) -> str | None:
-    if not getattr(config, "is_causal", True) or getattr(config, "use_bidirectional_attention", None):
-        return _BIDIRECTIONAL_MESSAGE.format(name=getattr(config, "model_type", "the model"))
-    return None
-
-
-def check_attention_support(
-    model_config: PretrainedConfig, *, pack: bool, seq_len: int, backend: str = "auto", device: str | None = None,
-) -> None:
-    """Refuse, before anything heavy is loaded, model/backend combinations lstune attention would get wrong.
-
-    Raises ConfigError for an unknown backend and ModelError/UserError (every problem listed) for: bidirectional
-    attention, softcapped logits on a backend that cannot softcap (sdpa, or anything on CPU when training),
-    attention dropout under flex, and a backend that cannot run here. Learned attention sinks are only visible on the
-    built model and are refused by `use_lstune_attention`. Sliding windows need no refusal (every backend honours
-    them exactly); they and the packed-on-sdpa cost are logged. `device` defaults to cuda when available.
-    """
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    softcap = getattr(model_config, "attn_logit_softcapping", None)
-    dropout = float(getattr(model_config, "attention_dropout", 0.0) or 0.0)
-    _check_backend_name(backend)
-    problems = [p for p in (_bidirectional_problem(model_config),) if p]
-    chosen = None
-    try:
-        chosen = resolve_backend(backend, device_type=device, dtype=None, softcap=softcap, dropout=dropout)
-    except UserError as error:
-        problems.append(str(error))
-    if problems:
-        raise ModelError("\n".join(problems), problems=problems)
-    _log_attention_plan(model_config, chosen, device, pack=pack, seq_len=seq_len)
-
-
-def _log_attention_plan(config: PretrainedConfig, backend: str, device: str, *, pack: bool, seq_len: int) -> None:
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window < seq_len:
-        logger.info(
-            "lstune attention: layers with a %d-token sliding window (< seq_len %d) keep it exactly on the %s backend",
-            window, seq_len, backend,
-        )
-    if pack and backend == "sdpa" and device == "cuda":
-        logger.warning(
-            "lstune attention: packed batches on the sdpa backend run one kernel per document; with many short "
-            "documents install flash-attn (lstune[gpu]) or use attention backend 'flex'."
-        )

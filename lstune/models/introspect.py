@@ -39,8 +39,9 @@ class ModelParts:
 
     @cached_property
     def mlp_names(self) -> tuple[str, ...]:
-        """Per layer, the attribute naming its per-token block (`layer_mlp`), looked up on first use only:
-        a model whose MLP cannot be told apart is refused only when a technique needs its MLP."""
+        """Per layer, the attribute naming its per-token block (`layer_mlp_name`; None for a hybrid's block without
+        one), looked up on first use only: a model whose MLP cannot be told apart is refused only when a technique
+        needs its MLP."""
         return mlp_names(self.layers)
 
     @cached_property
@@ -154,6 +155,17 @@ def layer_mlp(layer: "nn.Module") -> tuple["nn.Module", str]:
     return layer, candidates[0][0]
 
 
+def layer_mlp_name(layer: "nn.Module") -> str | None:
+    """`layer_mlp`'s attribute name, or None for a layer with no per-token block at all — a hybrid model's block
+    that holds only a token mixer (Nemotron-H's Mamba or attention blocks) — so that tiling skips it. A layer with
+    matrices of its own outside any child is not such a layer: it is refused as `layer_mlp` refuses."""
+    has_candidates = any(_has_matrices(child) and not _is_attention(child) for child in layer.children())
+    own_matrices = any(p.dim() >= 2 for p in layer.parameters(recurse=False))
+    if not has_candidates and not own_matrices:
+        return None
+    return layer_mlp(layer)[1]
+
+
 def layer_attention(layer: "nn.Module") -> str:
     """The attribute name of the layer's attention module: its one child with matrices that looks like attention
     (`head_dim` / `num_key_value_groups`, or "Attention" in the class name)."""
@@ -166,9 +178,35 @@ def layer_attention(layer: "nn.Module") -> str:
     return names[0]
 
 
-def mlp_names(layers: "nn.ModuleList") -> tuple[str, ...]:
-    """`layer_mlp`'s attribute name for each layer."""
-    return tuple(layer_mlp(layer)[1] for layer in layers)
+def attention_names(layers: "nn.ModuleList", calling: list | None = None) -> tuple[str | None, ...]:
+    """Per layer, the attribute of its softmax-attention child, or None for a layer without one (a hybrid's
+    linear-attention / state-space layer). `calling`: the modules seen calling lstune's attention function on a
+    probe (`models.attention.recording_attention_modules`) — the child holding one is the attention, whatever its
+    class looks like (Kimi's "DeltaAttention" and MiniMax's "LightningAttention" are linear mixers, Mamba mixers have
+    a head_dim). Without a probe (meta / fake weights) the structural guess of `layer_attention`, None where a layer
+    has no candidate. ModelError when a layer has several."""
+    names = []
+    for layer in layers:
+        if calling is None:
+            candidates = [n for n, child in layer.named_children() if _has_matrices(child) and _is_attention(child)]
+        else:
+            candidates = [n for n, child in layer.named_children()
+                          if any(m is child or any(m is sub for sub in child.modules()) for m in calling)]
+        if len(candidates) > 1:
+            raise ModelError(
+                f"cannot tell which part of {type(layer).__name__} is its attention (candidates: "
+                f"{', '.join(candidates)}); chunked attention cannot apply: use --attn-chunks off."
+            )
+        names.append(candidates[0] if candidates else None)
+    return tuple(names)
+
+
+def mlp_names(layers: "nn.ModuleList") -> tuple[str | None, ...]:
+    """`layer_mlp_name` for each layer (None: the layer has no per-token block). ModelError when no layer has one."""
+    names = tuple(layer_mlp_name(layer) for layer in layers)
+    if all(name is None for name in names):
+        layer_mlp(layers[0])  # raises, naming the candidates (none)
+    return names
 
 
 def final_norm(model: "nn.Module") -> "nn.Module":

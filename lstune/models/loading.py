@@ -14,6 +14,7 @@ from typing import Any
 
 from lstune.errors import ModelError, UserError
 from lstune.models.presets import get_preset, list_presets
+from lstune.untrusted import describe, parser_errors
 
 
 
@@ -45,8 +46,23 @@ def resolve_model(name: str, *, trust_remote_code: bool = False) -> ModelSpec:
     checks, SP layout, tokenizer, loading) takes this. ModelError with the fix when it cannot."""
     source = resolve_source(name)
     config = load_config(source, trust_remote_code=trust_remote_code)
+    _check_sizes(config.to_dict(), source)
     _check_causal_lm(config, name)
     return ModelSpec(source, config)
+
+
+def _check_sizes(values: dict, source: ModelSource) -> None:
+    """ModelError listing every impossible size of the model's config (lstune.models.sizes), before anything
+    is built from it."""
+    from lstune.models.sizes import size_problems
+
+    where = f"{Path(source.location) / 'config.json'}" if source.kind == "local" else f"--model {source.name!r}"
+    problems = size_problems(values, where)
+    if problems:
+        lines = problems if len(problems) == 1 else [f"{len(problems)} impossible sizes in the model's config:"] + [
+            f"  - {p}" for p in problems]
+        raise ModelError("\n".join(lines) + "\nFix the model's config.json (a size is a whole number of at least 1).",
+                         problems=problems)
 
 
 def resolve_source(name: str) -> ModelSource:
@@ -127,12 +143,16 @@ def load_config(source: ModelSource, *, trust_remote_code: bool = False):
 
     if source.kind == "hub":
         _check_hub_reachable(source)
+    if source.kind == "local":  # read as untrusted JSON, and its sizes checked, before transformers builds on it
+        from lstune.untrusted import read_json
+
+        _check_sizes(read_json(Path(source.location) / "config.json", error=ModelError, what="the model's"), source)
     try:
         return AutoConfig.from_pretrained(source.location, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - transformers' own checks raise TypeError, ZeroDivisionError, ...
         where = "folder" if source.kind == "local" else "hub id"
         raise ModelError(
-            f"--model {source.name!r}: could not read its config as a {where} ({_first_line(exc)})."
+            f"--model {source.name!r}: could not read its config as a {where} ({describe(exc)})."
             f"{_did_you_mean(source.name)} Check the name, your network or HF_TOKEN for gated models; offline, use "
             "a local folder, a cached model, or a preset (`lstune presets`)."
         ) from None
@@ -224,19 +244,44 @@ def load_model(
         model = AutoModelForCausalLM.from_config(config, **kwargs)
         notes.insert(0, "weights are randomly initialised (no pretrained weights loaded)")
     else:
+        if source.kind == "local":
+            check_weight_files(Path(source.location))
         try:
             model = AutoModelForCausalLM.from_pretrained(source.location, config=config, **kwargs)
         except OSError as exc:
             raise ModelError(
-                f"--model {source.name!r}: no weights could be loaded ({_first_line(exc)}). Use --init random to "
+                f"--model {source.name!r}: no weights could be loaded ({describe(exc)}). Use --init random to "
                 "train from a random initialisation, or point to a folder/hub id with weights."
             ) from None
+        except parser_errors() as exc:  # a hub model's files, read by transformers (a local one is checked above)
+            raise ModelError(f"--model {source.name!r}: its weights cannot be loaded ({describe(exc)}).") from None
     if load_in_4bit:
         from lstune.models.quant import disable_cpu_packing
 
         disable_cpu_packing(model)
     model.config.use_cache = False
     return LoadedModel(model, tokenizer, source, notes)
+
+
+def check_weight_files(folder: Path) -> None:
+    """ModelError naming the first weight file in a local model folder that is not what its format requires:
+    a safetensors header that lies (sizes, offsets, JSON), a shard index of the wrong shape, a pickle payload or
+    a truncated .bin (torch's restricted unpickler, as transformers loads it: nothing runs). Headers only:
+    safetensors maps its files and `torch.load(mmap=True)` reads no tensor data."""
+    import zipfile
+
+    from lstune.untrusted import check_safetensors, read_json, torch_load
+
+    for path in sorted(folder.glob("*.safetensors")):
+        check_safetensors(path, error=ModelError)
+    for path in sorted(folder.glob("*.index.json")):
+        index = read_json(path, error=ModelError, what="the weight index")
+        if not isinstance(index.get("weight_map"), dict) or not all(
+                isinstance(v, str) for v in index["weight_map"].values()):
+            raise ModelError(f"the weight index {path} has no weight_map of tensor names to file names (corrupt).")
+    if not any(folder.glob("*.safetensors")):  # transformers prefers safetensors; else it loads these
+        for path in sorted(folder.glob("*.bin")):
+            torch_load(path, error=ModelError, map_location="cpu", mmap=zipfile.is_zipfile(path))
 
 
 def _hub_hint(source: ModelSource) -> str:
@@ -266,10 +311,24 @@ def _not_plain_linear(model) -> list[str]:
             and type(module).__module__.startswith(model_code)]
 
 
+# peft refuses LoRA on these module names in these model types (peft.tuners.tuners_utils.
+# _check_lora_target_modules_mamba, peft 0.17-0.21: a Mamba mixer's out_proj / conv1d); `auto` leaves them out.
+_PEFT_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+_PEFT_MAMBA_REFUSED = frozenset({"out_proj", "conv1d"})
+
+
+def _peft_refused(model) -> list[str]:
+    """Modules peft refuses to adapt in this model (Mamba-based model types), which `auto` must not name."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in _PEFT_MAMBA_TYPES:
+        return []
+    return [name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in _PEFT_MAMBA_REFUSED]
+
+
 def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any, dora: bool = False,
                rslora: bool = False):
-    """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head and those
-    with a forward of their own (`_not_plain_linear`). `dora` / `rslora`: peft's DoRA and rsLoRA variants."""
+    """Wrap `model` with LoRA adapters (peft). `targets` 'auto' adapts every linear layer but the head, those
+    with a forward of their own (`_not_plain_linear`) and those peft refuses for Mamba models (`_peft_refused`).
+    `dora` / `rslora`: peft's DoRA and rsLoRA variants."""
     from peft import LoraConfig, get_peft_model
 
     auto = targets == "auto"
@@ -278,7 +337,7 @@ def apply_lora(model, *, r: int, alpha: int | None, dropout: float, targets: Any
         lora_alpha=alpha or 2 * r,
         lora_dropout=dropout,
         target_modules="all-linear" if auto else list(targets),
-        exclude_modules=(_not_plain_linear(model) or None) if auto else None,
+        exclude_modules=(_not_plain_linear(model) + _peft_refused(model) or None) if auto else None,
         task_type="CAUSAL_LM",
         use_dora=dora,
         use_rslora=rslora,

@@ -12,6 +12,10 @@ The scalings, each with factor F over the original (pretraining) context O:
 - dynamic (NTK-aware): the base grows with the longest position in the forward; transformers reads O from
   `max_position_embeddings`, so that stays O. Refused under sequence parallelism: each rank would see only its
   shard's positions and compute other frequencies than the full sequence's.
+
+A model's own length-dependent RoPE is checked the same way (`check_length_dependent_rope`): LongRoPE (Phi-3)
+chooses short or long factors from the longest position a forward sees; under SP lstune makes every rank choose
+from the whole sample (lstune.parallel.rope_sp), and with --pack past the original context it is refused.
 - yarn: per-frequency interpolation ramp plus an attention temperature (0.1 ln F + 1).
 - llama3: Llama-3.1's piecewise interpolation (low/high frequency factors 1 and 4, Llama-3.1's own).
 
@@ -76,10 +80,63 @@ def positions_warning(config: Any, seq_len: int, model_name: str) -> str | None:
 
 def apply_rope_scaling(
     config: Any, kind: str, factor: float | str, *, seq_len: int, original: int | None = None, sp: int = 1,
-    model_name: str = "the model",
+    model_name: str = "the model", pack: bool = False,
 ) -> RopeScaling | None:
     """Write the scaling into `config` (in place, before the model is built); None for `kind` "none".
-    ModelError where the model's RoPE cannot take it (no RoPE, per-layer RoPE, another scaling already)."""
+    ModelError where the model's RoPE cannot take it (no RoPE, per-layer RoPE, another scaling already), or where
+    RoPE that depends on the length cannot be exact under this `sp` / `pack` (`check_length_dependent_rope`)."""
+    scaling = _apply_rope_scaling(config, kind, factor, seq_len=seq_len, original=original, sp=sp,
+                                  model_name=model_name)
+    check_length_dependent_rope(config, seq_len=seq_len, sp=sp, pack=pack, model_name=model_name)
+    return scaling
+
+
+# RoPE whose frequencies depend on the longest position a forward sees (transformers' `dynamic_rope_update`).
+LENGTH_DEPENDENT = ("longrope", "dynamic")
+
+
+def length_dependent_rope(config: Any) -> tuple[str, int] | None:
+    """(rope type, the length past which its frequencies change) of a model whose RoPE picks its frequencies from
+    the longest position each forward sees: LongRoPE (short factors up to `original_max_position_embeddings`, long
+    past it) and dynamic NTK (the base grows past the original context). None for any other RoPE."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    params = rope_parameters(text)
+    kind = params.get("rope_type") if params else None
+    if kind not in LENGTH_DEPENDENT:
+        return None
+    original = params.get("original_max_position_embeddings") or max_positions(text)
+    return (kind, original) if isinstance(original, int) and original > 0 else None
+
+
+def check_length_dependent_rope(config: Any, *, seq_len: int, sp: int, pack: bool, model_name: str) -> None:
+    """ModelError where length-dependent RoPE cannot match the model run on the whole sample (each document alone
+    with --pack). LongRoPE under SP is made exact (lstune.parallel.rope_sp: the factors of the whole sample);
+    dynamic NTK under SP, and either with --pack past the original context, are refused: a packed row holds
+    documents on both sides of the threshold, each of which the model runs with the frequencies of its own length,
+    and one row's rotary embedding has one set."""
+    found = length_dependent_rope(config)
+    if found is None:
+        return
+    kind, original = found
+    if kind == "dynamic" and sp > 1:
+        raise ModelError(
+            f"--model {model_name!r}: dynamic RoPE scaling recomputes the frequencies from the longest position each "
+            f"forward sees; with sequence parallelism ({sp} ranks) each rank sees only its shard, so the ranks would "
+            "disagree. Use --rope-scaling yarn or linear, or --sp 1."
+        )
+    if pack and seq_len > original:
+        raise ModelError(
+            f"--pack: --model {model_name!r} uses {kind} RoPE, which picks its frequencies from the length it sees "
+            f"({'short factors up to' if kind == 'longrope' else 'the original base up to'} {original:,} positions, "
+            f"other ones past them); a packed row of --seq-len {seq_len:,} holds documents on both sides, each of "
+            "which the model gives the frequencies of its own length, and one row cannot. Drop --pack, or use "
+            f"--seq-len {original:,} or less."
+        )
+
+
+def _apply_rope_scaling(
+    config: Any, kind: str, factor: float | str, *, seq_len: int, original: int | None, sp: int, model_name: str,
+) -> RopeScaling | None:
     if kind == "none":
         return None
     params = _scalable_parameters(config, kind, model_name)

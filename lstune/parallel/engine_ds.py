@@ -29,6 +29,7 @@ that the memory estimate says fits (lstune.estimate.choose_engine).
 
 from __future__ import annotations
 
+import json
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ EXPORT_SHARD_BYTES = 2 * 1024**3
 # sub-groups; DeepSpeed keeps the first int((1 - ratio) * n) on the GPU, so the ratio is honoured to 1/n.
 PARTIAL_SUB_GROUPS = 32
 GPU_OPTIMIZER_FILE = "gpu_optimizer_rank{rank}.pt"
+# The ZeRO stage that wrote a checkpoint ({"stage": N}); DeepSpeed's files of one stage do not load under another.
+ZERO_STAGE_FILE = "lstune-zero-stage.json"
 
 
 @dataclass(frozen=True)
@@ -174,9 +177,9 @@ def _load_gpu_optimizer_states(optimizer, path: Path) -> None:
     _check_offload_ratio(optimizer, path)
     if not path.is_file():
         return
-    import torch
+    from lstune.untrusted import torch_load
 
-    saved = torch.load(path, map_location="cpu", weights_only=True)
+    saved = torch_load(path, error=CheckpointError, map_location="cpu")
     groups = optimizer.fp32_partitioned_groups_flat
     if saved["ratio"] != float(optimizer.partial_offload) or saved["sub_groups"] != len(groups) or any(
             state["exp_avg"].numel() != groups[i].numel() for i, state in saved["states"].items()):
@@ -267,6 +270,8 @@ class DeepSpeedEngine:
         )
         optimizer = _adamw(params, optim, on_host=zero.offload_optimizer)
         scheduler = make_scheduler(optimizer, optim)
+        if zero_stage == 3:
+            _register_mixer_children(model)
         self.dims = dims
         self.zero_stage = zero_stage
         self._ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -325,6 +330,8 @@ class DeepSpeedEngine:
         filesystem.
         """
         self._ds.save_checkpoint(str(ckpt_dir), tag=DS_TAG, save_latest=False)
+        if self.dims.rank == 0:
+            (Path(ckpt_dir) / DS_TAG / ZERO_STAGE_FILE).write_text(json.dumps({"stage": self.zero_stage}))
         states = _gpu_optimizer_states(self._ds.optimizer)
         if states is not None:
             import torch
@@ -337,6 +344,7 @@ class DeepSpeedEngine:
                 f"{ckpt_dir} has no DeepSpeed state ({DS_TAG}/); it was written by a single-device run or is "
                 "incomplete. Resume with the same launcher and number of processes that wrote it."
             )
+        refuse_other_zero_stage(Path(ckpt_dir), self.zero_stage)
         gpu_part = Path(ckpt_dir) / DS_TAG / GPU_OPTIMIZER_FILE.format(rank=self.dims.rank)
         _check_offload_ratio(self._ds.optimizer, gpu_part)
         path, _ = self._ds.load_checkpoint(
@@ -360,6 +368,30 @@ class DeepSpeedEngine:
                   shard_bytes=EXPORT_SHARD_BYTES)
 
 
+def saved_zero_stage(ckpt_dir: Path) -> int | None:
+    """The ZeRO stage that wrote the DeepSpeed checkpoint in `ckpt_dir`: its record, else (a checkpoint of before
+    the record) 3 when DeepSpeed's ZeRO-3 per-rank model files are there; None when that cannot tell (1 or 2)."""
+    from lstune.untrusted import read_json, require
+
+    record = Path(ckpt_dir) / DS_TAG / ZERO_STAGE_FILE
+    if record.is_file():
+        return require(read_json(record, error=CheckpointError).get("stage"), int, f"{record}: stage", CheckpointError)
+    return 3 if any((Path(ckpt_dir) / DS_TAG).glob("zero_pp_rank_*_model_states.pt")) else None
+
+
+def refuse_other_zero_stage(ckpt_dir: Path, stage: int) -> None:
+    """CheckpointError when the DeepSpeed checkpoint in `ckpt_dir` was written under another ZeRO stage than
+    `stage` (0: the single-device engine): its shards hold another partitioning, and DeepSpeed fails on them."""
+    saved = saved_zero_stage(ckpt_dir)
+    if saved is None or saved == stage or (saved in (1, 2) and stage in (1, 2) and not (
+            Path(ckpt_dir) / DS_TAG / ZERO_STAGE_FILE).is_file()):
+        return
+    raise CheckpointError(
+        f"{ckpt_dir} is a DeepSpeed ZeRO-{saved} checkpoint and this run uses ZeRO-{stage}: DeepSpeed's shards of "
+        f"one stage do not load under another. Resume with --zero-stage {saved}, or start a new run without --resume."
+    )
+
+
 @contextmanager
 def without_inference_shm_op():
     """DeepSpeed's comm backend without its shared-memory all-reduce op. On its CPU accelerator it compiles that C++
@@ -378,6 +410,26 @@ def without_inference_shm_op():
         yield
     finally:
         ds_torch.build_shm_op = build
+
+
+def _register_mixer_children(model) -> None:
+    """ZeRO-3 gathers a module's own parameters when that module is called. The token mixers (lstune.models.mixers)
+    read some of their children's weights directly, never calling them — the convolution, Mamba-1's x_proj and
+    dt_proj: transformers' code does, and so do lstune's head-parallel views — so their children's parameters are
+    registered as the mixer's external parameters (DeepSpeed then gathers them whenever the mixer runs)."""
+    from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+    from lstune.models.introspect import decoder_layers
+    from lstune.models.mixers import mixer_sites
+
+    try:
+        layers = decoder_layers(model)
+    except Exception:  # noqa: BLE001 - a model without decoder layers has no mixers to register
+        return
+    for _, mixer in mixer_sites(layers):
+        for child in mixer.children():
+            for parameter in child.parameters():
+                register_external_parameter(mixer, parameter)
 
 
 def _adamw(params, cfg: OptimConfig, *, on_host: bool):

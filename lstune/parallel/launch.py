@@ -36,6 +36,7 @@ from typing import Iterator, Mapping
 
 from lstune.config.schema import ParallelSection
 from lstune.errors import ConfigError
+from lstune.parallel.lifetime import preexec
 
 # After a signal, how long torchrun lets the processes finish (save a checkpoint) before it kills them: its default,
 # 30 s, is shorter than writing a large model's ZeRO checkpoint.
@@ -109,6 +110,23 @@ def gpu_count_problems(gpus: int, visible: int) -> list[str]:
             f"use --gpus {visible} or fewer, or --hostfile for several machines."]
 
 
+def cpu_count_problems(processes: int, cores: int) -> list[str]:
+    """--gpus N without CUDA starts N gloo processes on this machine: more than its cores and they only take turns
+    on them (each with torch's threads: the run crawls, memory is N models' worth), the machine frozen meanwhile."""
+    if processes <= cores:
+        return []
+    return [f"--gpus {processes} on CPU starts {processes} processes, and this machine gives lstune {cores} core"
+            f"{'s' if cores != 1 else ''}; use --gpus {cores} or fewer, or --force to start them anyway."]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, as taskset or a container's cpuset narrow it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def launch_command(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> list[str]:
     """The command that runs `python -m <module> <argv>` once per process (see the module docstring)."""
     problems = ParallelSection(gpus=gpus, hostfile=hostfile).problems()
@@ -135,10 +153,11 @@ def module_entry(module: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune") -> int:
+def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module: str = "lstune",
+             force: bool = False) -> int:
     """Re-run `lstune <argv>` (argv without the program name) in `gpus` processes per node; their exit code.
 
-    Without CUDA the processes run on CPU with gloo. The children see the launcher's environment, so
+    Without CUDA the processes run on CPU with gloo, at most one per core unless `force`. The children see the launcher's environment, so
     `detect_launch_env` is not None there and they run instead of relaunching.
     """
     env = dict(os.environ)
@@ -148,6 +167,9 @@ def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module:
     if not _cuda_available():
         if hostfile is not None:
             raise ConfigError(["--hostfile needs CUDA GPUs on every node; on CPU use --gpus N on one machine."])
+        problems = [] if force else cpu_count_problems(gpus, usable_cores())
+        if problems:
+            raise ConfigError(problems)
         env["DS_ACCELERATOR"] = "cpu"
     elif hostfile is None:
         import torch
@@ -156,23 +178,26 @@ def relaunch(argv: list[str], gpus: int, hostfile: str | None = None, *, module:
         if problems:
             raise ConfigError(problems)
     command = launch_command(argv, gpus, hostfile, module=module)
-    process = subprocess.Popen(command, env=env)
+    # The launcher ends with this process, even one killed with -9: SIGTERM, which it passes on to the ranks (which
+    # save a checkpoint and end, lstune.parallel.lifetime).
+    process = subprocess.Popen(command, env=env, preexec_fn=preexec(signal.SIGTERM))
     with _passing_signals_to(process):
         return process.wait()
 
 
 @contextmanager
 def _passing_signals_to(process: subprocess.Popen) -> Iterator[None]:
-    """While `process` (the launcher) runs: SIGTERM is passed to it (it passes it to the ranks, which save a
+    """While `process` (the launcher) runs: SIGTERM and SIGHUP are passed to it (it passes them to the ranks, which save a
     checkpoint), and SIGINT is ignored here — a Ctrl-C reaches every process of the terminal's group, the ranks
     included, and this process must wait for them to save rather than end (or kill the launcher) at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = {
-        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum)),
-        signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        sig: signal.signal(sig, lambda signum, frame: process.send_signal(signum))
+        for sig in (signal.SIGTERM, signal.SIGHUP)
     }
+    previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         yield
     finally:

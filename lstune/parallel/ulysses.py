@@ -12,6 +12,8 @@ and the loss run on the shard unchanged. At attention the wrapper
    those heads,
 4. all-to-alls the output back to sequence shards with all heads.
 
+Learned attention sinks (gpt-oss's `s_aux`, one logit per q head) go to the kernel sliced to the rank's q heads.
+
 Memory: activations outside attention are O(S/sp) per rank; inside attention q/k/v/out are
 O(S·H/sp) — the whole sequence, for 1/sp of the heads. Cost: four all-to-alls per layer of about
 B·S·(H + 2·H_kv')·D/sp elements each way (H_kv' counts kv heads after replication), which cannot overlap
@@ -142,48 +144,46 @@ def _all_to_all(x: "torch.Tensor", out_splits: list[int], in_splits: list[int], 
         return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
 
 
-class UlyssesAttention:
-    """The attention-interface function that runs any kernel under Ulysses SP. Created by `apply_ulysses`."""
+class SequenceExchange:
+    """The all-to-alls between sequence shards and head shards over one SP group, and the gathered position_ids:
+    what Ulysses attention and the head-parallel token mixers (lstune.models.mixers) share."""
 
-    def __init__(self, core: Callable, core_name: str, dims: "ParallelDims"):
-        self.core = core
-        self.core_name = core_name
+    def __init__(self, dims: "ParallelDims"):
         self.sp = dims.sp
         self.sp_rank = dims.sp_rank
         self.group = dims.sp_group
         self._positions_in: Any = None
         self._positions_out: Any = None
-        self._documents_checked: Any = None
 
-    def plan(self, q_heads: int, kv_heads: int) -> HeadPlan:
-        return _plan(q_heads, kv_heads, self.sp)
+    def unit_counts(self, units: int) -> tuple[int, ...]:
+        """How many of `units` heads (or channel groups) each rank holds: Ulysses' balanced, possibly uneven plan."""
+        if units < self.sp:
+            raise ModelError(f"SP degree {self.sp} is larger than the {units} heads of a linear-attention / "
+                             "state-space layer, which sequence parallelism splits like attention heads; use "
+                             f"--sp {units} or less.")
+        return _plan(units, units, self.sp).q_counts
 
-    def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None). v may have its own head
-        dim (multi-head latent attention); each tensor is exchanged with its own."""
-        if kwargs.get("s_aux") is not None:
-            raise ModelError("attention sinks (s_aux) are not supported with sequence parallelism; use --sp 1")
-        from lstune.models.attention import window_from_mask
+    def seq_to_units(self, x_BsUw, counts):
+        """`[B, S/sp, U, w]` (all units, my shard) → `[B, S, u, w]` (my units, whole sequence)."""
+        return self.seq_to_heads(x_BsUw.transpose(1, 2), counts, counts[self.sp_rank]).transpose(1, 2)
 
-        plan = self.plan(query.shape[1], key.shape[1])
-        # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
-        window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
-                                  query.shape[2], query.device)
-        kwargs["sliding_window"] = window
-        positions = self.full_positions(kwargs.get("position_ids"))
-        self._check_kernel_fits(positions, window)
-        q_BhSD = self.seq_to_heads(query, plan.q_counts, plan.q_counts[self.sp_rank])
-        kv_index = plan.kv_send_index
-        k_BhSD = self.seq_to_heads(key, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
-        v_BhSD = self.seq_to_heads(value, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
-        expand = plan.local_kv_index(self.sp_rank)
-        if expand is not None:
-            index = _index_tensor(expand, k_BhSD.device)
-            k_BhSD, v_BhSD = k_BhSD.index_select(1, index), v_BhSD.index_select(1, index)
-        view = _LocalHeads(module, q_BhSD.shape[1] // k_BhSD.shape[1])
-        kwargs["position_ids"] = positions
-        out_BShD, _ = self.core(view, q_BhSD, k_BhSD, v_BhSD, None, **kwargs)
-        return self.heads_to_seq(out_BShD, plan.q_counts), None
+    def units_to_seq(self, y_BSuw, counts):
+        """`[B, S, u, w]` (my units, whole sequence) → `[B, S/sp, U, w]` (all units, my shard)."""
+        return self.heads_to_seq(y_BSuw.contiguous(), counts)
+
+    def sum_over_group(self, x):
+        """The sum of `x` over the SP group's ranks, differentiable (its backward sums the gradients the same way)."""
+        from torch.distributed.nn.functional import all_reduce
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return all_reduce(x, group=self.group)
+
+    def all_agree(self, ok: bool) -> bool:
+        """True when `ok` holds on every rank of the SP group."""
+        from lstune.parallel.comm import Communicator
+
+        return not Communicator.of(self.group).any(not ok)
 
     def seq_to_heads(self, x_BHsD, counts, my_count, send_index=None):
         """`[B, H, S/sp, D]` (all heads, my shard) → `[B, h, S, D]` (my heads, whole sequence)."""
@@ -236,6 +236,51 @@ class UlyssesAttention:
         full = torch.cat(gathered, dim=1)
         self._positions_in, self._positions_out = position_ids_Bs, full
         return full
+
+
+class UlyssesAttention(SequenceExchange):
+    """The attention-interface function that runs any kernel under Ulysses SP. Created by `apply_ulysses`."""
+
+    def __init__(self, core: Callable, core_name: str, dims: "ParallelDims"):
+        super().__init__(dims)
+        self.core = core
+        self.core_name = core_name
+        self._documents_checked: Any = None
+
+    def plan(self, q_heads: int, kv_heads: int) -> HeadPlan:
+        return _plan(q_heads, kv_heads, self.sp)
+
+    def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        """HF attention signature: q/k/v `[B, H, S/sp, D]` → (`[B, S/sp, H, D]`, None). v may have its own head
+        dim (multi-head latent attention); each tensor is exchanged with its own."""
+        from lstune.models.attention import window_from_mask
+        from lstune.models.attention_sinks import head_sinks
+
+        plan = self.plan(query.shape[1], key.shape[1])
+        if kwargs.get("s_aux") is not None:  # learned sinks (gpt-oss): one per q head, the rank's slice
+            kwargs["s_aux"] = head_sinks(kwargs["s_aux"], plan.q_starts[self.sp_rank], plan.q_counts[self.sp_rank])
+        # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
+        window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
+                                  query.shape[2], query.device)
+        kwargs["sliding_window"] = window
+        positions = self.full_positions(kwargs.get("position_ids"))
+        if getattr(attention_mask, "chunk", None):  # chunked attention (Llama-4): each chunk a document
+            from lstune.models.attention import chunk_positions
+
+            positions = chunk_positions(positions, attention_mask.chunk)
+        self._check_kernel_fits(positions, window)
+        q_BhSD = self.seq_to_heads(query, plan.q_counts, plan.q_counts[self.sp_rank])
+        kv_index = plan.kv_send_index
+        k_BhSD = self.seq_to_heads(key, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
+        v_BhSD = self.seq_to_heads(value, plan.kv_counts, plan.kv_counts[self.sp_rank], kv_index)
+        expand = plan.local_kv_index(self.sp_rank)
+        if expand is not None:
+            index = _index_tensor(expand, k_BhSD.device)
+            k_BhSD, v_BhSD = k_BhSD.index_select(1, index), v_BhSD.index_select(1, index)
+        view = _LocalHeads(module, q_BhSD.shape[1] // k_BhSD.shape[1])
+        kwargs["position_ids"] = positions
+        out_BShD, _ = self.core(view, q_BhSD, k_BhSD, v_BhSD, None, **kwargs)
+        return self.heads_to_seq(out_BShD, plan.q_counts), None
 
     def _check_kernel_fits(self, positions_BS, sliding_window) -> None:
         """A position-blind kernel (HF SDPA with no mask) is only right for one document per row, no window."""
@@ -306,11 +351,17 @@ class UlyssesHandle:
 
 def _default_core(model: Any) -> tuple[Callable, str]:
     from lstune.models import hf_internals
-    from lstune.models.attention import lstune_attention_forward
+    from lstune.models.attention import lstune_attention_forward, sinks_module
 
     current = hf_internals.attention_implementation(model.config)
     current_fn = hf_internals.attention_function(current)
     if current in _REPLACED_BY_DEFAULT or current_fn is None:
+        if (where := sinks_module(model)) is not None:
+            raise ModelError(
+                f"{where} has learned attention sinks, which lstune's attention runs through its block kernel: "
+                "install lstune's attention with use_lstune_attention(model, block_kernel=lstune.memory."
+                "block_attention.block_attention) before apply_ulysses (lstune train does)."
+            )
         return lstune_attention_forward, "lstune"
     return current_fn, current
 

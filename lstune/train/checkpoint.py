@@ -77,6 +77,7 @@ from typing import Any
 from lstune.train.atomic import apply_umask, fsync_dir
 from lstune.errors import CheckpointError
 from lstune.parallel.comm import Communicator
+from lstune.untrusted import describe, parser_errors, path_kind, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -191,14 +192,37 @@ def load_checkpoint(
     manifest = _validate(path, verify_hashes, comm)
     if verify_hashes:
         _log_hashing("verified", path, [entry["path"] for entry in manifest["files"]], started)
-    train_state = json.loads((path / TRAINER_STATE_NAME).read_text())
+    train_state = read_train_state(path)
     rng_state = _read_rng_state(path, manifest, comm) if restore_rng else None
-    read_state(path)
-    if rng_state is not None:
-        from lstune.train.rng import restore_rng_state
+    from lstune.train.rng import restore_rng_state
 
-        restore_rng_state(rng_state)
+    try:
+        read_state(path)
+        if rng_state is not None:
+            restore_rng_state(rng_state)
+    except parser_errors() as exc:  # the engine's files, read by torch, safetensors or DeepSpeed: not ours to trust
+        raise CheckpointError(f"Checkpoint {path} cannot be loaded: {describe(exc)}.") from exc
     return train_state
+
+
+# The train state's fields and their types: a crafted or edited trainer_state.json is refused, not a traceback.
+_TRAIN_STATE_FIELDS = {"step": int, "consumed_samples": int, "tokens_seen": int, "config": dict}
+
+
+def read_train_state(path: Path) -> dict:
+    """`trainer_state.json` of the checkpoint at `path`, its fields' types checked (CheckpointError naming the
+    file and field otherwise). Read as any file lstune did not write: its manifest hash proves only that it is
+    the file saved with it, and a copied or crafted checkpoint carries a recomputed manifest."""
+    from lstune.untrusted import read_json, require
+
+    file = path / TRAINER_STATE_NAME
+    state = read_json(file, error=CheckpointError)
+    for key, kind in _TRAIN_STATE_FIELDS.items():
+        if key in state or key == "step":
+            require(state.get(key), kind, f"{file}: {key}", CheckpointError)
+            if kind is int and state[key] < 0:
+                raise CheckpointError(f"{file}: {key} is {state[key]}, not a count (corrupt or edited).")
+    return state
 
 
 def resolve_resume(output_dir: Path, resume: str | Path | bool | None) -> Path | None:
@@ -222,6 +246,11 @@ def resolve_resume(output_dir: Path, resume: str | Path | bool | None) -> Path |
             raise CheckpointError(_nothing_to_resume(output_dir))
         return latest
     path = Path(resume).expanduser()
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(
+            f"Cannot resume from {path}: it is {path_kind(path)}, not a folder. Pass a checkpoint folder "
+            f"(OUTPUT_DIR/checkpoint-STEP) or an output folder that holds checkpoints."
+        )
     if not path.exists():
         raise CheckpointError(
             f"Cannot resume from {path}: it does not exist. Pass a checkpoint folder "
@@ -510,7 +539,7 @@ def _validate(path: Path, verify_hashes: bool, comm: Communicator) -> dict:
 def _check(path: Path, verify_hashes: bool, comm: Communicator) -> dict:
     """The manifest of a usable checkpoint; raises `_Invalid` listing every problem found."""
     manifest = _read_manifest(path)
-    problems = _size_problems(path, manifest)
+    problems = _unlisted_problems(path, manifest) + _size_problems(path, manifest)
     if not problems and verify_hashes:  # hashing reads every byte: only worth it when sizes match
         problems = _hash_problems(path, manifest, comm)
     if problems:
@@ -537,8 +566,8 @@ def _read_manifest(path: Path) -> dict:
              f"or it was not written by lstune"]
         )
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        manifest = read_json(manifest_path, error=CheckpointError, expect=object)
+    except CheckpointError as exc:
         raise _Invalid([f"its {MANIFEST_NAME} is unreadable (corrupt): {exc}"]) from None
     _check_manifest_shape(manifest)
     return manifest
@@ -556,6 +585,9 @@ def _check_manifest_shape(manifest: Any) -> None:
     files = manifest.get("files")
     if not isinstance(files, list) or not all(_is_file_entry(entry) for entry in files):
         raise _Invalid([f"its {MANIFEST_NAME} has a malformed file list (corrupt)"])
+    if not any(entry["path"] == TRAINER_STATE_NAME for entry in files):
+        raise _Invalid([f"its {MANIFEST_NAME} does not list {TRAINER_STATE_NAME}, which every lstune checkpoint "
+                        "holds (corrupt or crafted)"])
 
 
 def _is_file_entry(entry: Any) -> bool:
@@ -564,6 +596,24 @@ def _is_file_entry(entry: Any) -> bool:
     relative = Path(entry["path"])
     inside = not relative.is_absolute() and ".." not in relative.parts
     return inside and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+
+
+def _unlisted_problems(path: Path, manifest: dict) -> list[str]:
+    """Files (and links) in the checkpoint that its manifest does not list: a loader may read any file of the
+    folder (DeepSpeed globs its shards), so each must be one the manifest verifies. A link is refused wherever
+    it points: what it reaches is outside the manifest's hashes."""
+    listed = {entry["path"] for entry in manifest["files"]} | {MANIFEST_NAME}
+    problems = []
+    for folder, dirs, names in os.walk(path):
+        for name in sorted(dirs + names):
+            entry = Path(folder) / name
+            relative = entry.relative_to(path).as_posix()
+            if entry.is_symlink():
+                problems.append(f"{relative} is a symbolic link; a checkpoint holds only files its manifest lists")
+            elif name in names and relative not in listed:
+                problems.append(f"{relative} is not listed in its {MANIFEST_NAME} (added after the save, or crafted)")
+        dirs[:] = [d for d in dirs if not (Path(folder) / d).is_symlink()]
+    return problems
 
 
 def _size_problems(path: Path, manifest: dict) -> list[str]:
@@ -669,7 +719,7 @@ def _is_ours(path: Path) -> bool:
 
 
 def _read_rng_state(path: Path, manifest: dict, comm: Communicator) -> dict | None:
-    import torch
+    from lstune.untrusted import torch_load
 
     saved_world = manifest.get("world_size", 1)
     if saved_world != comm.size:
@@ -681,8 +731,7 @@ def _read_rng_state(path: Path, manifest: dict, comm: Communicator) -> dict | No
             comm.size,
         )
         return None
-    with open(path / rng_state_name(comm.rank, comm.size), "rb") as f:
-        return torch.load(f, weights_only=True)
+    return torch_load(path / rng_state_name(comm.rank, comm.size), error=CheckpointError)
 
 
 # ----------------------------------------------------------------------------------------------------

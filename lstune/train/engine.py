@@ -91,15 +91,15 @@ class TorchEngine:
     def load(self, ckpt_dir: Path) -> None:
         """Weights, optimizer and schedule position; then this run's optimiser settings take effect
         (a changed --lr, betas, schedule on resume is applied, not silently replaced by the saved ones)."""
-        import torch
+        from lstune.untrusted import describe, torch_load
 
         try:
             load_model_weights(self.model, ckpt_dir / MODEL_DIR)
-            self.optimizer.load_state_dict(torch.load(ckpt_dir / OPTIMIZER_FILE, weights_only=True))
-            self.scheduler.load_state_dict(torch.load(ckpt_dir / SCHEDULER_FILE, weights_only=True))
-        except (RuntimeError, ValueError, KeyError, OSError) as exc:
+            self.optimizer.load_state_dict(torch_load(ckpt_dir / OPTIMIZER_FILE, error=CheckpointError))
+            self.scheduler.load_state_dict(torch_load(ckpt_dir / SCHEDULER_FILE, error=CheckpointError))
+        except (RuntimeError, ValueError, KeyError, TypeError, IndexError, OSError) as exc:
             raise CheckpointError(
-                f"checkpoint {ckpt_dir} does not fit this model and optimizer ({str(exc)[:300]}). Resume with the "
+                f"checkpoint {ckpt_dir} does not fit this model and optimizer ({describe(exc)[:300]}). Resume with the "
                 "--model, LoRA settings and engine it was trained with (a DeepSpeed checkpoint needs the same "
                 "--gpus and --zero-stage)."
             ) from exc
@@ -119,6 +119,10 @@ def load_model_weights(model, model_dir: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
+    from lstune.untrusted import check_safetensors
+
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        check_safetensors(shard, error=CheckpointError)
     if is_peft_model(model):
         from peft import set_peft_model_state_dict
 

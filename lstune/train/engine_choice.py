@@ -62,8 +62,10 @@ def prediction_note(prediction) -> str:
 def _peaks(prediction) -> str:
     from lstune.estimate.memory import size_text
 
+    m = prediction.margin
     return (f"predicted peak {size_text(prediction.device_peak_bytes)} of {size_text(prediction.device_capacity)} "
-            f"per device, host {size_text(prediction.host_peak_bytes)} of {size_text(prediction.host_capacity)}")
+            f"per device, host {size_text(prediction.host_peak_bytes)} of {size_text(prediction.host_capacity)} "
+            f"(a fit keeps {m.device_share:.0%} of the device and {m.host_share:.0%} of the host free)")
 
 
 def check_fits(config: TrainConfig, prediction, runtime) -> None:

@@ -141,7 +141,7 @@ class OutputFolder:
         try:
             names = (*FIXED_NAMES, *writes)
             _refuse_links(self.path, names)
-            recorded = read_record(self.path)
+            recorded = _own_names(self.path, read_record(self.path))
             if overwrite:
                 self.previous = recorded | manifest_checkpoints(self.path)
             else:
@@ -161,6 +161,8 @@ class OutputFolder:
         """Record `name` as lstune's before it is created (so a crash between the two leaves it recorded). A name
         that exists and is not lstune's (not recorded, not a checkpoint with lstune's manifest) is the user's: it is
         refused, never recorded, so that no later --overwrite removes it."""
+        if not _is_lstune_name(name):
+            raise ValueError(f"{name!r} is not a name lstune writes in an output folder")  # a bug, not the user's
         if name not in self.entries:
             if name not in self.previous and os.path.lexists(self.path / name) and not _has_manifest(self.path / name):
                 raise UserError(_foreign_message(self.path, [name]))
@@ -202,6 +204,17 @@ class OutputFolder:
         if logger.getEffectiveLevel() > logging.INFO:
             logger.setLevel(logging.INFO)
         self._log_handler = handler
+
+
+def _own_names(output_dir: Path, recorded: set[str]) -> set[str]:
+    """The names of a run record that lstune writes: the record is a file in the user's folder, and one crafted
+    or copied there may list the user's own files, which --overwrite would then remove. The others are ignored
+    (and so stay the user's)."""
+    own = {name for name in recorded if _is_lstune_name(name)}
+    if recorded - own:
+        log.warning("%s lists %s, which lstune never writes; treating them as the user's", output_dir / RECORD_NAME,
+                    ", ".join(sorted(recorded - own)))
+    return own
 
 
 def _make_writable(output_dir: Path) -> None:

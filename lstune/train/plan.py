@@ -218,7 +218,7 @@ def _positions(config: TrainConfig, spec, sp: int) -> list[str]:
     model = config.model
     scaling = apply_rope_scaling(
         spec.config, model.rope_scaling, model.rope_factor, seq_len=config.data.seq_len,
-        original=model.original_max_position_embeddings, sp=sp, model_name=model.name,
+        original=model.original_max_position_embeddings, sp=sp, model_name=model.name, pack=config.data.pack,
     )
     if scaling is not None:
         return [scaling.note()]
@@ -227,7 +227,7 @@ def _positions(config: TrainConfig, spec, sp: int) -> list[str]:
 
 
 def _attention(config: TrainConfig, spec, device: str | None) -> None:
-    from lstune.models.attention import check_attention_support
+    from lstune.models.attention_backends import check_attention_support
 
     check_attention_support(spec.config, pack=config.data.pack, seq_len=config.data.seq_len,
                             backend=config.model.attn, device=device)

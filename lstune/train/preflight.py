@@ -58,15 +58,10 @@ _RESUME_FIXED = {
 def check_resume_compatible(config: TrainConfig, checkpoint: Path, world_size: int) -> None:
     """Refuse, from the checkpoint's own records and before any weights load, a resume that cannot load:
     another model, LoRA added to or removed from a run, a DeepSpeed checkpoint under another world size."""
-    import json
+    from lstune.train.checkpoint import read_train_state, validate_checkpoint
 
-    from lstune.train.checkpoint import MANIFEST_NAME, TRAINER_STATE_NAME
-
-    try:
-        saved = json.loads((checkpoint / TRAINER_STATE_NAME).read_text(encoding="utf-8")).get("config") or {}
-        manifest = json.loads((checkpoint / MANIFEST_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError, AttributeError):
-        return  # load_checkpoint reports an unreadable checkpoint with its own message
+    manifest = validate_checkpoint(checkpoint, verify_hashes=False)  # the hashes are checked as it loads
+    saved = read_train_state(checkpoint).get("config") or {}
     current = config.to_dict()
     problems = [
         f"--{key.replace('_', '-')} is {current.get(key)!r} but {checkpoint} was trained with {saved[key]!r} "
@@ -79,8 +74,25 @@ def check_resume_compatible(config: TrainConfig, checkpoint: Path, world_size: i
             f"{checkpoint} is a DeepSpeed checkpoint written by {manifest['world_size']} processes and this run has "
             f"{world_size}; resume with --gpus {manifest['world_size']} (DeepSpeed's shards are per process)."
         )
+    problems += _zero_stage_problems(config, checkpoint)
     if problems:
         raise ConfigError(problems)
+
+
+def _zero_stage_problems(config: TrainConfig, checkpoint: Path) -> list[str]:
+    """A DeepSpeed checkpoint resumed under another explicit --zero-stage (auto is checked once the engine's
+    stage is chosen, `DeepSpeedEngine.load`)."""
+    from lstune.errors import CheckpointError
+    from lstune.parallel.engine_ds import DS_TAG, refuse_other_zero_stage
+
+    stage = config.parallel.zero_stage
+    if stage == "auto" or not (checkpoint / DS_TAG).is_dir():
+        return []
+    try:
+        refuse_other_zero_stage(checkpoint, int(stage))
+    except CheckpointError as exc:
+        return [str(exc)]
+    return []
 
 
 def _same_setting(key: str, saved, current) -> bool:

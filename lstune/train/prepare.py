@@ -3,9 +3,11 @@
 Order (each step sees the result of the previous one):
 1. move to the device (on CUDA with LoRA, frozen base weights in bf16; adapters stay fp32);
 2. LoRA adapters (peft) — before anything wraps modules, so peft finds the plain linear layers;
-   token mixers that are not attention (convolutions) refuse --pack and SP here (lstune.models.mixers);
 3. attention backend: lstune's attention function (no 4D mask, packed documents from position_ids);
-4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1;
+4. sequence parallelism: Ulysses all-to-alls around that attention when SP > 1, and LongRoPE's factors chosen
+   from the whole sample, not each shard (lstune.parallel.rope_sp); token mixers that are not
+   attention (short convolutions, linear attention, state-space scans) run per packed document and head-parallel
+   under SP (lstune.models.mixers, installed by lstune.train.mixers), or are refused naming the fix;
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
    sized for the per-rank sequence length.
 The engine (optimizer, ZeRO) is built last, over the parameters that remain trainable.
@@ -39,6 +41,8 @@ class PreparedModel:
     attention: Any  # lstune.models.attention.AttentionHandle
     ulysses: Any  # lstune.parallel.ulysses.UlyssesHandle, None without sequence parallelism
     memory: Any  # lstune.memory.apply.MemoryPlan
+    mixers: Any = None  # lstune.train.mixers.MixersHandle, None when no mixer needed lstune's per-document run
+    rope: Any = None  # lstune.parallel.rope_sp.RopeHandle under SP (LongRoPE's factors of the whole sample)
 
     def loss_sum(self, batch: dict, model: Any = None):
         """(summed token loss, label count) of `batch` with the planned loss head; `model` may be the engine's
@@ -56,6 +60,10 @@ class PreparedModel:
     def undo(self) -> None:
         """Remove the techniques in reverse order of application; the adapted model (device, LoRA) remains."""
         self.memory.undo()
+        if self.mixers is not None:
+            self.mixers.undo()
+        if self.rope is not None:
+            self.rope.undo()
         if self.ulysses is not None:
             self.ulysses.undo()
         self.attention.undo()
@@ -92,26 +100,53 @@ def add_lora(model, spec: ModelSection):
 def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     """Steps 3-5 on an adapted model, reversibly (`PreparedModel.undo`)."""
     from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.block_attention import block_attention
     from lstune.models.attention import use_lstune_attention
     from lstune.models.introspect import find_parts
 
-    from lstune.models.mixers import check_token_mixers
-
     parts = find_parts(model)
-    check_token_mixers(parts.layers, pack=config.data.pack, sp=runtime.sp)
-    attention = use_lstune_attention(model, backend=config.model.attn)
-    ulysses = None
+    # The block kernel (memory) runs what the backends cannot: attention sinks, softcapping on sdpa.
+    attention = use_lstune_attention(model, backend=config.model.attn, block_kernel=block_attention)
+    ulysses = mixers = rope = None
     try:
         if runtime.sp > 1:
+            from lstune.parallel.rope_sp import whole_sample_longrope
             from lstune.parallel.ulysses import apply_ulysses
 
             ulysses = apply_ulysses(model, runtime.dims)
+            rope = whole_sample_longrope(model, runtime.dims.sp_group)
+        mixers = _install_mixers(parts, config, runtime)
         seq_len = math.ceil(config.data.seq_len / runtime.sp)
         memory = apply_memory_techniques(model, config.memory, seq_len=seq_len, parts=parts)
+        if mixers is not None:
+            _check_mixer_layout(mixers, memory, runtime.sp)
     except BaseException:
-        if ulysses is not None:
-            ulysses.undo()
-        attention.undo()
+        for handle in (mixers, rope, ulysses, attention):
+            if handle is not None:
+                handle.undo()
         raise
     model.train()
-    return PreparedModel(model, parts, attention, ulysses, memory)
+    return PreparedModel(model, parts, attention, ulysses, memory, mixers, rope)
+
+
+def _install_mixers(parts, config: TrainConfig, runtime):
+    """Step 4's token mixers: per packed document, and head-parallel over the SP group (lstune.train.mixers)."""
+    from lstune.train.mixers import install_mixers
+
+    exchange = None
+    if runtime.sp > 1:
+        from lstune.parallel.ulysses import SequenceExchange
+
+        exchange = SequenceExchange(runtime.dims)
+    return install_mixers(parts.body, parts.layers, pack=config.data.pack, exchange=exchange)
+
+
+def _check_mixer_layout(mixers, memory, sp: int) -> None:
+    """The head-parallel mixers read contiguous shards; chunked attention under SP lays them out in FPDT's pieces."""
+    from lstune.errors import ModelError
+
+    if sp > 1 and memory.attn_chunking.setting != "off":
+        memory.undo()
+        raise ModelError(f"chunked attention (--attn-chunks) under sequence parallelism lays each rank's tokens out "
+                         f"in FPDT's pieces, which lstune's head-parallel token mixers ({', '.join(mixers.names[:3])}) "
+                         "do not take; use --attn-chunks off, or --sp 1.")

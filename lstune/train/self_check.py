@@ -129,7 +129,8 @@ def _long_windows(config: Any) -> bool:
     keeping tiny-gemma2's 1M-token window asked for 1.1 TB. A built model's window cannot be cut afterwards (layers
     copy it from the config at init, e.g. Gemma-2's `self.sliding_window`), so such a model is probed on a truncated
     copy built from a config with its windows cut, like a big one."""
-    return any(window > _PROBE_WINDOW for window in named_windows(config).values())
+    return any(length > (_PROBE_ROPE if key == _ROPE_THRESHOLD else _PROBE_WINDOW)
+               for key, length in probe_lengths(config).items())
 
 
 def _fp32_compute(model: Any) -> None:
@@ -177,6 +178,11 @@ def truncated_config(config: Any) -> Any:
         setattr(small, key, values[: small.num_hidden_layers])
     for key, window in named_windows(small).items():  # a short window is as good a test, on a short probe
         setattr(small, key, min(window, _PROBE_WINDOW))
+    if _ROPE_THRESHOLD in probe_lengths(small):  # so is a short original context for length-dependent RoPE
+        original = min(probe_lengths(small)[_ROPE_THRESHOLD], _PROBE_ROPE)
+        small.rope_parameters = {**small.rope_parameters, "original_max_position_embeddings": original}
+        if isinstance(getattr(small, "original_max_position_embeddings", None), int):  # Phi-3 keeps it here too
+            small.original_max_position_embeddings = original
     if getattr(small, "vocab_size", 0) > _PROBE_VOCAB:
         small.vocab_size = _PROBE_VOCAB
         if (getattr(small, "pad_token_id", None) or 0) >= _PROBE_VOCAB:
@@ -215,11 +221,32 @@ def named_windows(config: Any) -> dict[str, int]:
     }
 
 
+_ROPE_THRESHOLD = "rope: original_max_position_embeddings"
+# The original context a probe model keeps for length-dependent RoPE: the 64-token probe crosses it, while each
+# rank's shard under SP (32 tokens at SP 2) stays within it, so a rank choosing from its shard differs and is caught.
+_PROBE_ROPE = 48
+
+
+def probe_lengths(config: Any) -> dict[str, int]:
+    """The lengths past which the model behaves otherwise, which the probe must cross: its named windows, and the
+    original context of RoPE that picks its frequencies from the length (LongRoPE's short and long factors,
+    dynamic NTK; lstune.models.rope.length_dependent_rope). A 64-token probe never crossed Phi-3's 4K: a run whose
+    ranks chose other factors than the whole sample passed the check."""
+    from lstune.models.rope import length_dependent_rope
+
+    lengths = dict(named_windows(config))
+    found = length_dependent_rope(config)
+    if found is not None:
+        lengths[_ROPE_THRESHOLD] = found[1]
+    return lengths
+
+
 def probe_batch(config: Any, *, pack: bool, sp: int, vocab: int) -> dict[str, Any]:
-    """One row crossing every named window; two documents (an odd split) when packing. Length a multiple of 2·sp."""
+    """One row crossing every length past which the model changes (`probe_lengths`); two documents (an odd split)
+    when packing. Length a multiple of 2·sp."""
     import torch
 
-    windows = named_windows(config)
+    windows = probe_lengths(config)
     length = max([_MIN_PROBE, *(w + 16 for w in windows.values())])
     length += -length % (2 * sp)
     gen = torch.Generator().manual_seed(0)
@@ -494,10 +521,16 @@ def _diagnose(probe: Any, config: Any, runtime: Any, batch: dict, result: SelfCh
             "separate by position_ids (a linear-attention or recurrent state, or positions counted from the row's "
             "start rather than read from position_ids); train without --pack"
         )
+    elif culprit is None and runtime.sp > 1:
+        fix = (
+            f"it differs with every memory technique off under sequence parallelism (--sp {runtime.sp}): this model "
+            "mixes positions outside what lstune shards (a linear-attention or recurrent state lstune does not run "
+            "head-parallel); train with --sp 1 (the other processes then split the data), where this check runs again"
+        )
     elif culprit is None:
         fix = (
-            "it differs with every memory technique off, so lstune's attention / sequence parallelism gets this "
-            "model wrong; this model cannot be trained exactly by lstune (please report it)"
+            "it differs with every memory technique off, so lstune's attention gets this model wrong; this model "
+            "cannot be trained exactly by lstune (please report it)"
         )
     elif culprit == "all":
         flags = ", ".join(flag for _, flag in _TECHNIQUES.values())
@@ -534,6 +567,12 @@ def _find_culprit(probe: Any, config: Any, runtime: Any, batch: dict) -> str | N
     """The first technique whose removal alone makes the check pass; "all" when only all off passes; None when even
     all off fails."""
     def with_memory(**changes):
+        # A technique turned off takes the settings that only it reads along, or the variant is no valid config
+        # (--host-mem-budget without offload) and the run stops on that instead of the real mismatch.
+        if changes.get("offload_checkpoints") is False:
+            changes.setdefault("host_mem_budget", None)
+        if changes.get("checkpointing") is False:
+            changes.setdefault("checkpoint_device_budget", None)
         return dataclasses.replace(config, memory=dataclasses.replace(config.memory, **changes))
 
     if not _compare(probe, with_memory(**{k: off for k, (off, _) in _TECHNIQUES.items()}), runtime, batch).ok:

@@ -1,4 +1,7 @@
-"""Stop cleanly on SIGINT/SIGTERM: finish the current step, save a checkpoint, exit.
+"""Stop cleanly on SIGINT/SIGTERM/SIGHUP: finish the current step, save a checkpoint, exit.
+
+SIGHUP (the terminal or the ssh session that started the run closed) is a stop like SIGTERM: by default it would
+end the process at once, without the checkpoint.
 
 Outside the steps (loading before them; the plot, the summary and the process group's end after them) the
 CLI's own SIGTERM handler stops the process; `newest_checkpoint` tells it what the run had saved by then.
@@ -17,6 +20,9 @@ from typing import Any, Iterator
 # happens to be): the newest checkpoint this process's run saved, the SIGTERM that came (kept as well as raised,
 # see `on_sigterm`), and whether it is being held (`holding` > 0: kept only).
 _state: dict[str, Any] = {"checkpoint": None, "signal": None, "holding": 0}
+
+# The signals that stop a run outside the steps (the CLI's handler, `on_sigterm`), as SIGINT does within them.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class Terminated(BaseException):
@@ -76,7 +82,7 @@ class StopOnSignal:
     A SIGINT within `REPEAT_S` of the first is the same Ctrl-C: under torchrun the terminal's reaches every
     process and torchrun passes its own on a moment later, which must not cut the checkpoint save short."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = (signal.SIGINT, *STOP_SIGNALS)
     REPEAT_S = 1.0
 
     def __init__(self):

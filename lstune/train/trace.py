@@ -441,9 +441,13 @@ def bench_rows(path: str) -> list[dict]:
         rung = BENCH_RUNGS[r["rung"]]
         # The rungs ran ALST's MLP tiles (`auto` then): pinned, since `auto` is now the estimate's choice.
         alst = {"tiled_mlp": -(-r["seq"] // model_config.hidden_size)} if "tiled_mlp" not in rung else {}
-        # ... and re-ran attention in backward (before --recompute-attention, issue 33): pinned too.
+        # Nor did they chunk attention (2026-11-23 had none), offload or run mini-sequence unless the rung says so:
+        # `auto` would now at their longest lengths, where the margin a fit keeps asks for it. And they re-ran
+        # attention in backward (before --recompute-attention, issue 33): pinned too.
+        ran = {"attn_chunks": "off", "offload_checkpoints": False, "mini_sequence": False, "recompute_attention": "on",
+               **rung}
         config = TrainConfig.from_flat({"model": r["preset"], "seq_len": r["seq"], "lora_r": r["lora_r"],
-                                        "zero_stage": "0", "recompute_attention": "on", **rung, **alst})
+                                        "zero_stage": "0", **ran, **alst})
         e = estimate(config, hardware, model_config=model_config, suggest=False)
         predicted = e.device_peak_bytes - CUDA_CONTEXT_BYTES + (ballast.get(r["rung"], 0) if r["layers"] < 32 else 0)
         rows.append({"rung": r["rung"], "seq": r["seq"], "layers": r["layers"], "run": 2 if ("fit" in r or "search" in r) else 1,

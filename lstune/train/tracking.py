@@ -56,6 +56,9 @@ class Trackers:
         try:
             for name in names:
                 getattr(self, f"_start_{name}")(Path(output_dir), config)
+        except UserError:
+            self.close()
+            raise
         except Exception as exc:
             self.close()
             # A tracker's own refusal (an unreachable server, a bad URI or key) is the user's to fix: its message, no traceback.
@@ -114,6 +117,7 @@ class Trackers:
             # in mlflow-skinny); a folder in OUTPUT_DIR needs no server and `mlflow ui --backend-store-uri` reads it.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = (output_dir / "mlruns").resolve().as_uri()
+        check_server_reachable(uri)
         client = MlflowClient(tracking_uri=uri)
         run_id = client.create_run(_mlflow_experiment(client), run_name=output_dir.name).info.run_id
         # MLflow params are strings of bounded length, at most 100 per call.
@@ -127,6 +131,29 @@ class Trackers:
 
         self._loggers.append(log)
         self._closers.append(lambda: client.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED)))
+
+
+# How long the first contact with a tracking server may take before the run is refused.
+CONNECT_TIMEOUT_S = 10.0
+
+
+def check_server_reachable(uri: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """UserError at once when an http(s) tracking server cannot be connected to. MLflow's client retries a refused
+    or timed-out connection 7 times with a growing backoff (~5 minutes) before its message; one plain connection
+    tells the same in at most `timeout_s`. A server that answers is left to the client (its errors are its own)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = "no answer within " + f"{timeout_s:g} s" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise UserError(f"--report-to mlflow: the tracking server {uri} cannot be reached ({reason}); start it, fix "
+                        "MLFLOW_TRACKING_URI, or leave it unset to log to OUTPUT_DIR/mlruns.") from None
 
 
 def _mlflow_experiment(client) -> str:

@@ -16,19 +16,23 @@ TOL = 2e-5
 def _matrix_worker(rank: int, world: int, model_types: list[str]) -> dict:
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.block_attention import block_attention
     from lstune.memory.loss import causal_lm_loss_sum
-    from lstune.models.introspect import decoder_layers
-    from lstune.models.mixers import check_token_mixers
+    from lstune.models.attention import use_lstune_attention
+    from lstune.models.introspect import find_parts
     from lstune.parallel.dims import ParallelDims
     from lstune.parallel.sp_data import shard_batch
-    from lstune.parallel.ulysses import apply_ulysses
+    from lstune.parallel.ulysses import SequenceExchange, apply_ulysses
+    from lstune.train.mixers import install_mixers
     from tests.distributed._helpers import compare_sp_with_hf, reference_samples
 
     dims = ParallelDims(world, sp=world).build_groups()
 
     def variant(memory: bool):
         def run(model, batch, data):
-            check_token_mixers(decoder_layers(model), pack=data == "packed", sp=world)
+            parts = find_parts(model)
+            install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims))
+            use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)  # as lstune train does
             apply_ulysses(model, dims)
             step = causal_lm_loss_sum
             if memory:

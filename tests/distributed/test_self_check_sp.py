@@ -26,3 +26,4 @@ def test_self_check_passes_under_sp_with_chunked_attention(pools):
     for pack in (False, True):
         for ok, loss_rel, grad_rel in pools[2].run(_self_check_worker, {"attn_chunks": 5}, pack):
             assert ok and loss_rel < 1e-5 and grad_rel < 1e-4, (pack, loss_rel, grad_rel)
+

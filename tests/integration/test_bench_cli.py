@@ -86,7 +86,8 @@ def test_ablation_with_the_longest_sequence_search_under_a_host_cap(cli, tmp_pat
         assert m["outcome"] == "ok" and m["seq_len"] == 256
         assert m["tokens_per_s"] > 0 and 0 < m["mfu"] and m["hardware_tflops"] >= m["model_tflops"] > 0
         assert m["peak_rss"] <= cap and m["estimate"]["device_peak_bytes"] > 0
-        assert m["estimate_peak_error_pct"] is not None and m["estimate_time_error_pct"] is not None
+        # No device on a CPU: no error of the device estimate against RSS (issue 32); the step time's stays.
+        assert m["estimate_peak_error_pct"] is None and m["estimate_time_error_pct"] is not None
     assert len(bench["measurements"]) == 6
 
     markdown = (out / "bench.md").read_text()

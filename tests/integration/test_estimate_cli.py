@@ -79,7 +79,8 @@ def test_help_stays_light():
     # The hardware flags' defaults had been taken for rich markup ("... l40s or cpu .", "e.g. 512G .").
     text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", shown).split())
     for shown_default in ("or cpu [default: this machine's CUDA device, else cpu].",
-                          "e.g. 512G [default: this machine's RAM].", "--gpus devices [default: 1]."):
+                          "e.g. 512G [default: with --gpu or --device-mem, the host of that GPU's class",
+                          "--gpus devices [default: 1]."):
         assert shown_default in text, shown_default
 
 

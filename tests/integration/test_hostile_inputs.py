@@ -160,11 +160,16 @@ def _data_cases(tmp_path):
         "parquet_int_text": (_parquet(tmp_path / "it.parquet", {"text": [1, 2, 3]}), ["'text' field holds int"]),
         "parquet_str_ids": (_parquet(tmp_path / "si.parquet", {"input_ids": [["a", "b"], ["c"]]}),
                             ["'input_ids' must be a list of whole numbers"]),
+        "parquet_float_ids": (_parquet(tmp_path / "fi.parquet", {"input_ids": [[5.7, 6.2, 7.0], [8.0, 9.0]]}),
+                              ["'input_ids' must be a list of whole numbers", "float"]),
+        "json_float_labels": (_write(tmp_path / "fl.jsonl", [{"input_ids": [5, 6, 7], "labels": [5, 6.5, 7]}]),
+                              ["'labels' must be a list of whole numbers"]),
     }
 
 
 @pytest.mark.parametrize("case", ["non_utf8", "bad_json_deep", "negative_id", "label_beyond_vocab", "negative_label",
-                                  "text_is_list", "text_is_mapping", "parquet_int_text", "parquet_str_ids"])
+                                  "text_is_list", "text_is_mapping", "parquet_int_text", "parquet_str_ids",
+                                  "parquet_float_ids", "json_float_labels"])
 def test_bad_data(cli, tmp_path, user_files, case):
     data, fragments = _data_cases(tmp_path)[case]
     result = cli("train", *TINY_MODEL, "--max-steps", "1", "--data", data, "--output-dir", tmp_path / "out")
@@ -406,3 +411,122 @@ def test_a_one_step_run_trains_at_its_lr(cli, tmp_path, text_data):
 
     steps = [m for m in read_metrics(out) if "lr" in m]
     assert steps and steps[0]["lr"] > 0, steps
+
+
+# --- a model folder lstune did not write ------------------------------------------------------------------------
+
+
+def _model_folder(tmp_path, name="model", **changes) -> Path:
+    from lstune.models.presets import preset_config
+
+    folder = tmp_path / name
+    preset_config("tiny-llama").save_pretrained(folder)
+    values = json.loads((folder / "config.json").read_text())
+    values.update(changes)
+    (folder / "config.json").write_text(json.dumps(values))
+    return folder
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("num_hidden_layers", -2, "num_hidden_layers is -2, not a positive size"),
+    ("hidden_size", 0, "hidden_size is 0, not a positive size"),
+    ("hidden_size", float("nan"), "hidden_size is nan, not a finite number"),
+    ("intermediate_size", "big", "intermediate_size is 'big', not a number"),
+    ("hidden_size", 10**15, "hidden_size is 1000000000000000, beyond any model"),
+    ("intermediate_size", float("inf"), "intermediate_size is inf, not a finite number"),
+    ("num_attention_heads", 0, "num_attention_heads is 0"),
+    ("vocab_size", 0, "vocab_size is 0"),
+])
+@pytest.mark.parametrize("command", ["estimate", "train"])
+def test_impossible_model_sizes_are_refused_before_anything_is_built(cli, tmp_path, user_files, command, key, value,
+                                                                    fragment):
+    folder = _model_folder(tmp_path, **{key: value})
+    args = ["--model", folder, "--seq-len", "256"]
+    if command == "train":
+        args += ["--data", "builtin:passkey", "--max-steps", "1", "--output-dir", tmp_path / "out", "--init", "random"]
+    refused(cli(command, *args), f"{folder / 'config.json'}: {fragment}")
+
+
+def test_a_model_config_nested_too_deeply_is_refused(cli, tmp_path, user_files):
+    folder = _model_folder(tmp_path)
+    (folder / "config.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    refused(cli("estimate", "--model", folder, "--seq-len", "256"), "config.json is nested too deeply")
+
+
+def _weights_folder(tmp_path, name: str) -> Path:
+    from lstune.models.loading import load_model
+
+    folder = _model_folder(tmp_path, name)
+    load_model("tiny-llama", init="random").model.save_pretrained(folder)
+    return folder
+
+
+def _lying_header(folder: Path) -> None:
+    path = folder / "model.safetensors"
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + size])
+    name = next(key for key in header if key != "__metadata__")
+    header[name]["data_offsets"][1] += 10**12
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + size:])
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def _pickle_payload(folder: Path) -> None:
+    import torch
+
+    (folder / "model.safetensors").unlink()
+    torch.save({"model.embed_tokens.weight": _Payload()}, folder / "pytorch_model.bin")
+
+
+@pytest.mark.parametrize("damage, fragments", [
+    (_lying_header, ["model.safetensors is not a valid safetensors file", "invalid shape, data type, or offset"]),
+    (_pickle_payload, ["pytorch_model.bin cannot be loaded", "posix.system"]),
+])
+def test_a_model_folders_broken_weights_are_refused_naming_the_file(cli, tmp_path, user_files, damage, fragments):
+    folder = _weights_folder(tmp_path, "weights")
+    damage(folder)
+    result = cli("train", "--model", folder, "--seq-len", "64", "--data", "builtin:passkey", "--max-steps", "1",
+                 "--output-dir", tmp_path / "out")
+    refused(result, *fragments)
+    assert "weights_only" not in result.err and not (tmp_path / "out" / "checkpoint-1").exists()
+
+
+def test_overwrite_never_removes_what_a_crafted_run_record_names(cli, tmp_path, text_data):
+    from lstune.config.record import RECORD_FORMAT, RECORD_NAME
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    (out / "results").mkdir()
+    (out / "results" / "table.csv").write_text("1,2")
+    crafted = {"format": RECORD_FORMAT, "version": 1, "entries": ["thesis.tex", "results", "config.yaml", RECORD_NAME]}
+    (out / RECORD_NAME).write_text(json.dumps(crafted))
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--output-dir", out, "--overwrite")
+    assert result.code == 0, result.err[-2000:]
+    assert (out / "thesis.tex").read_text() == "years of work"
+    assert (out / "results" / "table.csv").read_text() == "1,2"
+    assert "thesis.tex" not in json.loads((out / RECORD_NAME).read_text())["entries"]
+
+
+@pytest.mark.parametrize("flag, fragment", [
+    ("--data", "data source {path} is a FIFO (named pipe), not a file or folder of records"),
+    ("--output-dir", "--output-dir '{path}' is a FIFO (named pipe); give a folder"),
+    ("--config", "--config '{path}' is a FIFO (named pipe), not a file"),
+    ("--chat-template", "--chat-template '{path}' is a FIFO (named pipe), not a known template"),
+])
+def test_a_fifo_is_called_a_fifo_and_never_read(cli, tmp_path, user_files, flag, fragment):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    args = [*TINY_MODEL, "--data", "builtin:passkey", "--max-steps", "1", "--output-dir", tmp_path / "out", flag, fifo]
+    refused(cli("train", *args), fragment.format(path=fifo))
+
+
+def test_resume_at_a_file_says_it_is_a_file(cli, tmp_path, user_files):
+    refused(cli("train", *TINY, "--max-steps", "1", "--resume", user_files / "notes.txt", "--output-dir", tmp_path / "o"),
+            f"Cannot resume from {user_files / 'notes.txt'}: it is a file, not a folder")

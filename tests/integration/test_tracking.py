@@ -131,3 +131,19 @@ def test_a_missing_tracker_package_is_a_config_error(cli, tmp_path, text_data, m
     assert "pip install 'lstune[mlflow]'" in result.err
     result = cli("train", *TINY_MODEL, "--data", text_data, "--report-to", "tensorbored", "--dry-run")
     assert result.code == 2 and "tensorboard, wandb, mlflow or none" in result.err
+
+
+def test_an_unreachable_mlflow_server_is_refused_at_once(cli, tmp_path, text_data, monkeypatch):
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    started = time.monotonic()
+    result = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "1", "--report-to", "mlflow",
+                 "--output-dir", tmp_path / "o")
+    assert time.monotonic() - started < 60  # MLflow's own retries take ~5 minutes
+    assert result.code == 2 and "Traceback" not in result.err
+    assert f"the tracking server http://127.0.0.1:{port} cannot be reached (Connection refused)" in result.err

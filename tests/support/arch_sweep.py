@@ -307,14 +307,16 @@ def _lstune(model: Any, technique: str, data: str, batch: dict, training: bool =
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.loss import causal_lm_loss_sum
+    from lstune.memory.block_attention import block_attention
     from lstune.models.attention import check_attention_support, use_lstune_attention
-    from lstune.models.introspect import decoder_layers
-    from lstune.models.mixers import check_token_mixers
+    from lstune.models.introspect import find_parts
+    from lstune.train.mixers import install_mixers
     from tests.unit.memory._helpers import run_grads
 
     check_attention_support(model.config, pack=data == "packed", seq_len=SEQ, backend="sdpa", device="cpu")
-    check_token_mixers(decoder_layers(model), pack=data == "packed", sp=1)
-    use_lstune_attention(model, backend="sdpa")
+    parts = find_parts(model)
+    install_mixers(parts.body, parts.layers, pack=data == "packed")
+    use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
     step = causal_lm_loss_sum
     if TECHNIQUES[technique] is not None:
         step = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SEQ).loss_sum
@@ -405,11 +407,11 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
     from lstune.errors import UserError
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.loss import causal_lm_loss_sum
-    from lstune.models.introspect import decoder_layers
-    from lstune.models.mixers import check_token_mixers
+    from lstune.models.introspect import find_parts
     from lstune.parallel.dims import ParallelDims
     from lstune.parallel.sp_data import shard_batch
-    from lstune.parallel.ulysses import apply_ulysses
+    from lstune.parallel.ulysses import SequenceExchange, apply_ulysses
+    from lstune.train.mixers import install_mixers
     from tests.distributed._helpers import compare_sp_with_hf, reference_samples
 
     import logging
@@ -421,10 +423,12 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
 
     def variant(technique: str):
         def run(model, batch, data):
+            from lstune.memory.block_attention import block_attention
             from lstune.models.attention import use_lstune_attention
 
-            check_token_mixers(decoder_layers(model), pack=data == "packed", sp=world)
-            use_lstune_attention(model, backend="sdpa")
+            parts = find_parts(model)
+            install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims))
+            use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
             apply_ulysses(model, dims)
             step, chunks = causal_lm_loss_sum, None
             if TECHNIQUES[technique] is not None:

@@ -47,20 +47,58 @@ ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
                          n_group=1, topk_group=1, num_key_value_heads=4), {}),
     "opt": (dict(ffn_dim=64, word_embed_proj_dim=32),
             {"tiled_mlp": "cannot tell which part of OPTDecoderLayer is its MLP"}),
-    "lfm2": (dict(layer_types=["conv", "full_attention"], block_dim=32, block_ff_dim=64, conv_L_cache=3),
-             {"pack": "packed documents would leak", "sp": "miss the previous rank's last tokens"}),
+    # learned attention sinks, alternating 16-token windows: lstune's block kernel (memory/block_attention.py)
+    "gpt_oss": (dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=WINDOW), {}),
+    # softcapped logits: the block kernel on CPU
+    "gemma2": (dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), {}),
+    "lfm2": (dict(layer_types=["conv", "full_attention"], block_dim=32, block_ff_dim=64, conv_L_cache=3), {}),
     "bloom": (dict(n_layer=2, n_head=4), {"attention": "does not route attention through", "tiled_mlp": "residual"}),
     "llama4_text": (dict(attention_chunk_size=WINDOW, head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
                          interleave_moe_layer_step=1, no_rope_layers=[1, 0], layer_types=["chunked_attention",
                          "full_attention"]),
-                    {"attention": "does not pass position_ids to its attention", "tiled_mlp": "more than one tensor",
+                    {"pack": "does not pass position_ids to its attention",
                      "sp": "needs position_ids at every attention call"}),
 }
 
+# Token mixers that are not attention (lstune.models.mixers), sized so that their heads split unevenly on 4 ranks
+# (6 key heads / 6 SSM heads in 2 groups) and their Mamba-2 chunks (16 tokens) are crossed. Exact with packing and
+# under SP (tests/unit/models/test_mixers.py, tests/distributed/test_mixers_sp.py).
+_GDN = dict(head_dim=8, linear_num_key_heads=6, linear_num_value_heads=12, linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
+_MAMBA2 = dict(hidden_size=48, mamba_n_heads=6, mamba_d_head=8, mamba_expand=1, mamba_n_groups=2, mamba_d_state=8,
+               mamba_chunk_size=16, mamba_d_conv=4)
+MIXER_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
+    "qwen3_next": ({**_GDN, **MOE, "shared_expert_intermediate_size": 32}, {}),
+    "qwen3_5_text": (dict(_GDN), {}),
+    "qwen3_5_moe_text": ({**_GDN, **MOE, "shared_expert_intermediate_size": 32}, {}),
+    "bamba": ({**_MAMBA2, "attn_layer_indices": [1]}, {}),
+    # Mamba layers only: its decoder layers do not pass position_ids to attention (Ulysses refuses SP there, and packed
+    # documents in its attention are the self-check's to catch), which is not the mixers' business.
+    "granitemoehybrid": ({**_MAMBA2, "layer_types": ["mamba", "mamba"]}, {}),
+    # mamba_rms_norm off: the gate multiplies on the rank's heads (bamba and nemotron_h cover the deferred gated norm)
+    "falcon_h1": ({**_MAMBA2, "mamba_d_ssm": 48, "mamba_rms_norm": False, "head_dim": 8}, {}),
+    "nemotron_h": (dict(mamba_num_heads=6, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16,
+                        conv_kernel=4, hybrid_override_pattern="M*", head_dim=8), {}),
+    "lfm2": ARCHS["lfm2"],
+    # KDA beside multi-head latent attention
+    "kimi_linear": (dict(num_key_value_heads=4, linear_num_heads=6, linear_head_dim=8, linear_conv_kernel_dim=4,
+                         kv_lora_rank=16,
+                         qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, num_experts=4, num_experts_per_token=2,
+                         moe_intermediate_size=32, mlp_layer_types=["dense", "sparse"],
+                         layer_types=["linear_attention", "full_attention"]), {}),
+    # Mamba-1: x_proj summed over the ranks' channels
+    "jamba": (dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, attn_layer_period=2,
+                   attn_layer_offset=1, num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
+                   expert_layer_offset=1, use_mamba_kernels=False), {}),
+    # lightning attention (no convolution), 6 heads as the mixers above; blocks of 16 tokens are crossed
+    "minimax": ({**MOE, "num_local_experts": 4, "head_dim": 8, "num_attention_heads": 6, "num_key_value_heads": 2,
+                 "layer_types": ["full_attention", "linear_attention"], "block_size": 16}, {}),
+}
+
 # Architectures only the startup self-check (tests/unit/train/test_self_check.py) stands between and a wrong run, so
-# not in the matrix (which applies lstune's techniques without it): minimax's linear-attention layers carry a state
-# across packed documents, phimoe samples its routing in training mode, BART's causal-LM decoder reads positions from
-# the token index and takes its labels already shifted.
+# not in the matrix (which applies lstune's techniques without it): minimax's lightning layers carried a state across
+# packed documents (lstune.models.mixers resets it now; MIXER_ARCHS's config comes first), phimoe samples its routing
+# in training mode, BART's causal-LM decoder reads positions from the token index and takes its labels already shifted.
 SELF_CHECK_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "minimax": ({**MOE, "num_local_experts": 4, "head_dim": 8, "layer_types": ["full_attention", "linear_attention"],
                  "block_size": 16}, {"pack": "train without --pack"}),
@@ -74,7 +112,8 @@ SELF_CHECK_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
 def tiny_config(model_type: str, **extra: Any):
     from transformers import AutoConfig
 
-    overrides, _ = ARCHS[model_type] if model_type in ARCHS else SELF_CHECK_ARCHS[model_type]
+    tables = (ARCHS, MIXER_ARCHS, SELF_CHECK_ARCHS)
+    overrides, _ = next(table[model_type] for table in tables if model_type in table)
     kwargs = {**BASE, **NO_DROPOUT, **overrides, **extra}
     return AutoConfig.for_model(model_type, **kwargs)
 

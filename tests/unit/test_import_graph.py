@@ -2,7 +2,7 @@
 
 Layers, top to bottom (docs/README.md draws the same map):
 
-    cli → bench → train → estimate → {parallel, memory} → {models, data} → optim → config → errors
+    cli → bench → train → estimate → {parallel, memory} → {models, data} → optim → config → untrusted → errors
 
 `lstune.__main__` sits above cli and the package root (`lstune`, its version) below everything. Every
 `import` counts, including the lazy ones inside functions, since they run too.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lstune"
-TIERS = [["errors"], ["config"], ["optim"], ["models", "data"], ["parallel", "memory"], ["estimate"], ["train"], ["bench"],
+TIERS = [["errors"], ["untrusted"], ["config"], ["optim"], ["models", "data"], ["parallel", "memory"], ["estimate"], ["train"], ["bench"],
          ["cli"],
          ["__main__"]]
 RANK = {unit: rank for rank, units in enumerate(TIERS) for unit in units}

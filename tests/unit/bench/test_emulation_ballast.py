@@ -32,7 +32,10 @@ def test_llama_8b_at_768k_on_a_125_gib_host_matches_the_run_script():
     # tools/gpu/phases.sh, maxlen_chunks_emulated: 8 chunks, 18 layers recomputed, 12.0 GiB device + 72.0 GiB host
     # ballast (the host's usable 119.75 GiB: 125 GiB less the OS's 5.25 GiB; the live layer's chunks take 33.9 GiB
     # of it, pinned in power-of-two pieces — 45 GiB, one more layer recomputed, when each copy was one allocation).
-    assert plan["attn_chunks"] == 8 and plan["fits"]
+    # Since the margin a fit keeps (issue 32: 13 % of the device with chunked attention), the estimate takes 16
+    # chunks at 768K and no longer calls it a fit (device 70.4 GiB of the 67.2 the margin leaves; the emulated run of
+    # 2026-11-26 took 8 chunks and completed, reserved 78.6 of the 78.7 GiB cap): the placement and ballast are the same.
+    assert plan["attn_chunks"] == 16 and not plan["fits"]
     assert len(plan["placement"].recomputed) == 18
     assert (round(device / GIB, 1), round(host / GIB, 1)) == (12.0, 72.0)
 

@@ -11,7 +11,7 @@ import pytest
 from lstune.bench.metrics import derive, gemm_flops_per_s, ideal_figures
 from lstune.bench.report import measurement_table
 from lstune.bench.run import BenchResult
-from lstune.estimate.flops import attention_split, step_flops
+from lstune.estimate.flops import attention_split, kernel_flops, step_flops
 from lstune.models.presets import preset_config
 from tests.integration.conftest import cli  # noqa: F401  (the fixture: `lstune` in this process)
 
@@ -78,16 +78,18 @@ def test_bench_md_shows_the_ideal_columns_only_with_rates():
               "error": "CUDA out of memory"}
     with_rates = measurement_table(_result([ok, failed], RATES))
     header, rule, row, failed_row = with_rates[2:6]
-    assert header.endswith("| ideal step (s) | × ideal |") and rule.count("|") == header.count("|") == 15
-    assert row.endswith("| 3.5 | 1.43 |") and row.count("|") == 15
-    assert failed_row.count("|") == 15 and "oom" in failed_row
+    assert header.endswith("| ideal step (s) | × ideal | ideal, no recompute (s) | × ideal, no recompute |")
+    assert rule.count("|") == header.count("|") == 18
+    # This record has no no-recompute split (bench.json from before 2026-11-27): dashes there.
+    assert row.endswith("| 3.5 | 1.43 | — | — |") and row.count("|") == 18
+    assert failed_row.count("|") == 18 and "oom" in failed_row
     assert any(line.startswith("Ideal step:") for line in with_rates)
 
     without = measurement_table(_result([{**ok, "ideal_s": None}, failed], None))
-    assert "ideal" not in "\n".join(without) and without[2].count("|") == without[4].count("|") == 13
+    assert "ideal" not in "\n".join(without) and without[2].count("|") == without[4].count("|") == 14
     # Rates that could not time this trial (a failed rates run keeps none): a dash in each column.
     no_attention = measurement_table(_result([{**step, **derive(step, RATES[:2]), "peak_allocated": 1}], RATES[:2]))
-    assert no_attention[4].endswith("| — | — |")
+    assert no_attention[4].endswith("| — | — | — | — |")
 
 
 def test_the_h200_reference_run():
@@ -96,7 +98,8 @@ def test_the_h200_reference_run():
     32 layers × 4·128·32 × 131072·131073/2 = 4.5036e15; forward + checkpointing's = 2A at 549.76 TFLOP/s
     (2·131072²·32·128 FLOPs in 0.256 s) = 16.384 s; backward 2.5A at 542.88 TFLOP/s = 20.739 s; matmuls 5.9459e15
     at 755.71 TFLOP/s (the 4 GEMMs' 1.8692e13 FLOPs in 24.734 ms) = 7.868 s. Ideal 44.991 s, the run's README's;
-    measured 1.127 × that."""
+    measured 1.127 × that. Without recompute (the model FLOPs' matmuls, 3.968e15 = 5.251 s; one attention forward,
+    8.192 s; the kernel's backward as before, 20.739 s): 34.18 s, 1.484 × (issue 32's figure)."""
     config, seq = preset_config("llama-3.1-8b"), 131072
     flops = step_flops(config, seq, lora=True, lora_r=16, checkpointing=True, tiled_mlp=False, tiled_loss=True)
     forward, backward = attention_split(flops, config, seq)
@@ -107,9 +110,17 @@ def test_the_h200_reference_run():
              _gemm(65536, 14336, 4096, 0.0105), _gemm(65536, 4096, 4096, 0.003297),
              _attention(131072, 0.256, 0.6481), _attention(32768, 0.01411, 0.04128)]
     assert gemm_flops_per_s(rates) == pytest.approx(755.71e12, rel=1e-5)
-    figures = ideal_figures(_step(seq, 50.717, 1, flops.hardware_matmul, forward, backward), rates)
+    step = _step(seq, 50.717, 1, flops.hardware_matmul, forward, backward)
+    run, bare = kernel_flops(flops, config, seq)
+    assert (run.matmul, run.attention_forward, run.attention_backward) == (flops.hardware_matmul, forward, backward)
+    assert bare.attention_forward == attention and bare.attention_backward == backward
+    step["estimate"].update(model_matmul_flops=bare.matmul, model_attention_forward_flops=bare.attention_forward)
+    figures = ideal_figures(step, rates)
     assert figures["ideal_s"] == pytest.approx(44.991, abs=1e-3)
     assert figures["vs_ideal"] == pytest.approx(1.1273, abs=1e-4)
+    assert bare.matmul == pytest.approx(3.968e15, rel=1e-3)
+    assert figures["ideal_no_recompute_s"] == pytest.approx(34.18, abs=0.01)
+    assert figures["vs_ideal_no_recompute"] == pytest.approx(1.484, abs=1e-3)
 
 
 def test_bench_with_rates_reports_the_ideal_end_to_end(cli, tmp_path):  # noqa: F811
@@ -125,4 +136,7 @@ def test_bench_with_rates_reports_the_ideal_end_to_end(cli, tmp_path):  # noqa: 
     assert est["hardware_attention_forward_flops"] + est["hardware_attention_backward_flops"] == pytest.approx(
         est["hardware_attention_flops"])
     assert m["ideal_s"] > 0 and m["vs_ideal"] == pytest.approx(m["median_s"] / m["ideal_s"])
-    assert "| ideal step (s) | × ideal |" in (out / "bench.md").read_text()
+    assert m["ideal_no_recompute_s"] < m["ideal_s"]
+    assert m["vs_ideal_no_recompute"] == pytest.approx(m["median_s"] / m["ideal_no_recompute_s"])
+    assert m["hfu"] >= m["mfu"] > 0
+    assert "| ideal step (s) | × ideal | ideal, no recompute (s) | × ideal, no recompute |" in (out / "bench.md").read_text()

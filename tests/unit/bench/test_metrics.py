@@ -49,19 +49,34 @@ def test_mfu_and_tflops_follow_the_hand_count():
     assert est["hardware_attention_backward_flops"] == 2.5 * attention
     assert est["hardware_attention_flops"] == 4.5 * attention and est["hardware_matmul_flops"] == hw - 4.5 * attention
     record = {"outcome": "ok", "median_s": 0.002, "world_size": 1, "tokens_per_step": 64, "estimate": est,
-              "peak_allocated": est["device_peak_bytes"] // 2}
+              "peak_allocated": est["device_peak_bytes"] // 2, "peak_reserved": est["device_peak_bytes"] // 4,
+              "device": "cuda:0", "hardware": hardware.to_dict()}
     figures = derive(record)
     assert figures["tokens_per_s"] == pytest.approx(64 / 0.002)
     assert figures["model_tflops"] == pytest.approx(model / 0.002 / 1e12)
     assert figures["hardware_tflops"] == pytest.approx(hw / 0.002 / 1e12)
     assert figures["mfu"] == pytest.approx(model / 0.002 / 1e12 / 989.0)  # the H100's bf16 dense peak
+    assert figures["hfu"] == pytest.approx(hw / 0.002 / 1e12 / 989.0)  # recompute counted
     assert figures["estimate_peak_error_pct"] == pytest.approx(100.0, abs=0.01)  # predicted twice what was measured
+    assert figures["estimate_reserved_error_pct"] == pytest.approx(300.0, abs=0.01)  # and 4 × what was reserved
     # Attention's output kept (issue 33, `auto` here): the same model FLOPs, one attention forward fewer.
     kept = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "lora_r": 8, "tiled_mlp": 2, "tiled_loss": 2})
     est = estimate_summary(estimate(kept, hardware, suggest=False), kept, preset_config("tiny-llama"))
     assert est["model_flops"] == model and est["hardware_flops"] == hw - attention
     assert est["hardware_attention_forward_flops"] == attention
     assert est["hardware_attention_backward_flops"] == 2.5 * attention
+
+
+def test_a_cpu_trial_gives_no_device_estimate_error():
+    """On a CPU the trial's RSS is not the device the estimate models (issue 32: -68 to -70 % that meant nothing)."""
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64})
+    hardware = resolve_hardware(gpu="cpu", host_mem=64 * GiB)
+    est = estimate_summary(estimate(config, hardware, suggest=False), config, preset_config("tiny-llama"))
+    record = {"outcome": "ok", "median_s": 0.5, "world_size": 1, "tokens_per_step": 64, "estimate": est,
+              "peak_allocated": 3 * est["device_peak_bytes"], "device": "cpu", "hardware": hardware.to_dict()}
+    figures = derive(record)
+    assert figures["estimate_peak_error_pct"] is None and figures["estimate_reserved_error_pct"] is None
+    assert figures["estimate_time_error_pct"] is not None and figures["mfu"] > 0
 
 
 def test_a_step_on_several_devices_counts_each_devices_share():

@@ -112,9 +112,34 @@ def test_template_that_rewrites_earlier_turns_is_refused():
 
 
 def test_template_errors_become_data_errors():
-    strict = make_word_tokenizer("{{ raise_exception('roles must alternate') }}")
+    # A template that rejects this record (a system turn), not every conversation: the record is named.
+    strict = make_word_tokenizer("{% if messages[0]['role'] == 'system' %}{{ raise_exception('roles must alternate') }}"
+                                 "{% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}")
     with pytest.raises(DataError, match="record 0: the tokenizer's chat template failed.*must alternate"):
         _docs("messages", {"messages": [CHAT]}, strict)
+
+
+def test_a_template_that_fails_on_every_conversation_is_blamed_not_the_record():
+    broken = make_word_tokenizer("{% for m in messages %}{{ m['content'] | no_such_filter }}{% endfor %}")
+    broken.lstune_chat_template = "my-template.jinja"
+    with pytest.raises(DataError, match=r"--chat-template 'my-template.jinja' cannot render a conversation.*the "
+                                        r"template is at fault, not record 0") as caught:
+        _docs("messages", {"messages": [CHAT]}, broken)
+    assert not str(caught.value).startswith("record 0")
+
+
+def test_a_template_that_renders_forever_is_stopped(monkeypatch):
+    import time
+
+    from lstune.data import templates
+
+    monkeypatch.setattr(templates, "RENDER_SECONDS", 1.0)
+    endless = make_word_tokenizer("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+                                  "{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    started = time.monotonic()
+    with pytest.raises(DataError, match="cannot render a conversation.*rendered for more than 1 s"):
+        _docs("messages", {"messages": [CHAT]}, endless)
+    assert time.monotonic() - started < 10
 
 
 def test_malformed_messages_name_the_record(byte_tok):

@@ -71,3 +71,23 @@ def test_loading_from_a_folder_without_it_says_what_to_do(tmp_path):
     assert not ByteTokenizer.saved_in(tmp_path)
     with pytest.raises(ModelError, match="no lstune_tokenizer.json.*AutoTokenizer"):
         ByteTokenizer.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("{not json", "tokenizer.json is not valid JSON"),
+    ('{"a":' + "[" * 100_000 + "]" * 100_000 + "}", "tokenizer.json is nested too deeply"),
+    ('{"model": 5}', "its tokenizer (tokenizer.json, tokenizer_config.json in"),
+])
+def test_a_model_folders_broken_tokenizer_is_refused_not_replaced_by_bytes(tmp_path, body, fragment):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from lstune.data.tokenizer import load_model_tokenizer
+    from lstune.errors import ModelError
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(body)
+    with pytest.raises(ModelError) as caught:
+        load_model_tokenizer("local", str(tmp_path), name="m", vocab_size=320)
+    assert fragment in str(caught.value)

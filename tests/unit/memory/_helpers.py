@@ -70,9 +70,11 @@ def run_with_plan(model, options: dict, seq: int, batches) -> tuple:
     where the options chunk it); all of it undone afterwards, the plan's record kept for the caller's checks."""
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.block_attention import block_attention
     from lstune.models.attention import use_lstune_attention
 
-    attention = use_lstune_attention(model, backend="sdpa") if options.get("attn_chunks") else None
+    attention = (use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
+                 if options.get("attn_chunks") else None)
     plan = apply_memory_techniques(model, MemorySection(**options), seq_len=seq)
     try:
         loss, grads = run_grads(model, plan.loss_sum, batches)

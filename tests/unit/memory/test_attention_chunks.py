@@ -59,7 +59,9 @@ def _reference(model, data: str):
 
 
 def _compare(model, batch, reference, options, backend="sdpa", applied=lambda: None):
-    attention = use_lstune_attention(model, backend=backend)
+    from lstune.memory.block_attention import block_attention
+
+    attention = use_lstune_attention(model, backend=backend, block_kernel=block_attention)  # as lstune train does
     plan = apply_memory_techniques(model, MemorySection(**options), seq_len=SEQ)
     applied()
     try:

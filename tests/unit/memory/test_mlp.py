@@ -146,20 +146,42 @@ def test_fusing_the_norm_removes_what_it_saves_for_backward():
 
 
 class _ReturnsRouterLogits(torch.nn.Module):
+    """An MoE-like block: its output and per-token router outputs, flat [B·t, E] (transformers' layout) and
+    [B, t]."""
+
     def __init__(self, hidden):
         super().__init__()
         self.proj = torch.nn.Linear(hidden, hidden)
 
     def forward(self, x):
-        return self.proj(x), x.sum(-1)
+        return self.proj(x), self.proj(x).flatten(0, 1)[:, :3] * 2, x.sum(-1)
 
 
-def test_a_block_returning_a_tuple_is_refused(wide_llama):
-    layers = decoder_layers(wide_llama)
-    original = layers[0].mlp
-    layers[0].mlp = _ReturnsRouterLogits(HIDDEN)
-    try:
-        with pytest.raises(ModelError, match="more than one tensor"):
-            check_per_token(layers, HIDDEN)
-    finally:
-        layers[0].mlp = original
+def test_a_block_returning_router_outputs_is_tiled_and_they_are_stitched():
+    """Issue 34 (gpt-oss, Llama-4): the output is tiled, the extra outputs joined along the tokens exactly as the
+    untiled block returns them (batch 2: the flat layout's rows interleave); a gradient reaching them is refused."""
+    from lstune.memory.mlp import TiledForward
+
+    block = _ReturnsRouterLogits(8)
+    x = torch.randn(2, 7, 8, requires_grad=True)
+    check_per_token(torch.nn.ModuleList([torch.nn.ModuleDict({"mlp": block})]), 8, ("mlp",))
+    want = block(x)
+    got = TiledForward(block, TilePolicy(count=3))(x)
+    assert len(got) == 3
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    got[0].sum().backward()
+    torch.testing.assert_close(x.grad, torch.autograd.grad(want[0].sum(), x)[0])
+    with pytest.raises(ModelError, match="router logits of a sequence-tiled MoE"):
+        TiledForward(block, TilePolicy(count=3))(x)[1].sum().backward()
+
+
+def test_a_block_whose_extra_outputs_are_not_per_token_is_refused():
+    from lstune.memory.mlp import TiledForward
+
+    class Pooled(_ReturnsRouterLogits):
+        def forward(self, x):
+            return self.proj(x), x.mean(dim=(0, 1))
+
+    with pytest.raises(ModelError, match="cannot tell the extra outputs' token dimension"):
+        TiledForward(Pooled(8), TilePolicy(count=3))(torch.randn(2, 7, 8))

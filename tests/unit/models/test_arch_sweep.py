@@ -33,10 +33,11 @@ def test_the_families_the_sweep_found_wrong_are_exact_or_refused(model_type):
 
 
 def test_the_sweep_flags_a_silently_wrong_model(monkeypatch):
-    """The sweep's own check can fail: with the per-document reference of the self-check undone, MiniMax's packed
-    cases come out as silently wrong."""
-    from lstune.train import self_check
+    """The sweep's own check can fail: with lstune's per-document mixers and the per-document reference of the
+    self-check undone, MiniMax's packed cases come out as silently wrong."""
+    from lstune.train import mixers, self_check
 
+    monkeypatch.setattr(mixers, "install_mixers", lambda *args, **kwargs: None)
     monkeypatch.setattr(self_check, "_doc_starts", lambda batch: [0])
     record = arch_sweep.sweep_one("minimax")
     assert record["packed/attention"].startswith("WRONG (self-check passes)")

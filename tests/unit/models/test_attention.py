@@ -257,17 +257,26 @@ def test_document_metadata():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_softcap_is_refused_by_sdpa_and_honoured_by_flex():
-    # A cap this low bends the small logits of a random-init model, so ignoring it would change the loss.
-    with pytest.raises(ModelError, match="attn_logit_softcapping=0.05.*flex"):
-        eager_and_lstune("tiny-gemma2", backend="sdpa", attn_logit_softcapping=0.05)
+def test_softcap_runs_lstunes_block_kernel_on_sdpa_and_trains_on_cpu():
+    """Issue 34: SDPA cannot softcap, so softcapped calls on sdpa (auto's choice on CPU) run lstune's block kernel —
+    exact, gradients too; without the kernel they are refused, never ignored; flex cannot train on CPU."""
+    from lstune.memory.block_attention import block_attention
 
-    reference, model, _ = eager_and_lstune("tiny-gemma2", attn_logit_softcapping=0.05)
+    # A cap this low bends the small logits of a random-init model, so ignoring it would change the loss.
     batch = packed_batch([[40]])
-    with pytest.raises(ModelError, match="softcaps attention logits.*CUDA"):
-        token_loss(model, batch)  # auto picks flex, which cannot train on CPU: refused, never ignored
-    with torch.no_grad():
-        torch.testing.assert_close(token_loss(model, batch), token_loss(reference, batch), rtol=1e-6, atol=1e-6)
+    reference, model, _ = eager_and_lstune("tiny-gemma2", backend="sdpa", attn_logit_softcapping=0.05)
+    with pytest.raises(ModelError, match="softcapped logits.*block_kernel"):
+        token_loss(model, batch)
+    reference = build_model("tiny-gemma2", attn_implementation="eager", attn_logit_softcapping=0.05)
+    model = build_model("tiny-gemma2", attn_implementation="eager", attn_logit_softcapping=0.05)
+    use_lstune_attention(model, block_kernel=block_attention)  # auto: sdpa on CPU
+    assert_same_loss_and_grads(reference, model, batch)
+    flex = build_model("tiny-gemma2", attn_implementation="eager", attn_logit_softcapping=0.05)
+    use_lstune_attention(flex, backend="flex")
+    with pytest.raises(ModelError, match="softcaps attention logits.*flex backward"):
+        token_loss(flex, batch)
+    with torch.no_grad():  # flex runs without gradients on CPU
+        torch.testing.assert_close(token_loss(flex, batch), token_loss(reference, batch), rtol=1e-6, atol=1e-6)
     # The check can fail: the same model without the cap gives another loss.
     with torch.no_grad():
         uncapped = build_model("tiny-gemma2", attn_implementation="eager")
@@ -298,11 +307,12 @@ def test_refusals_name_the_problem():
 def test_check_attention_support():
     check_attention_support(preset_config("tiny-llama"), pack=True, seq_len=4096, device="cpu")
     check_attention_support(preset_config("gemma-2-9b"), pack=True, seq_len=131072, device="cuda")
-    with pytest.raises(ModelError, match="attn_logit_softcapping=50.0") as error:
-        check_attention_support(preset_config("gemma-2-9b"), pack=False, seq_len=4096, device="cpu")
-    assert "CUDA" in str(error.value)
-    with pytest.raises(ModelError, match="SDPA cannot"):
-        check_attention_support(preset_config("gemma-2-9b"), pack=False, seq_len=4096, backend="sdpa", device="cuda")
+    # Softcapping on CPU and on sdpa: lstune's block kernel (issue 34); flex cannot train on CPU.
+    check_attention_support(preset_config("gemma-2-9b"), pack=False, seq_len=4096, device="cpu")
+    check_attention_support(preset_config("gemma-2-9b"), pack=False, seq_len=4096, backend="sdpa", device="cuda")
+    with pytest.raises(ModelError, match="attn_logit_softcapping=50.0.*flex backward") as error:
+        check_attention_support(preset_config("gemma-2-9b"), pack=False, seq_len=4096, backend="flex", device="cpu")
+    assert "'auto' or 'sdpa'" in str(error.value)
     with pytest.raises(ModelError, match="bidirectional"):
         check_attention_support(preset_config("tiny-gemma3", use_bidirectional_attention=True), pack=False, seq_len=64)
     with pytest.raises(UserError, match="no flex_attention backward"):

@@ -58,12 +58,14 @@ def _apply(model, technique: str, data: str):
     """Install lstune's attention (and the techniques); returns the loss step: the plan's, or the untiled one."""
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.block_attention import block_attention
     from lstune.models.attention import use_lstune_attention
-    from lstune.models.introspect import decoder_layers
-    from lstune.models.mixers import check_token_mixers
+    from lstune.models.introspect import find_parts
+    from lstune.train.mixers import install_mixers
 
-    check_token_mixers(decoder_layers(model), pack=data == "packed", sp=1)
-    use_lstune_attention(model, backend="sdpa")
+    parts = find_parts(model)
+    install_mixers(parts.body, parts.layers, pack=data == "packed")
+    use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
     if TECHNIQUES[technique] is None:
         return lstune_step
     return apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SEQ).loss_sum

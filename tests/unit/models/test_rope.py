@@ -116,3 +116,44 @@ def test_warning_past_the_positions_names_the_fix():
 def test_warning_for_the_qwen3_128k_recipe():
     text = positions_warning(preset_config("qwen3-8b"), 128 * 1024, "qwen3-8b")
     assert "40,960" in text and "--rope-factor auto" in text
+
+
+def _longrope_config(original: int = 32):
+    from tests.support.archs import tiny_config
+
+    return tiny_config("phi3", max_position_embeddings=128, original_max_position_embeddings=original,
+                       rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                        "original_max_position_embeddings": original,
+                                        "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.0, 4.0, 8.0]})
+
+
+def test_longrope_with_pack_past_the_original_context_is_refused_and_within_it_allowed():
+    from lstune.errors import ModelError
+    from lstune.models.rope import apply_rope_scaling, length_dependent_rope
+
+    config = _longrope_config()
+    assert length_dependent_rope(config) == ("longrope", 32)
+    with pytest.raises(ModelError, match=r"--pack: .*longrope RoPE.*Drop --pack, or use --seq-len 32 or less"):
+        apply_rope_scaling(config, "none", "auto", seq_len=64, pack=True)
+    apply_rope_scaling(config, "none", "auto", seq_len=32, pack=True)  # every document within the short factors
+    apply_rope_scaling(config, "none", "auto", seq_len=64, sp=2)  # SP: made exact (lstune.parallel.rope_sp)
+
+
+def test_a_models_own_dynamic_rope_is_refused_under_sp():
+    from lstune.errors import ModelError
+    from lstune.models.rope import apply_rope_scaling
+
+    config = _longrope_config()
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ModelError, match="dynamic RoPE scaling recomputes the frequencies"):
+        apply_rope_scaling(config, "none", "auto", seq_len=64, sp=2)
+
+
+def test_the_self_check_probe_crosses_a_length_dependent_ropes_original_context():
+    from lstune.train.self_check import probe_batch, probe_lengths, truncated_config
+
+    config = _longrope_config(original=100)
+    assert max(probe_lengths(config).values()) == 100
+    assert probe_batch(config, pack=True, sp=2, vocab=320)["input_ids"].shape[1] > 100
+    small = truncated_config(_longrope_config(original=4096))  # a big model's copy: a short original is as good
+    assert small.rope_parameters["original_max_position_embeddings"] == 48

@@ -46,7 +46,7 @@ def test_a_process_killed_by_a_signal_is_named_with_a_hint(monkeypatch, capsys):
     assert "rank 1 was killed by SIGKILL (the kernel's out-of-memory killer" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130), (signal.SIGHUP, 129)])
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 130), (signal.SIGHUP, 130)])
 def test_a_stopped_launcher_exits_without_a_traceback(monkeypatch, capsys, sig, code):
     _run_raising(monkeypatch, SignalException("stopped", sigval=sig))
     assert agent.main(["x"]) == code
@@ -58,3 +58,37 @@ def test_a_finished_run_exits_0(monkeypatch):
 
     monkeypatch.setattr(torch.distributed.run, "run", lambda args: None)
     assert agent.main(["--standalone", "--nproc-per-node", "2", "--no-python", "true"]) == 0
+
+
+def test_a_rank_that_lost_its_peer_yields_to_the_rank_that_was_killed(monkeypatch, capsys):
+    # The survivor's collective failed first in time (it was quicker to exit than torchrun to notice the kill).
+    failures = _failed(rank0=agent.LOST_PEER_EXIT, rank1=-9).failures
+    failures[0].timestamp = 999
+    _run_raising(monkeypatch, ChildFailedError("lstune", failures))
+    assert agent.main(["x"]) == 137
+    err = capsys.readouterr().err
+    assert "rank 1 was killed by SIGKILL" in err and err.count("\n") == 1
+
+
+def test_a_lost_peer_is_told_by_gloos_error_or_what_it_came_from():
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1")
+    assert agent.lost_a_peer(gloo)
+    wrapped = ValueError("step failed")
+    wrapped.__cause__ = gloo
+    assert agent.lost_a_peer(wrapped)
+    assert not agent.lost_a_peer(RuntimeError("CUDA out of memory"))
+
+
+def test_the_launcher_tells_its_ranks_its_pid_and_no_one_else(monkeypatch):
+    """The ranks (torchrun's children) read the launcher's pid to end with it; the variable must not outlive the
+    launch in this process, where a later lstune command would take itself for a rank whose launcher died."""
+    import os
+
+    import torch.distributed.run
+
+    from lstune.parallel.lifetime import PARENT_ENV
+
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.append(os.environ.get(PARENT_ENV)))
+    assert agent.main(["--standalone", "--nproc-per-node", "2", "--no-python", "true"]) == 0
+    assert seen == [str(os.getpid())] and PARENT_ENV not in os.environ

@@ -102,7 +102,7 @@ def test_the_launcher_gets_time_to_let_ranks_save_and_a_users_value_wins(monkeyp
     seen = []
 
     class Finished:
-        def __init__(self, command, env):
+        def __init__(self, command, env, **kwargs):
             seen.append(env)
 
         def wait(self):
@@ -115,3 +115,32 @@ def test_the_launcher_gets_time_to_let_ranks_save_and_a_users_value_wins(monkeyp
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")
     assert launch.relaunch(["train"], 2) == 0
     assert [env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] for env in seen] == ["600", "45"]
+
+
+def test_gpus_on_cpu_are_bounded_by_the_cores_unless_forced(monkeypatch):
+    import subprocess
+
+    from lstune.errors import ConfigError
+    from lstune.parallel import launch
+
+    started = []
+
+    class FakeLauncher:
+        def __init__(self, command, **kwargs):
+            started.append(command)
+
+        def wait(self):
+            return 0
+
+        def send_signal(self, signum):
+            pass
+
+    monkeypatch.setattr(launch, "_cuda_available", lambda: False)
+    monkeypatch.setattr(launch, "usable_cores", lambda: 2)
+    monkeypatch.setattr(subprocess, "Popen", FakeLauncher)
+    with pytest.raises(ConfigError, match="--gpus 3 on CPU starts 3 processes.*2 cores; use --gpus 2 or fewer, or --force"):
+        launch.relaunch(["train"], 3)
+    assert started == []
+    assert launch.relaunch(["train"], 2) == 0
+    assert launch.relaunch(["train"], 3, force=True) == 0
+    assert len(started) == 2

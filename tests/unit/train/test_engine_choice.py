@@ -46,9 +46,10 @@ def test_full_fine_tune_of_8b_on_one_h100_puts_adam_on_the_host():
 def test_full_fine_tune_of_8b_on_one_h100_with_128_gib_of_host_keeps_half_the_optimizer_on_the_gpu():
     """Everything on the host needs 171.9 GiB (fp32 master + Adam 89.7, fp32 gradients 64.1 pinned, bf16 weights
     16): `--zero-stage auto` goes on to part of the optimizer on the GPU and takes the first that fits, 1/2 (3/4 on
-    the host still needs 142 GiB): 17 of DeepSpeed's 34 optimizer sub-groups on the GPU — device 72.3 GiB, host
-    112.9 GiB at 16K — up to 114K with the memory techniques. With the whole-offload engine asked for, the refusal
-    names it."""
+    the host still needs 142 GiB): 17 of DeepSpeed's 34 optimizer sub-groups on the GPU — at 16K, within the margin a
+    fit keeps (issue 32: 8 % of the device, 4 % of the host), with checkpoints offloaded: device 68.8 GiB, host
+    116.7 GiB — up to 44K with the memory techniques (before the margin: no offload, device 72.3 GiB, host 112.9 GiB,
+    up to 114K). With the whole-offload engine asked for, the refusal names it."""
     config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, seq_len=16384,
                                         zero_stage="3", offload_optimizer=True, offload_params=True)
     assert not prediction.fits
@@ -57,9 +58,9 @@ def test_full_fine_tune_of_8b_on_one_h100_with_128_gib_of_host_keeps_half_the_op
     # The peaks below are with attention re-run in backward (`auto` would keep its output here, offloading the
     # checkpoints to make room: issue 33).
     _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, seq_len=16384, recompute_attention="on")
-    assert prediction.fits and prediction.longest_seq_len >= 112 * 1024
-    assert prediction.device_peak_bytes / GiB == pytest.approx(72.3, abs=0.1)
-    assert prediction.host_peak_bytes / GiB == pytest.approx(112.9, abs=0.1)
+    assert prediction.fits and prediction.longest_seq_len >= 44 * 1024
+    assert prediction.device_peak_bytes / GiB == pytest.approx(68.8, abs=0.1)
+    assert prediction.host_peak_bytes / GiB == pytest.approx(116.7, abs=0.1)
     plan = zero_plan(prediction)
     assert (plan.stage, plan.offload_optimizer, plan.offload_params, plan.offload_ratio) == (3, True, True, 0.5)
     assert "optimizer (50% of it)" in plan.reason
@@ -75,24 +76,26 @@ def test_full_fine_tune_of_8b_on_one_h100_with_128_gib_of_host_keeps_half_the_op
 
 
 def test_a_narrow_partial_offload_window_is_found_at_the_sub_groups_resolution():
-    """Llama-3.1-8B's full fine-tune at 16K on an H100 with 112 GiB of host: 3/4 and 1/2 of the optimizer on the
-    host are over the host, 1/4 over the device; 13/32 and 14/32 fit. `auto` takes 14/32 (the most on the host of
-    those) and says how far it reaches; with the whole offload asked for, the refusal names that ratio."""
+    """Llama-3.1-8B's full fine-tune at 16K on an H100 with 120 GiB of host, within the margin a fit keeps (issue
+    32; before it the window was at 112 GiB, 13/32 and 14/32, and 112 GiB now fits nothing): 3/4 and 1/2 of the
+    optimizer on the host are over the host, 1/4 over the device; 15/32 fits. `auto` takes it and says how far it
+    reaches; with the whole offload asked for, the refusal names that ratio."""
     from lstune.estimate import partial_offload_ratios
 
     ratios = partial_offload_ratios()
     assert ratios[:3] == [0.75, 0.5, 0.25] and len(ratios) == len(set(ratios)) == 31
     assert sorted(ratios) == [k / 32 for k in range(1, 32)]
-    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=112 * GiB, seq_len=16384)
+    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=120 * GiB, seq_len=16384)
     assert prediction.fits, prediction.verdict()
     plan = zero_plan(prediction)
-    assert (plan.stage, plan.offload_optimizer, plan.offload_params, plan.offload_ratio) == (3, True, True, 14 / 32)
-    assert prediction.device_peak_bytes / GiB == pytest.approx(75.1, abs=0.1)
-    assert prediction.host_peak_bytes / GiB == pytest.approx(106.9, abs=0.1)
+    assert (plan.stage, plan.offload_optimizer, plan.offload_params, plan.offload_ratio) == (3, True, True, 15 / 32)
+    assert prediction.device_peak_bytes / GiB == pytest.approx(70.8, abs=0.1)
+    assert prediction.host_peak_bytes / GiB == pytest.approx(110.2, abs=0.1)
+    assert not _plan("llama-3.1-8b", gpu="h100-80gb", host=112 * GiB, seq_len=16384)[1].fits
     assert prediction.longest_seq_len >= 16384  # the ratio picked here is among those the longest is searched over
-    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=112 * GiB, seq_len=16384,
+    config, prediction, runtime = _plan("llama-3.1-8b", gpu="h100-80gb", host=120 * GiB, seq_len=16384,
                                         zero_stage="3", offload_optimizer=True, offload_params=True)
-    with pytest.raises(ConfigError, match="--offload-ratio 0.4375"):
+    with pytest.raises(ConfigError, match="--offload-ratio 0.46875"):
         check_fits(config, prediction, runtime)
 
 

@@ -149,9 +149,22 @@ def _all_techniques(pack: bool) -> TrainConfig:
                        memory=MemorySection(tiled_mlp=3, tiled_loss=3, mini_sequence=True, offload_checkpoints=True))
 
 
-def test_documents_that_see_each_other_through_a_linear_attention_state_are_caught():
-    """MiniMax's lightning-attention layers carry a state across a packed row; the model run on the packed row errs
-    exactly as lstune's copy does, so the reference runs each document alone."""
+def _without_lstune_mixers(monkeypatch):
+    """An injected bug: lstune's per-document token mixers (lstune.train.mixers) left out, so MiniMax's
+    lightning-attention layers carry their state across a packed row as in plain transformers."""
+    from lstune.train import mixers
+
+    monkeypatch.setattr(mixers, "install_mixers", lambda *args, **kwargs: None)
+
+
+def test_packed_documents_through_a_linear_attention_state_pass_with_lstune_mixers():
+    assert self_check.run_self_check(tiny_model("minimax"), _config(True), CPU).ok
+
+
+def test_documents_that_see_each_other_through_a_linear_attention_state_are_caught(monkeypatch):
+    """Without lstune's per-document mixers, MiniMax's lightning-attention layers carry a state across a packed row;
+    the model run on the packed row errs exactly as lstune's copy does, so the reference runs each document alone."""
+    _without_lstune_mixers(monkeypatch)
     assert self_check.run_self_check(tiny_model("minimax"), _config(False), CPU).ok
     with pytest.raises(ModelError, match=r"layer 1 \(MiniMaxDecoderLayer, layer type 'linear_attention'\).*"
                                          r"matches on one document.*train without --pack"):
@@ -159,11 +172,12 @@ def test_documents_that_see_each_other_through_a_linear_attention_state_are_caug
 
 
 def test_a_reference_on_the_packed_row_would_have_missed_the_leak(monkeypatch):
-    """The same check with the old reference (the unmodified model on the whole packed row) passes MiniMax: the
-    per-document reference is what catches it."""
+    """The same check with the old reference (the unmodified model on the whole packed row) passes the leaking MiniMax:
+    the per-document reference is what catches it."""
     def whole_row(batch):
         return [0]
 
+    _without_lstune_mixers(monkeypatch)
     monkeypatch.setattr(self_check, "_doc_starts", whole_row)
     assert self_check.run_self_check(tiny_model("minimax"), _config(True), CPU).ok
 
@@ -233,3 +247,31 @@ def test_a_multimodal_config_is_truncated_and_probed_through_its_text_config():
     assert small_text.sliding_window == 16 and small_text.vocab_size == 512
     assert self_check.named_windows(config) == {"sliding_window": text.sliding_window}
     assert text.num_hidden_layers > 6  # the model's own config is untouched
+
+
+def test_the_diagnosis_under_a_host_budget_names_the_real_mismatch(monkeypatch):
+    """Turning offload off in the diagnosis drops its --host-mem-budget too: else the variant is an invalid config
+    and the run's message is a config error about the budget instead of the technique at fault."""
+    from lstune.config.schema import MemorySection
+    from lstune.memory import mlp
+
+    original = mlp.TiledForward._run_tile
+    monkeypatch.setattr(mlp.TiledForward, "_run_tile", lambda self, x, start, end, **kw: original(
+        self, x, start, end, **kw) * 1.001)
+    config = TrainConfig(memory=MemorySection(tiled_mlp=3, offload_checkpoints=True, host_mem_budget=2**30))
+    with pytest.raises(ModelError, match="matches with --tiled-mlp off") as caught:
+        self_check.run_self_check(tiny_model("llama"), config, CPU)
+    assert "--host-mem-budget" not in str(caught.value)
+
+
+def test_a_model_wrong_only_under_sp_is_told_to_use_sp_1(monkeypatch):
+    """With every technique off it still differs, under SP: the fix to name is --sp 1, not a bug report."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(self_check, "_find_culprit", lambda *args: None)
+    result = SimpleNamespace(tokens=64, documents=1, loss_rel=1e-2, grad_rel=1e-1, first_bad_layer=None)
+    message = self_check._diagnose(None, _config(), SimpleNamespace(sp=2), {}, result)
+    assert "under sequence parallelism (--sp 2)" in message and "train with --sp 1" in message
+    assert "please report" not in message
+    single = self_check._diagnose(None, _config(), SimpleNamespace(sp=1), {}, result)
+    assert "please report" in single and "--sp 1" not in single

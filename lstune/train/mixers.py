@@ -1,0 +1,61 @@
+"""Install lstune's per-document / head-parallel token mixers (lstune.models.mixers) on a model, undoably.
+
+Here, in `train`, because it composes the model's structure (`models`), the instance patching of `memory` and the
+SP exchange of `parallel`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from lstune.models.mixers import (
+    DocumentMixer, DocumentPositions, check_token_mixers, family_of, mixer_sites, probe_mixer,
+)
+
+if TYPE_CHECKING:
+    from torch import nn
+
+log = logging.getLogger("lstune")
+
+
+@dataclass
+class MixersHandle:
+    """What `install_mixers` did; `undo()` restores every mixer's forward and removes the positions hook."""
+
+    names: list[str]
+    undos: list[Callable[[], None]]
+
+    def undo(self) -> None:
+        while self.undos:
+            self.undos.pop()()
+
+
+def install_mixers(body: "nn.Module", layers: "nn.ModuleList", *, pack: bool, exchange: Any = None,
+                   probe: bool = True) -> MixersHandle | None:
+    """Make every convolution-owning mixer in `layers` exact with packed documents (`pack`) and under SP (`exchange`,
+    lstune.parallel.ulysses.SequenceExchange, sp > 1); None when neither applies or there are none. Each installed
+    wrapper is probed against the module's own forward (`probe_mixer`); a mismatch raises ModelError."""
+    from lstune.memory.patching import patch_forward
+
+    sp = exchange.sp if exchange is not None else 1
+    sites = mixer_sites(layers)
+    if not sites or not (pack or sp > 1):
+        return None
+    check_token_mixers(layers, pack=pack, sp=sp)
+    positions = DocumentPositions(exchange if sp > 1 else None)
+    handle = MixersHandle([], [body.register_forward_pre_hook(positions.hook, with_kwargs=True).remove])
+    try:
+        for name, module in sites:
+            wrapper = DocumentMixer(module, name, module.forward, positions, family_of(module), exchange)
+            handle.undos.append(patch_forward(module, wrapper, what="per-document / head-parallel mixer"))
+            handle.names.append(name)
+            if probe:
+                probe_mixer(wrapper)
+    except BaseException:
+        handle.undo()
+        raise
+    how = "head-parallel over SP" if sp > 1 else "per packed document"
+    log.info("token mixers %s: %s", how, ", ".join(handle.names))
+    return handle

@@ -1,0 +1,171 @@
+"""Token mixers that are not attention with packed documents (one process): loss and every gradient equal plain HF
+with each document run alone (fp32), for every family transformers ships with a short convolution or a recurrent
+state; the probe, the refusals and the undo. SP is in tests/distributed/test_mixers_sp.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from lstune.errors import ModelError
+from lstune.memory.loss import causal_lm_loss_sum
+from lstune.models import mixers
+from lstune.models.attention import use_lstune_attention
+from lstune.models.introspect import find_parts
+from lstune.train.mixers import install_mixers
+from tests.support.archs import MIXER_ARCHS, tiny_model
+from tests.unit.memory._helpers import hf_loss_sum, long_batch, packed_batch, run_grads, split_documents
+
+SEQ = 70
+DOCS = [29, 24, 17]
+# Mamba-1 without attention heads (SP refused by ParallelDims), packed through their own forward per document; the
+# sweep's generic tiny configs (tests/support/arch_sweep.py).
+SWEEP_TYPES = ["mamba", "falcon_mamba"]
+
+
+def _assert_close(got, ref) -> None:
+    loss, grads = got
+    ref_loss, ref_grads = ref
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-5 * max(float(g.abs().max()), 1e-3 * scale),
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def _packed_against_each_document(model) -> None:
+    batch = packed_batch(DOCS)
+    reference = run_grads(copy.deepcopy(model), hf_loss_sum, split_documents(batch, DOCS))
+    parts = find_parts(model)
+    handle = install_mixers(parts.body, parts.layers, pack=True)
+    assert handle is not None and handle.names
+    use_lstune_attention(model, backend="sdpa")
+    _assert_close(run_grads(model, causal_lm_loss_sum, [batch]), reference)
+
+
+@pytest.mark.parametrize("model_type", list(MIXER_ARCHS))
+def test_packed_documents_are_exact(model_type):
+    _packed_against_each_document(tiny_model(model_type))
+
+
+@pytest.mark.parametrize("model_type", SWEEP_TYPES)
+def test_packed_documents_are_exact_for_families_without_an_sp_plan(model_type):
+    from tests.support import arch_sweep
+
+    model, problem = arch_sweep.build(model_type)
+    if model is None:
+        pytest.skip(problem)
+    _packed_against_each_document(model)
+
+
+def test_packed_documents_are_exact_with_lora():
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False)
+    _packed_against_each_document(get_peft_model(tiny_model("qwen3_next"), config))
+
+
+def test_without_lstune_the_packed_documents_leak():
+    """The comparison can fail: the plain model on the packed row differs from each document alone."""
+    model = tiny_model("qwen3_next")
+    batch = packed_batch(DOCS)
+    reference = run_grads(copy.deepcopy(model), hf_loss_sum, split_documents(batch, DOCS))
+    use_lstune_attention(model, backend="sdpa")
+    with pytest.raises(AssertionError):
+        _assert_close(run_grads(model, causal_lm_loss_sum, [batch]), reference)
+
+
+def test_one_long_sample_is_unchanged():
+    model = tiny_model("bamba")
+    batch = long_batch(SEQ)
+    reference = run_grads(copy.deepcopy(model), hf_loss_sum, [batch])
+    parts = find_parts(model)
+    install_mixers(parts.body, parts.layers, pack=True)
+    use_lstune_attention(model, backend="sdpa")
+    _assert_close(run_grads(model, causal_lm_loss_sum, [batch]), reference)
+
+
+def test_undo_restores_every_mixer_and_the_hook():
+    model = tiny_model("qwen3_next")
+    parts = find_parts(model)
+    hooks = dict(parts.body._forward_pre_hooks)
+    handle = install_mixers(parts.body, parts.layers, pack=True)
+    module = parts.layers[0].linear_attn
+    assert isinstance(vars(module)["forward"], mixers.DocumentMixer)
+    handle.undo()
+    assert "forward" not in vars(module)
+    assert dict(parts.body._forward_pre_hooks) == hooks
+
+
+def test_nothing_is_installed_for_one_sample_on_one_process():
+    parts = find_parts(tiny_model("qwen3_next"))
+    assert install_mixers(parts.body, parts.layers, pack=False) is None
+
+
+def test_the_probe_refuses_a_wrong_per_document_run(monkeypatch):
+    monkeypatch.setattr(mixers, "_per_document", lambda run, x, spans: run(x))  # documents ignored
+    parts = find_parts(tiny_model("lfm2"))
+    with pytest.raises(ModelError, match=r"layers\.0\.conv \(Lfm2ShortConv\) differs from its own forward"):
+        install_mixers(parts.body, parts.layers, pack=True)
+    assert "forward" not in vars(parts.layers[0].conv)  # undone on refusal
+
+
+def test_a_mixer_without_a_head_parallel_plan_is_refused_under_sp_with_its_name():
+    from tests.support import arch_sweep
+
+    model, problem = arch_sweep.build("mamba")
+    if model is None:
+        pytest.skip(problem)
+    with pytest.raises(ModelError, match=r"layers\.\d\.mixer \(MambaMixer\).*--sp 1"):
+        mixers.check_token_mixers(find_parts(model).layers, pack=False, sp=2)
+
+
+def test_every_sp_family_is_recognised_structurally():
+    names = {t: {mixers.family_of(m).name for _, m in mixers.mixer_sites(find_parts(tiny_model(t)).layers)}
+             for t in MIXER_ARCHS}
+    assert names == {"qwen3_next": {"Gated DeltaNet"}, "qwen3_5_text": {"Gated DeltaNet"},
+                     "qwen3_5_moe_text": {"Gated DeltaNet"}, "bamba": {"Mamba-2"}, "granitemoehybrid": {"Mamba-2"},
+                     "falcon_h1": {"Mamba-2"}, "nemotron_h": {"Mamba-2"}, "lfm2": {"ShortConv"},
+                     "kimi_linear": {"KDA"}, "jamba": {"Mamba-1"}, "minimax": {"lightning attention"}}
+
+
+def test_a_cached_call_is_refused():
+    model = tiny_model("lfm2")
+    parts = find_parts(model)
+    install_mixers(parts.body, parts.layers, pack=True)
+    with pytest.raises(ModelError, match="cache"):
+        parts.layers[0].conv(torch.zeros(1, 4, 32), cache=object())
+
+
+def test_a_meta_model_gets_its_mixers_without_a_probe():
+    """The estimator's models have no values: the mixers are installed (their memory is traced), the probe skipped."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.archs import tiny_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"))
+    parts = find_parts(model)
+    assert install_mixers(parts.body, parts.layers, pack=True).names == ["layers.0.linear_attn"]
+
+
+def test_chunked_attention_under_sp_is_refused_on_a_model_with_mixers():
+    """FPDT's layout gives each rank non-contiguous pieces, which the head-parallel mixers cannot take."""
+    from types import SimpleNamespace
+
+    from lstune.models.chunk_layout import AttentionChunks
+    from lstune.train.mixers import MixersHandle
+    from lstune.train.prepare import _check_mixer_layout
+
+    undone = []
+    memory = SimpleNamespace(attn_chunking=AttentionChunks(setting=3), undo=lambda: undone.append(True))
+    handle = MixersHandle(["layers.0.linear_attn"], [])
+    _check_mixer_layout(handle, memory, sp=1)
+    _check_mixer_layout(handle, SimpleNamespace(attn_chunking=AttentionChunks()), sp=2)
+    with pytest.raises(ModelError, match=r"layers\.0\.linear_attn.*--attn-chunks off, or --sp 1"):
+        _check_mixer_layout(handle, memory, sp=2)
+    assert undone == [True]
