@@ -406,7 +406,7 @@ def _torch_backward(q5, k4, v4, dout5, lse, delta, allowed, scale, softcap) -> t
         scores, capped = _scores(q_t, k4, allowed[..., a:b, :], scale, softcap)
         probs = torch.exp(scores - _finite(lse[..., a:b])[..., None])
         dv = dv + torch.matmul(probs.transpose(-1, -2).to(dout_t.dtype), dout_t).float().sum(2)
-        dprobs = torch.matmul(dout_t, v4[:, :, None].transpose(-1, -2)).float()
+        dprobs = torch.matmul(dout_t, v4[:, :, None].transpose(-1, -2).to(dout_t.dtype)).float()
         dscores = probs * (dprobs - delta[..., a:b, None])
         if capped is not None:
             dscores = dscores * (1 - capped * capped)
