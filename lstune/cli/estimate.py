@@ -193,8 +193,12 @@ def _render(e) -> None:
               f"residual stream {_dt(d['residual'])}, activations {_dt(d['act'])}")
     p = e.params
     con.print(f"parameters: {p.frozen:,} frozen, {p.trainable:,} trainable; checkpoints "
-              f"{b.checkpoint_bytes_per_token_layer:,} B per token per layer; the training state a checkpoint saves takes "
-              f"at least {human_bytes(e.saved_checkpoint_min_bytes)} of disk")
+              f"{b.checkpoint_bytes_per_token_layer:,} B per token per layer"
+              + (f", attention's output kept beside them: {b.attention_saved_bytes_per_token_layer:,} B per token per "
+                 f"layer ({b.attention_saved_layers} layers; not recomputed)" if b.attention_saved_layers else
+                 ", attention recomputed in backward")
+              + f"; the training state a checkpoint saves takes at least {human_bytes(e.saved_checkpoint_min_bytes)} "
+              "of disk")
     if e.memory_choice is not None:
         con.print(f"memory: {e.memory_choice.describe()}")
     table = Table(title=f"per rank (peak in the {b.phase})", title_justify="left")

@@ -317,6 +317,14 @@ class MemorySection:
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
+    recompute_attention: str = _opt(
+        "auto",
+        "'on': backward re-runs attention's forward with each checkpointed layer; 'off': attention's output and "
+        "log-sum-exp are kept beside the checkpoint instead (on the host if it is offloaded), skipping that O(seq²) "
+        "work. 'auto': off where the estimate says the bytes fit, on at the longest lengths.",
+        partial(p.parse_choice, choices=("auto", "on", "off")),
+        metavar="auto|on|off",
+    )
 
     def problems(self) -> list[str]:
         problems = [
@@ -337,6 +345,11 @@ class MemorySection:
         if budget is not None and self.offload_checkpoints is False:
             problems.append("--host-mem-budget caps offloaded checkpoints: add --offload-checkpoints, or drop it.")
         problems += _device_budget_problems(self.checkpoint_device_budget, self.checkpointing)
+        if self.recompute_attention not in ("auto", "on", "off"):
+            problems.append(f"--recompute-attention must be auto, on or off, not {self.recompute_attention!r}.")
+        elif self.recompute_attention == "off" and not self.checkpointing:
+            problems.append("--recompute-attention off keeps attention's output beside each layer's checkpoint: it "
+                            "needs --checkpointing on (without checkpointing nothing is recomputed), or drop it.")
         return problems
 
 

@@ -92,13 +92,14 @@ class MemoryChoice:
         offload = "offloaded checkpoints" if m.offload_checkpoints else "no checkpoint offload"
         chunks = "" if m.attn_chunks == "off" else f", attention in {m.attn_chunks} chunks"
         mini = ", mini-sequence" if m.mini_sequence else ""
-        return f"tiled MLP {m.tiled_mlp}, tiled loss {m.tiled_loss}{mini}, {offload}{chunks} ({self.reason})"
+        kept = ", attention's output kept (not recomputed)" if m.recompute_attention == "off" else ""
+        return f"tiled MLP {m.tiled_mlp}, tiled loss {m.tiled_loss}{mini}, {offload}{chunks}{kept} ({self.reason})"
 
     def to_dict(self) -> dict:
         m = self.memory
         return {"tiled_mlp": m.tiled_mlp, "tiled_loss": m.tiled_loss, "mini_sequence": m.mini_sequence,
                 "offload_checkpoints": m.offload_checkpoints, "attn_chunks": m.attn_chunks,
-                "host_mem_budget": m.host_mem_budget,
+                "recompute_attention": m.recompute_attention, "host_mem_budget": m.host_mem_budget,
                 "checkpoint_device_budget": m.checkpoint_device_budget, "reason": self.reason}
 
 
@@ -129,21 +130,52 @@ def choose_memory(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
     # When nothing fits, offload and chunks still lower the device peak, but only where the host holds them.
     host_ok = [i for i, b in enumerate(peaks) if b.host_peak * hardware.gpus <= host_limit(hardware)] or [0]
     pick = fitting[0] if fitting else min(host_ok, key=lambda i: peaks[i].device_peak)
+    saving = _saving_pick(config, hardware, shape, params, options, placed, pick)
+    moved = saving is not None and saving != pick
+    if saving is not None:  # --recompute-attention auto: attention's output kept, checkpoints offloaded if need be
+        pick = saving
     (offload, chunks, mini), (base, budgets) = options[pick], placed[pick]
+    if saving is not None:
+        base = replace(base, save_attention=True)
     mlp, loss, settled = _choose_tiles(resolved(config, chunks, mini), hardware, shape, params, base)
     reason = (f"the fewest tiles keeping the peak within {AUTO_HEADROOM:.0%} of the device" if settled
               else f"ALST's tiles: the peak is above {AUTO_HEADROOM:.0%} of the device even so")
     if offload and config.memory.offload_checkpoints == "auto":
-        reason += "; checkpoints offloaded: it does not fit the device without"
+        reason += ("; checkpoints offloaded: attention's kept output goes to the host with them" if moved
+                   else "; checkpoints offloaded: it does not fit the device without")
     if mini and config.memory.mini_sequence == "auto":
         reason += "; mini-sequence: it does not fit the device without"
     if chunks != "off" and config.memory.attn_chunks == "auto":
         reason += f"; attention in {chunks} chunks: " + ("the fewest that fit" if fitting else "the lowest device peak the host holds")
     reason += f"; checkpoint budgets: {budgets}" if budgets else ""
+    if config.memory.recompute_attention == "auto" and config.memory.checkpointing:
+        reason += ("; attention's output kept beside the checkpoints: the extra bytes fit" if base.save_attention
+                   else "; attention recomputed in backward: keeping its output would not fit")
     memory = replace(config.memory, tiled_mlp=mlp, tiled_loss=loss, offload_checkpoints=offload, attn_chunks=chunks,
                      mini_sequence=mini, host_mem_budget=base.host_mem_budget,
-                     checkpoint_device_budget=base.checkpoint_device_budget)
+                     checkpoint_device_budget=base.checkpoint_device_budget,
+                     recompute_attention="off" if base.save_attention else "on")
     return MemoryChoice(memory, reason)
+
+
+def _saving_pick(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, options: list,
+                 placed: list, pick: int) -> int | None:
+    """--recompute-attention auto: the option (of `options`, with their `placed` settings) that keeps attention's
+    output (lstune.memory.attention_saved) — the pick itself, or the same attention chunks and mini-sequence with
+    checkpoints offloaded (the kept output goes to the host with them) — whose device peak stays within
+    the device target auto tiles keep (`device_target`: AUTO_HEADROOM, or the margin where it asks more) and whose
+    peaks fit with the margin (`fits`); None (recompute) when none does: at the longest lengths.
+    Neither more chunks nor mini-sequence are taken on to keep the attention forward: they cost about as much."""
+    m = config.memory
+    if m.recompute_attention != "auto" or not m.checkpointing or shape.sinks:  # sinks: recomputed (attention_saved)
+        return None
+    _, chunks, mini = options[pick]
+    same = [pick] + [i for i, (_, c, n) in enumerate(options) if c == chunks and n == mini and i != pick]
+    for i in same:
+        b = breakdown(shape, params, replace(placed[i][0], save_attention=True))
+        if fits(b, hardware) and b.device_peak <= device_target(hardware, b):  # the margin, as auto tiles keep it
+            return i
+    return None
 
 
 def placed_settings(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int,

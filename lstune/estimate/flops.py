@@ -10,7 +10,8 @@ layers, `ModelShape.mixers`, cost their recurrence, 4 FLOPs per state element an
 `model` is the MFU numerator: forward + backward, no recompute. `hardware` adds what lstune runs again:
 checkpointing's second forward of every layer, the tiled MLP's recompute of each tile in backward, the tiled
 loss head's recompute of the logits, attention kernels' own backward recompute (FlashAttention's backward
-is 2.5 × its forward, the convention of the rates in lstune.estimate.hardware), and under chunked attention
+is 2.5 × its forward, the convention of the rates in lstune.estimate.hardware) — checkpointing's second forward
+leaves attention out for layers that keep its output (`--recompute-attention off`) —, and under chunked attention
 (FPDT, lstune.memory.attention_chunks) two more forwards of the attention block's projections (q, k, v, o and their
 adapters): it runs them per chunk in forward, once to replay the output gradient and once to backpropagate.
 """
@@ -45,11 +46,14 @@ class StepFlops:
 def step_flops(
     model_config: Any, seq_len: int, *, lora: bool, checkpointing: bool, lora_r: int = 16,
     tiled_mlp: bool = False, tiled_loss: bool = False, extra_layer_forwards: int = 0, attn_chunked: bool = False,
+    attention_saved_layers: int = 0,
 ) -> StepFlops:
     """FLOPs of a step over one sequence of `seq_len` tokens (module doc). `lora`: LoRA of rank `lora_r` on every
     linear layer but the head (adapter FLOPs are r·(in + out) per linear); `tiled_mlp` / `tiled_loss`: their
     recompute counts in `hardware`; `extra_layer_forwards`: layers whose checkpoint is not stored, re-run once more in
-    backward (lstune.memory.placement); `attn_chunked`: attention in chunks (module doc)."""
+    backward (lstune.memory.placement); `attn_chunked`: attention in chunks (module doc); `attention_saved_layers`:
+    checkpointed layers whose attention output is kept (`--recompute-attention off`, lstune.memory.attention_saved):
+    their recompute runs no attention forward."""
     shape = ModelShape.from_config(model_config)
     s = seq_len
     layer_fwd = 2 * shape.layer_matmul_params() * s * shape.layers
@@ -75,7 +79,10 @@ def step_flops(
     placed = extra_layer_forwards / shape.layers
     extra = placed * (layer_fwd + adapter_fwd + attention_fwd)
     recompute += placed * (layer_fwd + adapter_fwd)
-    attention_hw = attention_fwd * (1 + ATTENTION_BACKWARD_KERNEL + (1 if checkpointing else 0) + placed)
+    # A hybrid's attention forward is its softmax layers' alone (issue 34b), and only those keep an output.
+    softmax_layers = sum(m in ("attention", "hybrid") for m in shape.mixers) if shape.mixers else shape.layers
+    rerun = 1 - min(attention_saved_layers, softmax_layers) / max(softmax_layers, 1) if checkpointing else 0
+    attention_hw = attention_fwd * (1 + ATTENTION_BACKWARD_KERNEL + rerun + placed)
     matmul_hw = matmul_model + recompute
     return StepFlops(float(model), float(matmul_hw + attention_hw), float(matmul_hw), float(attention_hw), s,
                      float(extra))

@@ -118,6 +118,7 @@ class Settings:
     lora_dropout: float = 0.0  # > 0: each adapter's cast + dropout replays in backward (`_lora_dropout_replay`)
     ring: int = 1  # the ring-attention part of sp (lstune.memory.attention_ring); sp // ring Ulysses ranks
     cuda_context: bool = True  # the CUDA context and allocator reserve counted (on CUDA); the trace sees tensors only
+    save_attention: bool = False  # --recompute-attention off, resolved: attention's output kept per layer
 
     @property
     def local_tokens(self) -> int:
@@ -147,6 +148,8 @@ class Breakdown:
     phase: str = ""  # where the activation peak sits: "loss head" or "layer backward"
     dtypes: dict = field(default_factory=dict)
     checkpoint_bytes_per_token_layer: int = 0
+    attention_saved_bytes_per_token_layer: int = 0  # --recompute-attention off: what each layer keeps besides
+    attention_saved_layers: int = 0  # layers whose attention output is kept (their recompute runs no attention)
     placement: Any = None  # the checkpoint placement (lstune.memory.placement), None without an offloader
     # Device bytes the peak would shed with no checkpoint on the device (the phase peaking without them may differ).
     checkpoint_share: int = 0
@@ -430,12 +433,14 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
         held = f"{n:g}" if n == int(n) else f"{n:.2f} checkpoints' worth"
         return (f"activation checkpoints: {held} on the device; {where}", round(n * ckpt))
 
+    kept = _saved_attention(b, shape, s, placed.placement, act, res)
     phases = [
-        Phase("loss head", [checkpoints(placed.kept_fwd), *_loss_parts(shape, s, act, res)], head_grad),
-        Phase("layer backward", [checkpoints(placed.kept_bwd), *layer], head_grad + layer_grad),  # the last layer's
+        Phase("loss head", [checkpoints(placed.kept_fwd), *_loss_parts(shape, s, act, res), kept("fwd")], head_grad),
+        Phase("layer backward", [checkpoints(placed.kept_bwd), *layer, kept("bwd")], head_grad + layer_grad),
         # The first layer's backward: one checkpoint left, every layer's gradients (they matter in a full fine-tune).
-        Phase("first layer's backward", [checkpoints(1), *layer], head_grad + shape.layers * layer_grad),
-        *_embedding_backward(shape, s, res, all_grad, [checkpoints(0)]),
+        Phase("first layer's backward", [checkpoints(1), *layer, kept("first")],
+              head_grad + shape.layers * layer_grad),
+        *_embedding_backward(shape, s, res, all_grad, [checkpoints(0)]),  # every layer's kept output freed by then
         Phase("optimizer step", [checkpoints(0)], all_grad),
     ]
     _add_peak_phase(b, s, phases, all_grad, placed.host)
@@ -445,6 +450,45 @@ def _activations(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -
             "; pinned in power-of-two pieces (only a last piece under 1 MiB rounded up)" if s.on_cuda else "")
         b.add("attention chunks on the host (FPDT, the live layer's)", 0, chunk_host_bytes(shape, s), detail)
     b.add("LoRA intermediates", t * act * s.lora_r * 2 * (p.adapted_linears // max(shape.layers, 1)) if s.lora_r else 0)
+
+
+def _saved_attention(b: Breakdown, shape: ModelShape, s: Settings, placement, act: int, res: int):
+    """--recompute-attention off (lstune.memory.attention_saved): per layer whose checkpoint is stored, attention's
+    output in the activation dtype and its fp32 lse (chunked attention: its chunk store — k, v, output, lse — and the
+    token ids), kept from its forward to its backward beside the checkpoint (softmax-attention layers only; none with
+    sinks, which are recomputed): on the host where the checkpoint has a host part (chunked: where the chunks go),
+    else on the device. Adds the host bytes to `b`; returns the device part
+    at a phase ("fwd": every device layer's; "bwd": also the last layer's fetched back; "first": layer 0's alone)."""
+    if not s.save_attention or shape.sinks:  # sinks (gpt-oss): lstune.memory.attention_saved recomputes those layers
+        return lambda phase: ("saved attention (none: recomputed)", 0)
+    t = s.local_tokens
+    if s.attn_chunk_count > 1:
+        per_token_host = _chunks_saved_per_token(shape, act, res) if s.offload_checkpoints else 0
+        per_token_device = 16 + (0 if s.offload_checkpoints else _chunks_saved_per_token(shape, act, res))
+    else:
+        per_token_host = per_token_device = shape.q_width * act + 4 * shape.heads
+    fractions = placement.host_fraction if placement is not None else (0.0,) * shape.layers
+    # Only softmax attention keeps an output: a hybrid's linear / MLP-only layers have none to keep (issue 34b).
+    mixers = shape.mixers or ("attention",) * shape.layers
+    stored = [a for a, mixer in zip(fractions, mixers) if a is not None and mixer in ("attention", "hybrid")]
+    host_layers = sum(1 for a in stored if a) if s.attn_chunk_count <= 1 else (len(stored) if per_token_host else 0)
+    device_layers = len(stored) - host_layers if s.attn_chunk_count <= 1 else len(stored)
+    b.attention_saved_layers = len(stored)
+    b.attention_saved_bytes_per_token_layer = max(per_token_host, per_token_device)
+    if host_layers and per_token_host:
+        one = host_copy_bytes(t * per_token_host // act, act, pinned=s.on_cuda) if s.attn_chunk_count <= 1 else (
+            t * per_token_host)
+        b.add("saved attention on the host (output, lse)", 0, host_layers * one,
+              f"{host_layers} layers × {per_token_host:,} B/token, beside their offloaded checkpoints")
+    layer = t * per_token_device if device_layers else 0
+    fetched = t * per_token_host if host_layers and s.attn_chunk_count <= 1 else 0
+    counts = {"fwd": device_layers * layer, "bwd": device_layers * layer + fetched, "first": max(layer, fetched)}
+    where = f"{device_layers} layers × {per_token_device:,} B/token on the device"
+
+    def kept(phase: str) -> tuple[str, int]:
+        return (f"saved attention (output, lse; --recompute-attention off): {where}", counts[phase])
+
+    return kept
 
 
 @dataclass

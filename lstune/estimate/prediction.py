@@ -130,6 +130,8 @@ class Estimate:
             "parameters": self.params.to_dict(), "breakdown": [i.to_dict() for i in self.breakdown.items],
             "peak_phase": self.breakdown.phase,
             "checkpoint_bytes_per_token_layer": self.breakdown.checkpoint_bytes_per_token_layer,
+            "recompute_attention": "off" if self.breakdown.attention_saved_layers else "on",
+            "attention_saved_bytes_per_token_layer": self.breakdown.attention_saved_bytes_per_token_layer,
             "device_peak_bytes": self.device_peak_bytes, "device_capacity_bytes": self.device_capacity,
             "host_peak_bytes": self.host_peak_bytes, "host_capacity_bytes": self.host_capacity,
             "fits": self.fits, "fits_device": self.fits_device, "fits_host": self.fits_host, "verdict": self.verdict(),
@@ -195,7 +197,7 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
                        checkpointing=config.memory.checkpointing, lora_r=config.model.lora_r or 16,
                        tiled_mlp=config.memory.tiled_mlp != "off", tiled_loss=loss_backend(s) not in ("off",),
                        extra_layer_forwards=extra_layer_forwards(b.placement),  # issue 14: recomputed checkpoints
-                       attn_chunked=chunks > 1)
+                       attn_chunked=chunks > 1, attention_saved_layers=b.attention_saved_layers)
     flops = _scaled(flops, config.optim.micro_batch_size)
     rounds = micro_batches_per_step(config, sp)
     copies = _repeated(step_copies(shape, s, b, flops, hardware, chunks), rounds)

@@ -76,6 +76,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
     config says so outright, 'auto' being the estimate's choice, `choose_memory`)."""
     m = config.memory
     offload = m.offload_checkpoints is True if offload is None else offload
+    ring = resolve_ring(config, hardware, sp) if sp > 1 else 1
     return Settings(
         seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp, world=hardware.world_size,
         engine=engine, lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout, on_cuda=hardware.on_cuda,
@@ -83,7 +84,9 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
         checkpoint_device_budget=m.checkpoint_device_budget, attn_chunks=m.attn_chunks,
-        ring=resolve_ring(config, hardware, sp) if sp > 1 else 1,
+        ring=ring,
+        # ring attention (Ulysses' core under --sp-ring) never reaches the saver: its layers recompute
+        save_attention=m.checkpointing and m.recompute_attention == "off" and ring == 1,
         **(TRACED if hardware.traced else {}),
     )
 

@@ -25,6 +25,7 @@ from lstune.errors import ConfigError, UserError
 from lstune.memory import attention_chunks as chunked_attn
 from lstune.memory import checkpoint as ckpt
 from lstune.memory import mlp as tiled_mlp_mod
+from lstune.memory.host_copies import reserve_pinned
 from lstune.memory.lora_inputs import share_lora_inputs
 from lstune.memory.loss import (
     LossTiles,
@@ -72,6 +73,7 @@ class MemoryPlan:
     loss_backend: str = "tiled"  # "liger" | "tiled" | "plain"
     final_norm_fused: bool = False  # the body's final norm runs in the loss tiles (loss.fuse_final_norm)
     checkpointing: bool = False
+    save_attention: bool = False  # attention's output and lse kept beside each checkpoint (memory.attention_saved)
     offload: bool = False
     offload_note: str = ""
     offloader: ckpt.CheckpointOffloader | None = None
@@ -93,6 +95,7 @@ class MemoryPlan:
             "tiled_loss": {"setting": loss_policy, "tiles": self.loss_tiles_at_seq_len, "backend": self.loss_backend,
                            "final_norm_fused": self.final_norm_fused},
             "checkpointing": self.checkpointing,
+            "recompute_attention": "off" if self.save_attention else ("on" if self.checkpointing else None),
             "offload_checkpoints": {"enabled": self.offload, "note": self.offload_note},
             "attn_chunks": {"setting": self.attn_chunks, "chunks": self.attn_chunks_at_seq_len},
             "checkpoint_placement": self._placement_summary(),
@@ -104,6 +107,45 @@ class MemoryPlan:
             return None
         # A checkpointed step runs each layer forward, again in backward, and backward (~2 forwards): 4 per layer.
         return self.placement.summary(step_layer_forwards=4 * self.placement.n_layers)
+
+    def host_copies(self, micro_batch: int = 1) -> list[tuple[int, torch.dtype]]:
+        """(numel, dtype) of every host copy one step of `micro_batch` samples of `seq_len` tokens makes at once:
+        each offloaded checkpoint's host part and, with attention saved, its layer's output and lse; with chunked
+        attention offloaded, the saved chunks (k, v, output, lse) of every layer when attention is saved, else of
+        the live layer, and the live layer's backward chunks (q, dO, dq; not the PyTorch kernel's rowsums, a
+        hundredth of them). What `reserve_host` pins before the first step; under Ulysses sizes assume the heads
+        divide evenly (copies of other sizes are pinned when first made, as before)."""
+        if self.parts is None or not self.checkpointing:
+            return []
+        config, tokens = self.parts.text_config, micro_batch * self.seq_len
+        param = next(p for p in self.parts.layers[0].parameters() if p.is_floating_point())
+        dtype, heads, q_width, kv_width = param.dtype, *_attention_sizes(config)
+        fractions = self.placement.host_fraction if self.placement is not None else ()
+        copies: list[tuple[int, torch.dtype]] = []
+        for fraction in fractions:
+            if fraction:
+                copies.append((micro_batch * math.floor(fraction * self.seq_len + 1e-6) * config.hidden_size, dtype))
+                if self.save_attention and self.attn_chunks_at_seq_len <= 1 and heads:
+                    copies += [(tokens * q_width, dtype), (tokens * heads, torch.float32)]
+        if self.offload and self.attn_chunks_at_seq_len > 1 and heads:
+            layers = sum(a is not None for a in fractions) if self.save_attention else 1
+            c, chunks = tokens // self.attn_chunks_at_seq_len, self.attn_chunks_at_seq_len
+            saved = [(c * kv_width, dtype), (c * kv_width, dtype), (c * q_width, dtype), (c * heads, torch.float32)]
+            # The live layer's backward: q, dO and the fp32 dq accumulator of each chunk (the 8-chunk profile of
+            # docs/benchmarks/2026-11-26-h200-c still pinned 8 blocks in a steady step: 0.35 s of cudaHostAlloc).
+            stored = [(c * q_width, dtype), (c * q_width, dtype), (c * q_width, torch.float32)]
+            copies += saved * (chunks * layers) + stored * chunks
+        return copies
+
+    def reserve_host(self, micro_batch: int = 1) -> int:
+        """Pin the blocks of `host_copies` before the first step (host_copies.reserve_pinned), on CUDA; the bytes."""
+        param = next(self.parts.lm.parameters(), None) if self.parts is not None else None
+        if param is None or param.device.type != "cuda":
+            return 0
+        nbytes = reserve_pinned(self.host_copies(micro_batch))
+        if nbytes:
+            logger.info("host copies: %.1f GiB pinned before the first step", nbytes / 2**30)
+        return nbytes
 
     def loss_sum(self, model: "nn.Module", batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """`causal_lm_loss_sum` with this plan's loss tiles and parts (`model` may be an engine's view of it)."""
@@ -364,10 +406,13 @@ def _apply_checkpointing(model, plan: MemoryPlan, memory: MemorySection) -> None
             _note(plan, note)
         budget = memory.host_mem_budget if plan.offload else 0
         plan.offloader = ckpt.CheckpointOffloader(len(layers), host_mem_budget=budget, placement=plan.placement)
-    plan._undos.extend(ckpt.install_checkpointing(layers, plan.offloader))
+    # 'auto' is the estimate's to resolve (lstune.estimate.choose_memory); unresolved, attention is recomputed.
+    plan.save_attention = memory.recompute_attention == "off"
+    plan._undos.extend(ckpt.install_checkpointing(layers, plan.offloader, save_attention=plan.save_attention))
     placed = f"; placement: {plan.placement.describe()}" if plan.placement else ""
-    logger.info("checkpointing: %d layers%s%s", len(layers),
-                f"; {plan.offload_note}" if memory.offload_checkpoints is True else "", placed)
+    logger.info("checkpointing: %d layers%s%s%s", len(layers),
+                f"; {plan.offload_note}" if memory.offload_checkpoints is True else "", placed,
+                "; attention's output saved, not recomputed" if plan.save_attention else "")
 
 
 def checkpoint_placement(parts: ModelParts, seq_len: int, memory: MemorySection, *, offload: bool) -> CheckpointPlacement:
@@ -416,6 +461,17 @@ def _attention_width(config) -> int:
 
     heads = attention_heads(config)
     return 0 if heads is None else heads[0] * heads[2]
+
+
+def _attention_sizes(config) -> tuple[int, int, int]:
+    """(query heads, q width, kv width) of a text config; zeros without attention."""
+    from lstune.models.introspect import attention_heads
+
+    heads = attention_heads(config)
+    if heads is None:
+        return 0, 0, 0
+    q_heads, kv_heads, head_dim = heads
+    return q_heads, q_heads * head_dim, kv_heads * head_dim
 
 
 def _warn_untiled_overflow(plan: MemoryPlan) -> None:

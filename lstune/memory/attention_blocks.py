@@ -406,7 +406,7 @@ def _torch_backward(q5, k4, v4, dout5, lse, delta, allowed, scale, softcap) -> t
         scores, capped = _scores(q_t, k4, allowed[..., a:b, :], scale, softcap)
         probs = torch.exp(scores - _finite(lse[..., a:b])[..., None])
         dv = dv + torch.matmul(probs.transpose(-1, -2).to(dout_t.dtype), dout_t).float().sum(2)
-        dprobs = torch.matmul(dout_t, v4[:, :, None].transpose(-1, -2)).float()
+        dprobs = torch.matmul(dout_t, v4[:, :, None].transpose(-1, -2).to(dout_t.dtype)).float()
         dscores = probs * (dprobs - delta[..., a:b, None])
         if capped is not None:
             dscores = dscores * (1 - capped * capped)
@@ -414,3 +414,59 @@ def _torch_backward(q5, k4, v4, dout5, lse, delta, allowed, scale, softcap) -> t
         dqs.append(torch.matmul(dscores.to(k4.dtype), k4[:, :, None]).float())
         dk = dk + torch.matmul(dscores.transpose(-1, -2).to(q_t.dtype), q_t).float().sum(2)
     return torch.cat(dqs, dim=3), dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Whole spans with the fused ops: saved attention (lstune.memory.attention_saved)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def span_dtype(q4: Tensor, k4: Tensor, v4: Tensor) -> torch.dtype | None:
+    """The dtype a span runs in (`_compute_dtype`: autocast's, else q/k/v's common one; None if they differ)."""
+    return _compute_dtype(q4, k4, v4)
+
+
+def span_forward(ops: FlashOps, q4: Tensor, k4: Tensor, v4: Tensor, causal: bool, scale: float,
+                 dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """q4 [B, H, t, D] against k4/v4 [B, H_kv, t, D] with `ops` in `dtype`: (out [B, H, t, D] in `dtype`, lse
+    [B, H, t] fp32). Unlike the blocks' kernels the output is not upcast: a span is a whole document, not a partial
+    result to merge."""
+    group = q4.shape[1] // k4.shape[1]
+    out4, lse = ops.forward(q4.to(dtype), _heads(ops, k4.to(dtype), group), _heads(ops, v4.to(dtype), group),
+                            causal, scale)
+    return out4, lse.float().reshape(q4.shape[:3])
+
+
+def span_backward(ops: FlashOps, dout4: Tensor, q4: Tensor, k4: Tensor, v4: Tensor, out4: Tensor, lse: Tensor,
+                  causal: bool, scale: float, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """`span_forward`'s backward from its saved (out, lse): (dq [B, H, t, D], dk, dv [B, H_kv, t, D]) in `dtype`
+    (fp32 sums over each kv head's query heads where the ops take no GQA)."""
+    batch, heads, t, _ = q4.shape
+    kv_heads = k4.shape[1]
+    group = heads // kv_heads
+    lse3 = lse.to(torch.promote_types(dtype, torch.float32)).contiguous()
+    dq, dk, dv = ops.backward(dout4.to(dtype), q4.to(dtype), _heads(ops, k4.to(dtype), group),
+                              _heads(ops, v4.to(dtype), group), out4.to(dtype), lse3, causal, scale)
+    if dk.shape[1] != kv_heads:
+        dk, dv = (x.float().reshape(batch, kv_heads, group, *x.shape[2:]).sum(2).to(dtype) for x in (dk, dv))
+    return dq, dk, dv
+
+
+def span_call(run: Callable, device: torch.device, dtype: torch.dtype, head_dim: int, *args):
+    """`run(ops, *args)` (`span_forward` / `span_backward`) with the device's first usable ops for `dtype`; ops that
+    raise on this span (a shape they refuse, not running out of memory) are dropped for the run and the next ops take
+    it, as `_with_fallback` does for blocks (the probe found each equal to the PyTorch kernel, so a backward may run on
+    other ops than its forward)."""
+    failed: RuntimeError | None = None
+    while (ops := flash_ops(device, dtype, head_dim)) is not None:
+        try:
+            return run(ops, *args)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as failure:
+            failed = failure
+            logger.warning("saved attention: %s's %s attention op failed on a %s span of %s (%s); using the next op "
+                           "if there is one, for the rest of the run.", device, ops.name, dtype, tuple(args[0].shape),
+                           failure)
+            _PROBED[(str(device), dtype, head_dim, ops)] = False
+    raise failed or RuntimeError(f"saved attention: no attention op left for {dtype} spans on {device}")

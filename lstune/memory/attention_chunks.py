@@ -69,6 +69,7 @@ from torch.autograd.function import once_differentiable
 
 from lstune.errors import DataError, ModelError, UserError
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
+from lstune.memory.attention_saved import LayerSaves, current_saves
 from lstune.memory.offload_math import (  # noqa: F401  (re-exported: chunked attention's sizes live with their math)
     auto_chunk_tokens, chunk_count, offload_copy_bytes)
 from lstune.memory.host_copies import HostBlocks
@@ -352,6 +353,8 @@ class _ChunkSink:
             store.put(("lse", m), lse)
             return _out_layout(out5)
         out_BnHD = _out_layout(store.get(("o", m), query.device))
+        if self.mode == "saved":  # a checkpoint's recompute with the layer's first forward saved (attention_saved)
+            return out_BnHD
         if self.mode == "replay":
             store.put(("q", m), _to5(query.detach(), key.shape[1]))
             self.leaf = out_BnHD.requires_grad_()
@@ -673,17 +676,33 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
         ctx.autocast = _autocast_state(hidden_BSD.device.type)
         ctx.rng = []
         spec.sink.sources = {}
+        # With attention saved (lstune.memory.attention_saved) the layer's first forward keeps the store beside its
+        # checkpoint, and checkpoint's recompute runs the chunks on it with no attention kernel ("saved").
+        saves = current_saves()
+        ctx.entry, fresh = saves.next_entry() if saves is not None else (None, True)
+        fresh = fresh or ctx.entry.chunks is None  # the first forward kept nothing (attention sinks): recomputed
+        if not fresh:
+            ctx.layout, saved, sources, spec.sink.config, spec.sink.gathered = ctx.entry.chunks
+            store.adopt(ctx.layout, saved, hidden_BSD.device)
+            store.plan([_Unit((("o", m),), short=True) for m in range(len(spec.bounds))])
         out_BSD = None
         for m, (a, b) in enumerate(spec.bounds):
             ctx.rng.append(_RngState.capture(hidden_BSD.device))
-            y_BcD = spec.run(hidden_BSD[:, a:b], m, "forward")
+            if not fresh:
+                store.next_unit(hidden_BSD.device)
+            y_BcD = spec.run(hidden_BSD[:, a:b], m, "forward" if fresh else "saved")
             if m == 0:
                 out_BSD = y_BcD.new_empty((y_BcD.shape[0], spec.seq, *y_BcD.shape[2:]))
             out_BSD[:, a:b].copy_(y_BcD)
-        spec.sink.order.check(spec.sink.gathered)
-        ctx.sources = dict(spec.sink.sources)
-        # Saved through save_for_backward (not held by ctx), so an enclosing checkpoint drops and recomputes them.
-        ctx.layout, saved = store.packed()
+        if fresh:
+            spec.sink.order.check(spec.sink.gathered)
+            sources = dict(spec.sink.sources)
+            # Saved through save_for_backward (not held by ctx), so an enclosing checkpoint drops and recomputes them.
+            ctx.layout, saved = store.packed()
+            # Not with attention sinks (gpt-oss): saved attention does not combine with them; the layer recomputes.
+            if ctx.entry is not None and spec.sink.config.get("sinks") is None:
+                ctx.entry.chunks = (ctx.layout, saved, sources, dict(spec.sink.config), spec.sink.gathered)
+        ctx.sources = sources
         ctx.save_for_backward(hidden_BSD, *saved)
         spec.sink.store = None
         return out_BSD
@@ -707,6 +726,8 @@ class _ChunkedAttentionFunction(torch.autograd.Function):
                 grad_x, param_grads = _attention_and_input_grads(spec, ctx, readers, hidden_BSD, grad_BSD, want_x)
         finally:
             spec.sink.store = None
+        if ctx.entry is not None:
+            LayerSaves.release(ctx.entry)
         if spec.into_grad:
             return (None, grad_x, None)
         return (None, grad_x, *[g if g is None else g.to(p.dtype) for g, p in zip(param_grads, ctx.params)])

@@ -26,6 +26,10 @@ layer's checkpoint goes to (pinned, on CUDA) host memory:
    the layers from the segment's stored base once, without grad, under each layer's forward RNG and
    autocast state, and keeps the segment's inputs until their layers' backward. The default placement
    is 1-3 above (all but the last layer on the host).
+5. Saved attention (`save_attention`, lstune.memory.attention_saved): each stored layer's call gets a `LayerSaves`
+   that keeps its attention output and lse, placed like the layer's checkpoint (`keep_saved`: host when it has a host
+   part and the budget holds them, else device) and prefetched with the checkpoint of the layer below, one layer
+   ahead; the recompute then runs no attention forward.
 
 Memory: device checkpoints O(L · S · D) → O(1 · S · D) (the kept last layer, one in flight out, one
 prefetched in); host gets L-1 of them (Llama-8B: 2 · L · D = 256 KiB per token in bf16). Cost: two
@@ -50,6 +54,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from lstune.memory.attention_saved import LayerSaves
 from lstune.memory.host_copies import HostBlocks, host_copy_bytes
 from lstune.memory.offload_math import (  # noqa: F401  (re-exported: the offload's threshold lives with its math)
     MIN_COPY_BYTES, PCIE_BYTES_PER_S, SUSTAINED_FLOPS, offload_min_tokens, place_checkpoints)
@@ -76,7 +81,10 @@ class OffloadStats:
     recomputed_in_backward: int = 0  # layer forwards backward re-ran without grad for them
     prefetched: int = 0  # fetched back one layer ahead of their backward
     fetched_on_demand: int = 0  # fetched back when their backward needed them (no prefetch)
-    host_bytes: int = 0  # host bytes held by live checkpoints now
+    saved_on_host: int = 0  # saved attention tensors (lstune.memory.attention_saved) copied to host
+    saved_on_device: int = 0  # saved attention tensors kept on the device
+    saved_prefetched: int = 0  # saved attention tensors fetched back one layer ahead of their recompute
+    host_bytes: int = 0  # host bytes held by live checkpoints (and saved attention) now
     peak_host_bytes: int = 0
 
 
@@ -160,6 +168,7 @@ class CheckpointOffloader:
         self._latest: dict[int, weakref.ref] = {}
         self._streams: dict[tuple[str, torch.device], torch.cuda.Stream] = {}
         self._saving: tuple[int, weakref.ref, Callable] | None = None
+        self._saves: dict[int, weakref.ref] = {}  # layer index -> its latest forward's saved attention
 
     @contextlib.contextmanager
     def saving(self, index: int, hidden: torch.Tensor, run: Callable | None = None):
@@ -203,6 +212,12 @@ class CheckpointOffloader:
                 return 0
         return tokens
 
+    def _fits_host(self, tensor: torch.Tensor) -> bool:
+        if self.host_mem_budget is None:
+            return True
+        nbytes = host_copy_bytes(tensor.numel(), tensor.element_size(), pinned=tensor.device.type == "cuda")
+        return self.stats.host_bytes + nbytes <= self.host_mem_budget
+
     def _count(self, tokens: int, length: int) -> None:
         if tokens == length:
             self.stats.offloaded += 1
@@ -221,7 +236,40 @@ class CheckpointOffloader:
             if tensor is None:
                 tensor = self._recompute_segment(handle)
         self._prefetch(self._fetch_next(handle.index))
+        self._prefetch_saves(handle.index - 1)
         return tensor
+
+    def stores(self, index: int) -> bool:
+        """Whether layer `index`'s checkpoint is stored (not re-run from its segment's base)."""
+        return self.placement.host_fraction[index] is not None
+
+    def register_saves(self, saves: LayerSaves) -> None:
+        self._saves[saves.index] = weakref.ref(saves)
+
+    def keep_saved(self, index: int, tensor: torch.Tensor):
+        """A tensor layer `index` keeps beside its checkpoint (saved attention): on the host when its checkpoint has
+        a host part and the host budget holds it, else on the device."""
+        if self.placement.host_fraction[index] and self._fits_host(tensor):
+            handle = self._copy_out(index, tensor)
+            self._track_host(handle, handle.nbytes)
+            self.stats.saved_on_host += 1
+            return handle
+        self.stats.saved_on_device += 1
+        return _OnDevice(index, tensor)
+
+    def fetch_saved(self, handle) -> torch.Tensor:
+        return handle.tensor if isinstance(handle, _OnDevice) else self._arrived(handle)
+
+    def prefetch_saved(self, handle) -> None:
+        if isinstance(handle, _HostCopy) and handle.incoming is None:
+            handle.incoming = self._copy_in(handle)
+            self.stats.saved_prefetched += 1
+
+    def _prefetch_saves(self, index: int) -> None:
+        ref = self._saves.get(index)
+        saves = ref() if ref is not None else None
+        if saves is not None:
+            saves.prefetch()
 
     def _fetch_next(self, index: int) -> int:
         """Whose host part backward needs next below `index`: the layer below, or its segment's base."""
@@ -309,15 +357,24 @@ class CheckpointOffloader:
 class CheckpointedForward:
     """Installed as a decoder layer's `forward`: the original forward under non-reentrant checkpoint."""
 
-    def __init__(self, layer: "nn.Module", index: int, offloader: CheckpointOffloader | None):
+    def __init__(self, layer: "nn.Module", index: int, offloader: CheckpointOffloader | None,
+                 save_attention: bool = False):
         self.forward = layer.forward
         self.index = index
         self.offloader = offloader
+        self.save_attention = save_attention
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.forward(*args, **kwargs)
         hidden, run = self._bind(args, _without_cache(kwargs))
+        if self.save_attention and (self.offloader is None or self.offloader.stores(self.index)):
+            # Attention's output and lse are kept beside the checkpoint (lstune.memory.attention_saved); layers the
+            # placement re-runs from a segment base keep nothing.
+            saves = LayerSaves(self.index, self.offloader)
+            run = saves.wrap(run)
+            if self.offloader is not None:
+                self.offloader.register_saves(saves)
         scope = self.offloader.saving(self.index, hidden, run) if self.offloader else contextlib.nullcontext()
         with scope:
             return checkpoint(run, hidden, use_reentrant=False)
@@ -344,16 +401,20 @@ def _without_cache(kwargs: dict) -> dict:
     return kwargs
 
 
-def install_checkpointing(layers: "nn.ModuleList", offloader: CheckpointOffloader | None) -> list[Undo]:
-    """Checkpoint every layer (HF's own per-layer checkpointing is switched off meanwhile, not doubled)."""
+def install_checkpointing(layers: "nn.ModuleList", offloader: CheckpointOffloader | None, *,
+                          save_attention: bool = False) -> list[Undo]:
+    """Checkpoint every layer (HF's own per-layer checkpointing is switched off meanwhile, not doubled);
+    `save_attention`: keep attention's output and lse beside each checkpoint (lstune.memory.attention_saved)."""
     undos: list[Undo] = []
     for index, layer in enumerate(layers):
         if getattr(layer, "gradient_checkpointing", False):
             layer.gradient_checkpointing = False
             undos.append(partial_setattr(layer, "gradient_checkpointing", True))
             logger.info("layer %d: Hugging Face gradient checkpointing off (lstune checkpoints it)", index)
-        what = f"layer {index}: checkpointed" + (", checkpoint offloaded" if offloader else "")
-        undos.append(patch_forward(layer, CheckpointedForward(layer, index, offloader), what=what))
+        what = (f"layer {index}: checkpointed" + (", checkpoint offloaded" if offloader else "")
+                + (", attention saved" if save_attention else ""))
+        forward = CheckpointedForward(layer, index, offloader, save_attention)
+        undos.append(patch_forward(layer, forward, what=what))
     return undos
 
 

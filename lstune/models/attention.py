@@ -436,6 +436,14 @@ def lstune_attention_forward(
         out_BSHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
                         softcap=softcap, dropout=dropout, sinks=s_aux)
         return out_BSHD, None
+    saver = _ATTENTION_SAVER.get()
+    if saver is not None and s_aux is None and not chunk:
+        # Saved attention (issue 33) keeps plain causal attention only: a layer with sinks (gpt-oss) or the model's
+        # chunked attention (Llama-4) is recomputed, through local_attention below.
+        out_BSHD = saver(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
+                         softcap=softcap, dropout=dropout, backend=backend)
+        if out_BSHD is not None:
+            return out_BSHD, None
     if chunk:
         position_ids = chunk_positions(_position_ids_for(query, position_ids), chunk)
     out_BSHD = local_attention(
@@ -477,6 +485,27 @@ def chunked_attention_calls(sink: Any) -> Iterator[None]:
         _CHUNK_SINK.reset(token)
 
 
+# Saved attention (lstune.memory.attention_saved): while a checkpointed decoder layer runs, lstune's attention function
+# first offers q/k/v to this saver, called like `local_attention` plus `backend`; it returns the output (computed and
+# saved in the layer's first forward, the saved one in its recompute) or None to leave the call to `local_attention`.
+_ATTENTION_SAVER: ContextVar[Any] = ContextVar("lstune_attention_saver", default=None)
+
+
+@contextmanager
+def saved_attention_calls(saver: Any) -> Iterator[None]:
+    """Within the block, lstune's attention function offers q/k/v to `saver` first (None: no saver)."""
+    token = _ATTENTION_SAVER.set(saver)
+    try:
+        yield
+    finally:
+        _ATTENTION_SAVER.reset(token)
+
+
+def full_position_ids(query_BHSD: Tensor, position_ids_BS: Tensor | None) -> Tensor:
+    """`position_ids` as `local_attention` reads them: [B, S] on the query's device (None: one document per row)."""
+    return _position_ids_for(query_BHSD, position_ids_BS)
+
+
 _CHUNKED_MASK_FPDT_MESSAGE = (
     "this model's layers with chunked attention ({chunk}-token chunks, Llama-4) cannot run under lstune's chunked "
     "attention (FPDT), which tells documents apart by position; use --attn-chunks off (lstune's limitation: cutting "
@@ -487,6 +516,8 @@ _BLOCK_KERNEL_MESSAGE = (
     "function was installed without one: pass block_kernel=lstune.memory.block_attention.block_attention to "
     "use_lstune_attention (lstune train does)."
 )
+
+
 def _build_no_mask(
     *, attention_mask: Tensor | None = None, use_vmap: bool = False, mask_function: Callable | None = None,
     q_length: int | None = None, kv_length: int | None = None, q_offset: int = 0, kv_offset: int = 0,

@@ -8,7 +8,8 @@ Steps, in order (each the same for every caller):
 2. the startup self-check on a probe (lstune.train.self_check), unless --skip-self-check (loaded weights only);
 3. `Built.prepare`: adapt (device, dtype, LoRA) and apply the techniques in their fixed order (lstune.train.prepare)
    with the plan's resolved memory settings;
-4. `make_engine`: the engine the plan's estimate chose (AdamW on one device, or DeepSpeed ZeRO);
+4. `make_engine`: the engine the plan's estimate chose (AdamW on one device, or DeepSpeed ZeRO); then, on CUDA, the
+   pinned host blocks of every host copy a step makes (`MemoryPlan.reserve_host`), so step 1 is not the slow one;
 5. `Built.batches`: each rank's batches, laid out for the model's chunked attention (lstune.parallel.sp_data).
 """
 
@@ -79,6 +80,8 @@ def build(plan: RunPlan, runtime, weights: str = "load", *, max_steps: int = 1, 
     built.prepare(runtime)
     built.engine, note = make_engine(plan, built.model, max_steps, runtime)
     built.notes.append(note)
+    # Step 4b: the first step would pin its host copies on the fly, that much slower than the rest (issue 33).
+    built.prepared.memory.reserve_host(plan.config.optim.micro_batch_size)
     return built
 
 

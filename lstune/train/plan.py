@@ -188,7 +188,7 @@ def resolved_memory(plan: RunPlan) -> dict:
     return {"tiled_mlp": mlp, "tiled_loss": loss, "mini_sequence": bool(m.mini_sequence),
             "checkpointing": m.checkpointing, "offload_checkpoints": bool(m.offload_checkpoints),
             "attn_chunks": m.attn_chunks, "host_mem_budget": m.host_mem_budget,
-            "checkpoint_device_budget": m.checkpoint_device_budget}
+            "checkpoint_device_budget": m.checkpoint_device_budget, "recompute_attention": m.recompute_attention}
 
 
 def plan(config: TrainConfig, cluster, device: str | None = None, *, spec=None, resolve_auto: bool = True,

@@ -402,6 +402,7 @@ def _describe_memory(memory_plan) -> str:
         f"attention in {m.attn_chunks_at_seq_len} chunks" if m.attn_chunks != "off" else None,
         f"loss {m.loss_backend} ({tiles(m.loss_tiles_at_seq_len)})",
         "checkpointing" if m.checkpointing else "no checkpointing",
+        "attention's output kept, not recomputed" if m.save_attention else None,
         offload,
         _describe_placement(m.summary()["checkpoint_placement"]),
     ]

@@ -442,8 +442,10 @@ def bench_rows(path: str) -> list[dict]:
         # The rungs ran ALST's MLP tiles (`auto` then): pinned, since `auto` is now the estimate's choice.
         alst = {"tiled_mlp": -(-r["seq"] // model_config.hidden_size)} if "tiled_mlp" not in rung else {}
         # Nor did they chunk attention (2026-11-23 had none), offload or run mini-sequence unless the rung says so:
-        # `auto` would now at their longest lengths, where the margin a fit keeps asks for it.
-        ran = {"attn_chunks": "off", "offload_checkpoints": False, "mini_sequence": False, **rung}
+        # `auto` would now at their longest lengths, where the margin a fit keeps asks for it. And they re-ran
+        # attention in backward (before --recompute-attention, issue 33): pinned too.
+        ran = {"attn_chunks": "off", "offload_checkpoints": False, "mini_sequence": False, "recompute_attention": "on",
+               **rung}
         config = TrainConfig.from_flat({"model": r["preset"], "seq_len": r["seq"], "lora_r": r["lora_r"],
                                         "zero_stage": "0", **ran, **alst})
         e = estimate(config, hardware, model_config=model_config, suggest=False)

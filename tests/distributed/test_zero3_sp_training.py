@@ -149,6 +149,15 @@ def test_zero3_sp_with_checkpoint_offload_and_loss_head_matches_single_process(p
     _check(pools[2].run(_train_worker, 2, 3, arch, memory)[0])
 
 
+@pytest.mark.parametrize("chunks", ["off", 3])
+def test_zero3_sp_with_attention_saved_matches_single_process(pools, chunks):
+    """--recompute-attention off (lstune.memory.attention_saved) under ZeRO-3 + SP=2 with checkpoint offload, plain and
+    chunked attention: each rank keeps its heads' output and lse (chunked: its chunk store) beside its checkpoints."""
+    memory = {"tiled_mlp": 2, "tiled_loss": "off", "offload_checkpoints": True, "attn_chunks": chunks,
+              "recompute_attention": "off"}
+    _check(pools[2].run(_train_worker, 2, 3, "tiny-llama", memory)[0])
+
+
 @pytest.mark.parametrize("memory", [{"tiled_mlp": 2, "tiled_loss": "off"}, {"tiled_mlp": "off", "tiled_loss": 3}])
 def test_zero3_sp_with_tiled_mlp_or_loss_matches_single_process(pools, memory):
     _check(pools[2].run(_train_worker, 2, 3, "tiny-llama", {**memory, "checkpointing": False})[0])

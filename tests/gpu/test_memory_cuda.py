@@ -231,3 +231,34 @@ def test_prefetched_checkpoints_come_from_the_compute_streams_pool():
     again = torch.empty_like(hidden)
     assert torch.cuda.memory_reserved() == reserved, "the copy's block was not the compute stream's to reuse"
     del again
+
+
+@pytest.mark.parametrize("data", ["long", "packed"])
+def test_saved_attention_matches_recompute_in_bf16_with_the_offload_streams(data, offload_always):
+    """--recompute-attention off on CUDA (issue 33): cuDNN's (or PyTorch's flash) op with the kept output and lse,
+    copied to the host with the checkpoints and prefetched, against recomputing (bf16: loose; a missed stream wait
+    or a wrong lse layout is off by O(1))."""
+    from lstune.models.attention import use_lstune_attention
+
+    model = build_model("tiny-llama").cuda().to(torch.bfloat16).train()
+    batch = _on_cuda(long_batch(512) if data == "long" else packed_batch([300, 200, 12]))
+    results = {}
+    attention = use_lstune_attention(model, backend="sdpa")
+    try:
+        for mode in ("on", "off"):
+            plan = apply_memory_techniques(model, MemorySection(offload_checkpoints=True, recompute_attention=mode),
+                                           seq_len=512)
+            try:
+                results[mode] = run_grads(model, plan.loss_sum, [batch]), plan.offloader.stats
+            finally:
+                plan.undo()
+    finally:
+        attention.undo()
+    (ref_loss, ref_grads), _ = results["on"]
+    (loss, grads), stats = results["off"]
+    layers = model.config.num_hidden_layers
+    assert (stats.saved_on_host, stats.saved_on_device) == (2 * (layers - 1), 2)  # O and lse of every layer
+    assert loss == pytest.approx(ref_loss, rel=2e-2)
+    for name, ref in ref_grads.items():
+        err = (grads[name].float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)
+        assert err < 5e-2, f"{name}: relative gradient error {err:.2e}"

@@ -72,8 +72,10 @@ def test_every_command_of_the_gpu_scripts_is_accepted(script, tmp_path, cli, stu
     commands = recorded_commands(script, tmp_path)
     modules = [argv[1] for argv in commands]
     # The phases as of the third H200 lease: the CUDA tests (two runs of pytest), the full-depth bench, the
-    # DeepSpeed bench, the Qwen3 recipe, and bench_ladder's chunks and maxlen.
-    assert modules.count("lstune") == 3 and modules.count("pytest") == 2, commands
+    # DeepSpeed bench, the Qwen3 recipe, and bench_ladder's chunks and maxlen; run_next.sh adds the full-depth bench
+    # with attention recomputed (issue 33's baseline).
+    benches = {"run_short.sh": 2, "run_next.sh": 3}[script]
+    assert modules.count("lstune") == benches + 1 and modules.count("pytest") == 2, commands
     assert modules.count("tools.gpu.bench_ladder") == 2, commands
     for argv in commands:
         assert argv[0] == "-m", argv
@@ -87,7 +89,9 @@ def test_every_command_of_the_gpu_scripts_is_accepted(script, tmp_path, cli, stu
             assert argv[1] == "pytest", argv
             for path in (a for a in argv if a.startswith("tests/") or a.startswith("--ignore=")):
                 assert (REPO / path.removeprefix("--ignore=")).exists(), path
-    assert len(stubbed_bench) == 2 and len(ladder_runs) == 2
+    assert len(stubbed_bench) == benches and len(ladder_runs) == 2
+    full_depth = [config for config, _ in stubbed_bench if config.data.seq_len == 128 * 1024]
+    assert sorted(c.memory.recompute_attention for c in full_depth) == (["auto", "on"] if benches == 3 else ["auto"])
     ds = next(config for config, _ in stubbed_bench if config.parallel.zero_stage == "3")
     assert ds.parallel.offload_optimizer and ds.parallel.offload_params and ds.parallel.offload_ratio == 0.5
     assert ds.model.lora_r == 0 and ds.data.seq_len == 16 * 1024

@@ -15,6 +15,7 @@ set -u
 . "$(dirname "$0")/phases.sh"
 
 shared_phases
+full_depth_128k_recompute
 qwen3_recipe_128k
 deepspeed_offload
 chunk_phases

@@ -37,7 +37,9 @@ def _hand_count_with_attention(s: int, r: int) -> tuple[float, float, float]:
 
 def test_mfu_and_tflops_follow_the_hand_count():
     # Tiles given as counts: `auto` lets the estimate leave so small a model untiled (nothing to recompute).
-    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "lora_r": 8, "tiled_mlp": 2, "tiled_loss": 2})
+    # Attention re-run in backward (`auto` keeps its output at this size: the case below).
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "lora_r": 8, "tiled_mlp": 2, "tiled_loss": 2,
+                                    "recompute_attention": "on"})
     hardware = resolve_hardware(gpu="h100-80gb", host_mem=64 * GiB)
     est = estimate_summary(estimate(config, hardware, suggest=False), config, preset_config("tiny-llama"))
     model, hw, attention = _hand_count_with_attention(64, 8)
@@ -57,6 +59,12 @@ def test_mfu_and_tflops_follow_the_hand_count():
     assert figures["hfu"] == pytest.approx(hw / 0.002 / 1e12 / 989.0)  # recompute counted
     assert figures["estimate_peak_error_pct"] == pytest.approx(100.0, abs=0.01)  # predicted twice what was measured
     assert figures["estimate_reserved_error_pct"] == pytest.approx(300.0, abs=0.01)  # and 4 × what was reserved
+    # Attention's output kept (issue 33, `auto` here): the same model FLOPs, one attention forward fewer.
+    kept = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 64, "lora_r": 8, "tiled_mlp": 2, "tiled_loss": 2})
+    est = estimate_summary(estimate(kept, hardware, suggest=False), kept, preset_config("tiny-llama"))
+    assert est["model_flops"] == model and est["hardware_flops"] == hw - attention
+    assert est["hardware_attention_forward_flops"] == attention
+    assert est["hardware_attention_backward_flops"] == 2.5 * attention
 
 
 def test_a_cpu_trial_gives_no_device_estimate_error():

@@ -35,7 +35,7 @@ def test_help_shows_defaults_and_brackets_grouped_by_section(cli_help):
 def test_sections_choose_the_options():
     names = [p.name for p in section_parameters(["memory"])]
     assert names == ["tiled_mlp", "tiled_loss", "mini_sequence", "checkpointing", "offload_checkpoints",
-                     "host_mem_budget", "checkpoint_device_budget", "attn_chunks"]
+                     "host_mem_budget", "checkpoint_device_budget", "attn_chunks", "recompute_attention"]
 
 
 def test_given_flags_round_trip_through_argv(tmp_path):

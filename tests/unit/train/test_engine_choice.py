@@ -55,7 +55,9 @@ def test_full_fine_tune_of_8b_on_one_h100_with_128_gib_of_host_keeps_half_the_op
     assert not prediction.fits
     with pytest.raises(ConfigError, match="--offload-ratio 0.5"):
         check_fits(config, prediction, runtime)
-    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, seq_len=16384)
+    # The peaks below are with attention re-run in backward (`auto` would keep its output here, offloading the
+    # checkpoints to make room: issue 33).
+    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", host=128 * GiB, seq_len=16384, recompute_attention="on")
     assert prediction.fits and prediction.longest_seq_len >= 44 * 1024
     assert prediction.device_peak_bytes / GiB == pytest.approx(68.8, abs=0.1)
     assert prediction.host_peak_bytes / GiB == pytest.approx(116.7, abs=0.1)
@@ -171,7 +173,8 @@ def test_the_tiles_the_estimate_chose_are_what_the_model_is_prepared_with():
     (262144, 16 * GiB, True),
 ])
 def test_auto_checkpoint_offload_turns_on_exactly_when_the_device_needs_it_and_the_host_holds_it(seq_len, host, offload):
-    flat = dict(lora_r=16, seq_len=seq_len, zero_stage="0")
+    # With attention re-run in backward: `auto` also offloads where that lets attention's output be kept (below).
+    flat = dict(lora_r=16, seq_len=seq_len, zero_stage="0", recompute_attention="on")
     _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", host=host, **flat)
     assert prediction.memory_choice.offload_checkpoints is offload
     off = _plan("llama-3.1-8b", gpu="h100-80gb", host=host, tiled_mlp="auto", offload_checkpoints=False, **flat)[1]
@@ -180,6 +183,26 @@ def test_auto_checkpoint_offload_turns_on_exactly_when_the_device_needs_it_and_t
         assert not off.fits_device and on.fits and prediction.fits
     else:  # not needed, or the host cannot hold the offloaded checkpoints
         assert off.fits_device or not on.fits_host
+
+
+@pytest.mark.parametrize("seq_len, host, kept, offload", [
+    (16384, 128 * GiB, True, False),  # the outputs fit the device beside everything else
+    (131072, 500 * GiB, True, True),  # they do not: the checkpoints go to the host, the outputs with them
+    (262144, 128 * GiB, False, True),  # the host cannot hold them too: attention is re-run, as before
+])
+def test_auto_keeps_attentions_output_where_the_bytes_fit_and_recomputes_at_the_longest(seq_len, host, kept, offload):
+    """--recompute-attention auto (issue 33): attention's output kept where the run with it fits the device within
+    the headroom and the host — offloading the checkpoints for it if that is what makes it fit —, re-run where not."""
+    _, prediction, _ = _plan("llama-3.1-8b", gpu="h100-80gb", host=host, lora_r=16, seq_len=seq_len, zero_stage="0")
+    choice = prediction.memory_choice
+    assert choice.recompute_attention == ("off" if kept else "on") and choice.offload_checkpoints is offload
+    assert prediction.fits and (prediction.breakdown.attention_saved_layers == 32) is kept
+    recomputed = _plan("llama-3.1-8b", gpu="h100-80gb", host=host, lora_r=16, seq_len=seq_len, zero_stage="0",
+                       recompute_attention="on")[1]
+    if kept:  # one attention forward fewer per layer, the same model FLOPs
+        assert prediction.flops.model == recomputed.flops.model
+        assert prediction.flops.hardware_attention < recomputed.flops.hardware_attention
+        assert prediction.step_seconds < recomputed.step_seconds
 
 
 def test_auto_checkpoint_offload_stays_off_on_the_cpu_and_is_applied_as_chosen():
