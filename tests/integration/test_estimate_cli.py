@@ -113,9 +113,29 @@ def test_trace_reports_the_measured_step_beside_the_analytic_one(cli):
     assert trace["device_peak_bytes"] > 0 and abs(trace["analytic_minus_trace_fraction"]) < 0.10
 
 
-def test_trace_of_a_model_that_cannot_run_on_cpu_says_so(cli):
-    _assert_user_error(cli("estimate", "--model", "gemma-2-9b", "--seq-len", "1k", "--trace", *H100),  # softcapping
-                       "--trace runs the step on this CPU", "Drop --trace")
+def test_trace_of_a_softcapped_model_runs_on_cpu(cli):
+    """Gemma-2's softcapped logits could not run on CPU until lstune's block kernel took them (issue 34)."""
+    result = cli("estimate", "--model", "gemma-2-9b", "--seq-len", "1k", "--trace", *H100)
+    assert result.code == 0, result.err
+    assert "trace (fake tensors" in " ".join(result.out.split())
+
+
+def test_trace_of_a_model_that_cannot_run_on_cpu_says_so(monkeypatch):
+    """A model lstune cannot prepare on this CPU: a ConfigError (exit 2) naming --trace and the way out."""
+    import lstune.train.trace as trace
+    from lstune.config.schema import TrainConfig
+    from lstune.errors import ConfigError, ModelError
+    from lstune.estimate.hardware import resolve_hardware
+
+    def refuse(*args, **kwargs):
+        raise ModelError("this model's attention cannot run here.")
+
+    monkeypatch.setattr(trace, "trace_step", refuse)
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 1024})
+    with pytest.raises(ConfigError) as caught:
+        trace.trace_estimate(config, resolve_hardware(gpu="h100-80gb", host_mem=128 * 2**30))
+    text = " ".join(caught.value.problems)
+    assert "--trace runs the step on this CPU" in text and "cannot run here" in text and "Drop --trace" in text
 
 
 def test_train_prints_the_predicted_peak_before_loading_weights(cli, tmp_path, text_data):
