@@ -184,13 +184,14 @@ def test_chat_data_trains_on_assistant_turns(cli, tmp_path):
 
 
 def test_attention_that_cannot_be_honoured_is_refused(cli, tmp_path, text_data):
-    """A model with attention-logit softcapping cannot run on CPU SDPA: refused before training, not ignored."""
+    """Softcapped attention logits with --attn flex cannot run on CPU (no flex backward there): refused before
+    training, not ignored. (Since issue 34, `auto`/`sdpa` softcap on CPU through lstune's block kernel.)"""
     from lstune.models.presets import preset_config
 
     folder = tmp_path / "softcapped"
     preset_config("tiny-gemma2", attn_logit_softcapping=50.0).save_pretrained(folder)
     result = cli("train", "--model", folder, "--init", "random", "--seq-len", "256", "--data", text_data,
-                 "--output-dir", tmp_path / "o")
+                 "--attn", "flex", "--output-dir", tmp_path / "o")
     assert result.code == 2 and "Traceback" not in result.err
     assert "softcap" in result.err.lower()
     assert not (tmp_path / "o" / "metrics.jsonl").exists()
