@@ -507,6 +507,7 @@ _TECHNIQUES = {  # setting: (value that turns it off, the flag)
     "tiled_mlp": ("off", "--tiled-mlp off"),
     "mini_sequence": (False, "--no-mini-sequence"),
     "tiled_loss": ("off", "--tiled-loss off"),
+    "recompute_attention": ("on", "--recompute-attention on"),
     "checkpointing": (False, "--checkpointing off"),
     "offload_checkpoints": (False, "--no-offload-checkpoints"),
 }
@@ -572,8 +573,9 @@ def _find_culprit(probe: Any, config: Any, runtime: Any, batch: dict) -> str | N
         # (--host-mem-budget without offload) and the run stops on that instead of the real mismatch.
         if changes.get("offload_checkpoints") is False:
             changes.setdefault("host_mem_budget", None)
-        if changes.get("checkpointing") is False:
+        if changes.get("checkpointing") is False:  # kept attention outputs live beside checkpoints (schema)
             changes.setdefault("checkpoint_device_budget", None)
+            changes.setdefault("recompute_attention", "on")
         return dataclasses.replace(config, memory=dataclasses.replace(config.memory, **changes))
 
     if not _compare(probe, with_memory(**{k: off for k, (off, _) in _TECHNIQUES.items()}), runtime, batch).ok:

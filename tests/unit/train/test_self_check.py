@@ -275,3 +275,17 @@ def test_a_model_wrong_only_under_sp_is_told_to_use_sp_1(monkeypatch):
     assert "please report" not in message
     single = self_check._diagnose(None, _config(), SimpleNamespace(sp=1), {}, result)
     assert "please report" in single and "--sp 1" not in single
+
+
+def test_broken_saved_attention_is_named_and_diagnosed_without_checkpointing(monkeypatch):
+    """A bug in the kept attention output's backward is named as --recompute-attention on; and the diagnosis's
+    checkpointing-off variant takes recompute on with it (a kept output without checkpoints is an invalid config,
+    which once replaced the real message with a config error)."""
+    from lstune.config.schema import MemorySection
+    from lstune.memory import attention_saved
+
+    original = attention_saved._backward
+    monkeypatch.setattr(attention_saved, "_backward", lambda *args: tuple(g * 1.01 for g in original(*args)))
+    config = TrainConfig(memory=MemorySection(recompute_attention="off"))
+    with pytest.raises(ModelError, match="matches with --recompute-attention on"):
+        self_check.run_self_check(tiny_model("llama"), config, CPU)
