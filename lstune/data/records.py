@@ -379,7 +379,8 @@ def _render_text(tokenizer: Any, messages: list, index: int, *, probe: bool = Fa
     """The rendered text; for a `probe` (a variant of the record, not the record), None if the template fails."""
     try:
         return render(tokenizer, messages, index, "Fix the record (roles, order, contents) or use a template that "
-                      "accepts it.", tokenize=False, add_generation_prompt=False)
+                      "accepts it.", tokenize=False,
+                      add_generation_prompt=False)
     except DataError:
         if probe:
             return None

@@ -114,14 +114,24 @@ def template_name(tokenizer: Any) -> str:
     return f"--chat-template {value!r}" if isinstance(value, str) else "the tokenizer's chat template"
 
 
-def render(tokenizer: Any, messages: list, index: int, what: str, **kwargs) -> Any:
-    """`tokenizer.apply_chat_template(messages, **kwargs)` within RENDER_SECONDS. A failure is a DataError that
-    blames the template when it also fails (or runs past the limit) on a plain two-turn conversation, else record
-    `index` (`what`: what to fix in the record)."""
+def render(tokenizer: Any, messages: list, index: int, what: str, *, tokenize: bool, add_generation_prompt: bool,
+           tokenizer_kwargs: dict | None = None) -> Any:
+    """`messages` rendered with the tokenizer's chat template (ids, or the text when not `tokenize`), within
+    RENDER_SECONDS and the size limit of `sandbox.render_bounded`. A failure is a DataError that blames the template
+    when it also fails (or runs past a limit) on a plain two-turn conversation, else record `index` (`what`: what
+    to fix in the record); past a limit, it names both."""
     try:
         with render_time_limit():
-            return tokenizer.apply_chat_template(messages, **kwargs)
+            return _apply(tokenizer, messages, tokenize, add_generation_prompt, tokenizer_kwargs)
     except Exception as exc:  # templates raise arbitrary errors (jinja raise_exception) on data they reject
+        from lstune.data.sandbox import TemplateTooLarge
+
+        if isinstance(exc, TemplateTooLarge):
+            raise DataError(
+                f"{template_name(tokenizer)} rendering record {index}: {exc} (the limit is "
+                f"{_limit_words(messages)}); a chat template renders a conversation about once, so it is at fault "
+                "(or the record is). Fix the template, or use another (--chat-template chatml, llama3 or a file)."
+            ) from None
         if isinstance(exc, TemplateTimeout) or _fails_on_a_plain_conversation(tokenizer):
             raise DataError(
                 f"{template_name(tokenizer)} cannot render a conversation ({type(exc).__name__}: {exc}); it fails on a "
@@ -134,10 +144,44 @@ def render(tokenizer: Any, messages: list, index: int, what: str, **kwargs) -> A
         ) from exc
 
 
+def _limit_words(messages: list) -> str:
+    from lstune.data import sandbox
+
+    return (f"{sandbox.SIZE_FACTOR} x the record's {sandbox.measure(messages, 1 << 62):,} characters + "
+            f"{sandbox.SIZE_FLOOR:,}")
+
+
+def _apply(tokenizer: Any, messages: list, tokenize: bool, add_generation_prompt: bool,
+           tokenizer_kwargs: dict | None) -> Any:
+    """As `tokenizer.apply_chat_template(messages, tokenize=..., add_generation_prompt=..., tokenizer_kwargs=...)`,
+    rendered by lstune's bounded sandbox for a transformers tokenizer (others, lstune's byte tokenizer and test
+    doubles, render their own way: the byte tokenizer's Jinja path is the same sandbox)."""
+    template = _jinja_template(tokenizer)
+    if template is None:
+        return tokenizer.apply_chat_template(messages, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
+                                             tokenizer_kwargs=tokenizer_kwargs)
+    from lstune.data.sandbox import render_bounded
+
+    text = render_bounded(template, messages, tokenizer.special_tokens_map, add_generation_prompt)
+    if not tokenize:
+        return text
+    # As apply_chat_template tokenizes its rendering: no special tokens added (the template writes them).
+    return tokenizer(text, add_special_tokens=False, **(tokenizer_kwargs or {}))["input_ids"]
+
+
+def _jinja_template(tokenizer: Any) -> str | None:
+    """The Jinja text transformers would render for a transformers tokenizer (its `get_chat_template`), else None."""
+    from transformers import PreTrainedTokenizerBase
+
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        return None
+    return tokenizer.get_chat_template()
+
+
 def _fails_on_a_plain_conversation(tokenizer: Any) -> bool:
     try:
         with render_time_limit():
-            tokenizer.apply_chat_template(_PLAIN, tokenize=False, add_generation_prompt=False)
+            _apply(tokenizer, _PLAIN, False, False, None)
     except Exception:  # noqa: BLE001 - any failure on the plain conversation is the template's
         return True
     return False

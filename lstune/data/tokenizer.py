@@ -122,19 +122,18 @@ class ByteTokenizer:
         return ids if tokenize else self.decode(ids)
 
     def _apply_custom_template(self, messages, tokenize: bool, add_generation_prompt: bool) -> list[int] | str:
-        from transformers.utils.chat_template_utils import render_jinja_template
+        from lstune.data.sandbox import render_bounded
 
-        # As transformers' own apply_chat_template does: a key whose value is None (content of a tool-call turn)
-        # is dropped, so templates see it missing, not the text "None".
-        messages = [{key: value for key, value in m.items() if value is not None} for m in messages]
-        rendered, _ = render_jinja_template(
-            [messages], chat_template=self.chat_template, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token, pad_token=self.pad_token,
+        # Rendered as transformers renders it (keys whose value is None dropped, ...), with bounded memory.
+        rendered = render_bounded(
+            self.chat_template, list(messages),
+            {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token},
+            add_generation_prompt,
         )
         if not tokenize:
-            return rendered[0]
+            return rendered
         specials = {self.bos_token: self.bos_token_id, self.eos_token: self.eos_token_id, self.pad_token: self.pad_token_id}
-        pieces = re.split("(" + "|".join(re.escape(s) for s in specials) + ")", rendered[0])
+        pieces = re.split("(" + "|".join(re.escape(s) for s in specials) + ")", rendered)
         ids = [[specials[p]] if p in specials else self.encode(p, add_special_tokens=False) for p in pieces if p]
         return [i for piece in ids for i in piece]
 
