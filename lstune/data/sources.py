@@ -158,16 +158,40 @@ def _load_local(path: Path, split: str | None = None, max_record_bytes: int | No
             raise DataError(f"data source {path}: the file is empty. "
                             "Point the data source at a file with records.")
         _check_line_lengths([path], max_record_bytes)
-        return Records(_read_files(builder, [path]), f"{builder} file {path}")
+        records = Records(_read_files(builder, [path]), f"{builder} file {path}")
+        return _checked_rows(records, max_record_bytes) if builder == "arrow" else records
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
-        return _load_saved(path, split or "train")
+        return _checked_rows(_load_saved(path, split or "train"), max_record_bytes)
     return _load_folder(path, max_record_bytes)
+
+
+def _checked_rows(records: Records, limit: int | None) -> Records:
+    """`records`, after a DataError naming the first one longer than `limit` bytes as stored (Arrow files and
+    save_to_disk folders, memory-mapped; JSON and Parquet files are checked before datasets reads them,
+    `_check_line_lengths`)."""
+    if limit is not None:
+        from lstune.data.record_size import check_rows
+
+        check_rows(records.dataset, limit, records.origin)
+    return records
 
 
 def _check_line_lengths(files: list[Path], limit: int | None) -> None:
     """DataError naming the file and line of the first JSON Lines record longer than `limit` bytes. Streams each
-    file that could hold one (a smaller file cannot) in 8 MiB blocks: memory stays one block."""
+    file that could hold one (a smaller file cannot) in 8 MiB blocks: memory stays one block. A .json file's
+    records (array items, or top-level values) are found by its structure, a Parquet file's from its row groups
+    (`record_size`)."""
     for path in files:
+        if limit is not None and path.suffix.lower() == ".json":
+            from lstune.data.record_size import check_json_file
+
+            check_json_file(path, limit)
+            continue
+        if limit is not None and path.suffix.lower() == ".parquet":
+            from lstune.data.record_size import check_parquet_file
+
+            check_parquet_file(path, limit)
+            continue
         if limit is None or path.suffix.lower() != ".jsonl" or path.stat().st_size <= limit:
             continue
         line, run = 1, 0
@@ -227,7 +251,8 @@ def _load_folder(path: Path, max_record_bytes: int | None = None) -> Records:
                         "Keep one format per folder, or point the data source at a single file.")
     builder = builders.pop()
     _check_line_lengths(nonempty, max_record_bytes)
-    return Records(_read_files(builder, nonempty), f"folder {path} ({len(nonempty)} {builder} files)")
+    records = Records(_read_files(builder, nonempty), f"folder {path} ({len(nonempty)} {builder} files)")
+    return _checked_rows(records, max_record_bytes) if builder == "arrow" else records
 
 
 def _read_files(builder: str, files: list[Path]) -> Dataset:
