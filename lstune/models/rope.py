@@ -15,7 +15,8 @@ The scalings, each with factor F over the original (pretraining) context O:
 
 A model's own length-dependent RoPE is checked the same way (`check_length_dependent_rope`): LongRoPE (Phi-3)
 chooses short or long factors from the longest position a forward sees; under SP lstune makes every rank choose
-from the whole sample (lstune.parallel.rope_sp), and with --pack past the original context it is refused.
+from the whole sample (lstune.parallel.rope_sp), with --pack each document from its own length
+(lstune.models.rope_documents); both at once past the original context are refused.
 - yarn: per-frequency interpolation ramp plus an attention temperature (0.1 ln F + 1).
 - llama3: Llama-3.1's piecewise interpolation (low/high frequency factors 1 and 4, Llama-3.1's own).
 
@@ -110,10 +111,11 @@ def length_dependent_rope(config: Any) -> tuple[str, int] | None:
 
 def check_length_dependent_rope(config: Any, *, seq_len: int, sp: int, pack: bool, model_name: str) -> None:
     """ModelError where length-dependent RoPE cannot match the model run on the whole sample (each document alone
-    with --pack). LongRoPE under SP is made exact (lstune.parallel.rope_sp: the factors of the whole sample);
-    dynamic NTK under SP, and either with --pack past the original context, are refused: a packed row holds
-    documents on both sides of the threshold, each of which the model runs with the frequencies of its own length,
-    and one row's rotary embedding has one set."""
+    with --pack). LongRoPE is made exact under SP (lstune.parallel.rope_sp: the factors of the whole sample) and
+    with --pack in one process (lstune.models.rope_documents: each document the factors of its own length);
+    refused: LongRoPE with --pack past the original context under SP (a document's length is spread over the
+    ranks), dynamic NTK under SP, and dynamic NTK with --pack past the original context (one row's rotary
+    embedding has one set of frequencies, each document needs its own)."""
     found = length_dependent_rope(config)
     if found is None:
         return
@@ -124,13 +126,20 @@ def check_length_dependent_rope(config: Any, *, seq_len: int, sp: int, pack: boo
             f"forward sees; with sequence parallelism ({sp} ranks) each rank sees only its shard, so the ranks would "
             "disagree. Use --rope-scaling yarn or linear, or --sp 1."
         )
-    if pack and seq_len > original:
+    if pack and seq_len > original and kind == "longrope" and sp > 1:
         raise ModelError(
-            f"--pack: --model {model_name!r} uses {kind} RoPE, which picks its frequencies from the length it sees "
-            f"({'short factors up to' if kind == 'longrope' else 'the original base up to'} {original:,} positions, "
-            f"other ones past them); a packed row of --seq-len {seq_len:,} holds documents on both sides, each of "
-            "which the model gives the frequencies of its own length, and one row cannot. Drop --pack, or use "
+            f"--pack with --sp {sp}: --model {model_name!r} uses LongRoPE, which picks its factors from the length it "
+            f"sees (short up to {original:,} positions, long past them); lstune gives each packed document the "
+            "factors of its own length in one process (lstune.models.rope_documents), but under sequence "
+            "parallelism a document's length is spread over the ranks. Use --sp 1, drop --pack, or use "
             f"--seq-len {original:,} or less."
+        )
+    if pack and seq_len > original and kind == "dynamic":
+        raise ModelError(
+            f"--pack: --model {model_name!r} uses dynamic RoPE, which computes its frequencies from the length it "
+            f"sees (the original base up to {original:,} positions, another one for each longer length); a packed "
+            f"row of --seq-len {seq_len:,} holds documents of many lengths, each of which the model gives the "
+            f"frequencies of its own length, and one row cannot. Drop --pack, or use --seq-len {original:,} or less."
         )
 
 

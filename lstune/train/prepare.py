@@ -44,7 +44,9 @@ class PreparedModel:
     ulysses: Any  # lstune.parallel.ulysses.UlyssesHandle, None without sequence parallelism
     memory: Any  # lstune.memory.apply.MemoryPlan
     mixers: Any = None  # lstune.train.mixers.MixersHandle, None when no mixer needed lstune's per-document run
-    rope: Any = None  # lstune.parallel.rope_sp.RopeHandle under SP (LongRoPE's factors of the whole sample)
+    # LongRoPE's factors: of the whole sample under SP (lstune.parallel.rope_sp), of each document with --pack in
+    # one process (lstune.models.rope_documents)
+    rope: Any = None
 
     def loss_sum(self, batch: dict, model: Any = None):
         """(summed token loss, label count) of `batch` with the planned loss head; `model` may be the engine's
@@ -131,6 +133,10 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
 
             ulysses = apply_sequence_parallelism(model, runtime.dims)
             rope = whole_sample_longrope(model, runtime.dims.sp_group)
+        elif config.data.pack:
+            from lstune.models.rope_documents import per_document_longrope
+
+            rope = per_document_longrope(model)
         mixers = _install_mixers(parts, config, runtime)
         seq_len = math.ceil(config.data.seq_len / runtime.sp)
         memory = apply_memory_techniques(model, config.memory, seq_len=seq_len, parts=parts)

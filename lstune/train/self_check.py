@@ -251,7 +251,11 @@ def probe_batch(config: Any, *, pack: bool, sp: int, vocab: int) -> dict[str, An
     length += -length % (2 * sp)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, min(vocab, 320) if vocab > 3 else vocab, (1, length), generator=gen)
-    cuts = [0, length // 2 + 3, length] if pack else [0, length]
+    # Packed in one process past a length-dependent RoPE's original context: a first document past it and a second
+    # within it, which the model runs with other frequencies (lstune.models.rope_documents).
+    threshold = windows.get(_ROPE_THRESHOLD) if sp == 1 else None
+    middle = threshold + 8 if threshold is not None else length // 2 + 3
+    cuts = [0, middle, length] if pack else [0, length]
     positions = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])[None]
     labels = torch.full_like(ids, IGNORE_INDEX)
     for a, b in zip(cuts, cuts[1:]):

@@ -127,15 +127,18 @@ def _longrope_config(original: int = 32):
                                         "short_factor": [1.0, 1.1, 1.3, 1.7], "long_factor": [1.0, 2.0, 4.0, 8.0]})
 
 
-def test_longrope_with_pack_past_the_original_context_is_refused_and_within_it_allowed():
+def test_longrope_with_pack_past_the_original_context_is_refused_under_sp_and_within_it_allowed():
     from lstune.errors import ModelError
     from lstune.models.rope import apply_rope_scaling, length_dependent_rope
 
     config = _longrope_config()
     assert length_dependent_rope(config) == ("longrope", 32)
-    with pytest.raises(ModelError, match=r"--pack: .*longrope RoPE.*Drop --pack, or use --seq-len 32 or less"):
-        apply_rope_scaling(config, "none", "auto", seq_len=64, pack=True)
-    apply_rope_scaling(config, "none", "auto", seq_len=32, pack=True)  # every document within the short factors
+    # One process: each document its own factors (lstune.models.rope_documents, tests/unit/models/test_rope_documents.py)
+    apply_rope_scaling(config, "none", "auto", seq_len=64, pack=True)
+    with pytest.raises(ModelError, match=r"--pack with --sp 2: .*LongRoPE.*Use --sp 1, drop --pack, or use "
+                                         r"--seq-len 32 or less"):
+        apply_rope_scaling(config, "none", "auto", seq_len=64, pack=True, sp=2)
+    apply_rope_scaling(config, "none", "auto", seq_len=32, pack=True, sp=2)  # every document within the short factors
     apply_rope_scaling(config, "none", "auto", seq_len=64, sp=2)  # SP: made exact (lstune.parallel.rope_sp)
 
 
