@@ -95,7 +95,10 @@ def measure(value: Any, limit: int | None = None) -> int:
             seen.add(id(item))
             item = getattr(item, "_Namespace__attrs", item)
             total += 2 * len(item) + 2
-            stack.extend(item.items() if isinstance(item, dict) else item)
+            # keys and values, not items(): a temporary pair's id would be reused by the next one (`seen`)
+            stack.extend(item.keys() if isinstance(item, dict) else item)
+            if isinstance(item, dict):
+                stack.extend(item.values())
         else:
             total += 16
     return total
@@ -153,6 +156,11 @@ def _plain(value: Any) -> Any:
 # --- predicted sizes of operations that allocate their result at once ------------------------------------------
 
 
+_ESCAPING = ("escape", "e", "forceescape", "urlize")
+_GROWING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "replace", "format", "format_map",
+                      "%", "string", "pprint", "xmlattr", "wordwrap", "tojson", *_ESCAPING})
+
+
 def _width_of_percent(fmt: str, args: Any) -> int:
     """An upper bound of the widths/precisions a %-format string asks for (a `*` takes them from the arguments)."""
     stars = "*" in fmt and [a for a in (args if isinstance(args, tuple) else (args,)) if isinstance(a, int)]
@@ -183,9 +191,13 @@ def _width_of_format(fmt: str, args: tuple, kwargs: dict) -> int:
 def _predicted(name: str, args: tuple, kwargs: dict) -> int:
     """About the size of the result of filter or str method `name` (its value first in `args`), before it runs;
     0 when the result is no larger than its arguments."""
+    if name not in _GROWING:
+        return 0
     value = args[0] if args else ""
-    arg = (lambda i, key, default: args[i] if len(args) > i else kwargs.get(key, default))  # noqa: E731
+    arg = (lambda i, key, default: args[i] if len(args) > i else kwargs.get(key, default))
     size = measure(value)
+    if size > _LIMIT.get():
+        return size  # a growing operation's result is at least its input's text (and str(value) is not built)
     if name in ("center", "ljust", "rjust", "zfill"):
         width = arg(1, "width", 80)
         return max(size, width) if isinstance(width, int) else 0
@@ -202,20 +214,17 @@ def _predicted(name: str, args: tuple, kwargs: dict) -> int:
             times = value.count(old) if old else len(value) + 1
             return size + times * len(new)
         return 0
-    if name in ("format", "format_map", "%"):
-        if isinstance(value, str):
-            rest = args[1:]
-            width = _width_of_percent(value, rest[0] if name == "%" and rest else tuple(rest)) if name != "format_map" \
-                else 0
-            if name == "format_map" or name == "format":
-                width = max(width, _width_of_format(value, tuple(rest), kwargs))
-            return size + width + measure((rest, kwargs))
-        return 0
-    if name in ("escape", "e", "forceescape", "urlize", "string", "pprint", "xmlattr", "wordwrap", "tojson"):
-        indent = arg(2, "indent", None) if name == "tojson" else None
-        nested = measure_items(value) * indent if isinstance(indent, int) and indent > 0 else 0
-        return size * (6 if name in ("escape", "e", "forceescape", "urlize") else 2) + nested
-    return 0
+    if name in ("format", "format_map", "%"):  # Jinja's format filter is %-style, str.format is {}-style: both
+        if not isinstance(value, str):
+            return 0
+        rest = tuple(args[1:])
+        width = 0 if name == "format_map" else _width_of_percent(value, rest[0] if name == "%" and rest else rest)
+        if name != "%":
+            width = max(width, _width_of_format(value, rest, kwargs))
+        return size + width + measure((rest, kwargs))
+    indent = arg(2, "indent", None) if name == "tojson" else None
+    nested = measure_items(value) * indent if isinstance(indent, int) and indent > 0 else 0
+    return size * (6 if name in _ESCAPING else 2) + nested
 
 
 def measure_items(value: Any) -> int:
@@ -273,7 +282,7 @@ def _environment():
         """`{% generation %}...{% endgeneration %}` renders its body (transformers' AssistantTracker, which also
         records where: lstune locates assistant tokens by prefix renderings instead)."""
 
-        tags = {"generation"}
+        tags = frozenset({"generation"})
 
         def parse(self, parser):
             lineno = next(parser.stream).lineno
@@ -305,17 +314,17 @@ def _environment():
             _refuse_past(sum(measure(o) for o in operands), "'~'")
             return operands
 
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's signature
-            owner = getattr(__obj, "__self__", None)
+        def call(self, context, obj, /, *args, **kwargs):
+            owner = getattr(obj, "__self__", None)
             if isinstance(owner, str):
-                name = getattr(__obj, "__name__", "")
+                name = getattr(obj, "__name__", "")
                 if name == "join":
                     items = list(args[0]) if args else []
                     _refuse_past(_join_size(items, owner), "str.join")
                     args = (items, *args[1:])
                 else:
                     _refuse_past(_predicted(name, (owner, *args), kwargs), f"str.{name}")
-            return _check(super().call(__context, __obj, *args, **kwargs), f"calling {_name_of(__obj)}")
+            return _check(super().call(context, obj, *args, **kwargs), f"calling {_name_of(obj)}")
 
         def wrap_str_format(self, value):
             wrapped = super().wrap_str_format(value)
@@ -340,7 +349,7 @@ def _environment():
         # transformers' own: Jinja's escapes HTML characters
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def strftime_now(format):  # noqa: A002 - transformers' name
+    def strftime_now(format):
         return datetime.now().strftime(format)
 
     class TemplateDict:
@@ -353,7 +362,7 @@ def _environment():
 
     class TemplateNamespace(jinja2.utils.Namespace):
         # transformers': no dunder attributes (CPython internals); and here, no attribute past the limit
-        def __init__(*args, **kwargs):  # noqa: N805 - Jinja's signature trick, so namespace(self=...) works
+        def __init__(*args, **kwargs):
             self, args = args[0], args[1:]
             attrs = dict(*args, **kwargs)
             for name in attrs:

@@ -120,7 +120,8 @@ def _render_in_a_child(template: str) -> dict:
         print(json.dumps({{"message": message, "seconds": time.monotonic() - started,
                           "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024}}))
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -154,3 +155,14 @@ def test_a_named_template_file_is_named(tmp_path):
     tok.lstune_chat_template = str(tmp_path / "mine.jinja")
     with pytest.raises(DataError, match=r"--chat-template '.*mine.jinja' rendering record 0"):
         render(tok, [{"role": "user", "content": "q"}], 0, "", tokenize=False, add_generation_prompt=False)
+
+
+def test_a_conversation_longer_than_the_floor_renders_as_transformers_does():
+    # 100 turns of 24,000 characters (the same string object in each, as a dataset column can give): the limit
+    # counts every turn.
+    content = "hello world " * 2000
+    messages = [{"role": role, "content": content} for _ in range(50) for role in ("user", "assistant")]
+    tok = make_word_tokenizer(RICH)
+    expected = tok.apply_chat_template(messages, tokenize=False)
+    assert len(expected) > 1_100_000  # past the 1 MiB floor (RICH stops after 51 turns)
+    assert render(tok, messages, 0, "", tokenize=False, add_generation_prompt=False) == expected

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from tests.distributed.test_longrope_sp import LONGROPE, longrope_model
-from tests.unit.memory._helpers import hf_loss_sum, packed_batch, run_grads, split_documents
+from tests.unit.memory._helpers import (
+    hf_loss_sum,
+    packed_batch,
+    run_grads,
+    split_documents,
+)
 
 DOCS = [40, 20, 36]  # past, within and past the original 32 positions
 
