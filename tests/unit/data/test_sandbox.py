@@ -98,27 +98,31 @@ HOSTILE = {
 }
 
 
-def _render_in_a_child(template: str) -> dict:
-    """Render `template` for a tiny record in a fresh process limited to 1.5 GiB more address space than it has
-    after imports (so a template that escapes the bound fails with MemoryError, not by filling this machine)."""
+def _render_in_a_child(templates: dict[str, str]) -> dict:
+    """Render each template for a tiny record in one fresh process limited to 1.5 GiB more address space than it
+    has after imports (so a template that escapes the bound fails with MemoryError, not by filling this machine):
+    {name: {message, seconds, grew_mib}}."""
     script = textwrap.dedent(f"""
         import json, resource, time
         from lstune.data.templates import render
         from tests.unit.data._helpers import make_word_tokenizer
         render(make_word_tokenizer(), [{{"role": "user", "content": "hi"}}], 0, "", tokenize=False,
                add_generation_prompt=False)  # imports done
-        tok = make_word_tokenizer({template + "{{ messages }}"!r})
         pages = int(open("/proc/self/statm").read().split()[0])
         resource.setrlimit(resource.RLIMIT_AS, (pages * resource.getpagesize() + (3 << 29),) * 2)
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        started = time.monotonic()
-        try:
-            render(tok, [{{"role": "user", "content": "hello"}}], 7, "", tokenize=False, add_generation_prompt=False)
-            message = None
-        except Exception as exc:
-            message = str(exc)
-        print(json.dumps({{"message": message, "seconds": time.monotonic() - started,
-                          "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024}}))
+        results = {{}}
+        for name, template in {templates!r}.items():
+            tok = make_word_tokenizer(template + "{{{{ messages }}}}")
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            started = time.monotonic()
+            try:
+                render(tok, [{{"role": "user", "content": "hello"}}], 7, "", tokenize=False, add_generation_prompt=False)
+                message = None
+            except Exception as exc:
+                message = str(exc)
+            results[name] = {{"message": message, "seconds": time.monotonic() - started,
+                              "grew_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss) / 1024}}
+        print(json.dumps(results))
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           check=False)
@@ -126,10 +130,15 @@ def _render_in_a_child(template: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def hostile_results() -> dict:
+    return _render_in_a_child(HOSTILE)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
 @pytest.mark.parametrize("name", HOSTILE)
-def test_a_template_that_builds_gigabytes_is_stopped_quickly_with_bounded_memory(name):
-    result = _render_in_a_child(HOSTILE[name])
+def test_a_template_that_builds_gigabytes_is_stopped_quickly_with_bounded_memory(name, hostile_results):
+    result = hostile_results[name]
     assert result["message"] is not None and "MemoryError" not in result["message"], result
     assert "the tokenizer's chat template rendering record 7" in result["message"]
     assert re.search(r"(more than|passed) 1,048,\d\d\d characters", result["message"])
