@@ -28,7 +28,9 @@ pairs — O(S/R), never the whole sequence. Score tiles are those of the block k
 step: forward (H−1)·S/R·2·h_kv elements per rank; backward as much again plus the same in fp32 gradients.
 Composes with: Ulysses (inside the ring, over each position's heads), activation checkpointing (the recompute
 rotates again, in the same order on every rank), tiled MLP / loss (per token), LoRA and ZeRO (weights are outside).
-Not with chunked attention (refused where the run is configured). Attention dropout is refused.
+Not with chunked attention (refused where the run is configured): FPDT's chunks attend the earlier chunks' K/V from the
+rank's own store, and under a ring those live on the other positions (docs/parallel.md: what an exact version needs).
+Attention dropout is refused.
 """
 
 from __future__ import annotations
