@@ -1,7 +1,8 @@
 """gpt-oss (learned attention sinks, alternating 16-token sliding windows) under ring attention on gloo: (Ulysses,
 ring) = (1, 2) on 2 processes, (2, 2) and (1, 4) on 4. The ring applies each rank's q heads' slice of the sinks once
 after its merge (`attention_sinks.apply_sinks`); the 3-head model splits unevenly over 2 Ulysses ranks (2 and 1 q
-heads), so each slice has its own size and start. One long sample and packed documents whose boundaries cross the
+heads), so each slice has its own size and start; with an 8-token window (shorter than a zigzag piece at ring 4) the
+ring skips hop 2, and each row still gets its sink once. One long sample and packed documents whose boundaries cross the
 zigzag pieces; alone and with the memory techniques (tiled MLP and loss, mini-sequence, offloaded checkpoints). Loss
 and every gradient (the sinks' included) equal plain HF eager on the whole sequence, each packed document alone."""
 
@@ -14,7 +15,7 @@ DOCS = [41, 30, 25]
 TOL = 2e-5
 LAYOUTS = {2: [(1, 2)], 4: [(2, 2), (1, 4)]}
 MEMORY = dict(tiled_mlp=2, tiled_loss=2, mini_sequence=True, offload_checkpoints=True)
-MODELS = ["gpt_oss", "gpt_oss_3_heads"]
+MODELS = {2: ["gpt_oss", "gpt_oss_3_heads"], 4: ["gpt_oss", "gpt_oss_3_heads", "gpt_oss_window_8"]}
 
 
 def _build(model_type: str):
@@ -22,8 +23,9 @@ def _build(model_type: str):
 
     from tests.support.archs import tiny_model
 
-    heads = dict(num_attention_heads=3, num_key_value_heads=1) if model_type == "gpt_oss_3_heads" else {}
-    model = tiny_model("gpt_oss", **heads)
+    overrides = {"gpt_oss_3_heads": {"num_attention_heads": 3, "num_key_value_heads": 1},
+                 "gpt_oss_window_8": {"sliding_window": 8}}.get(model_type, {})
+    model = tiny_model("gpt_oss", **overrides)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("sinks"):
@@ -69,8 +71,8 @@ def _ring_sinks_worker(rank: int, world: int, layouts: list[tuple[int, int]], mo
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpt_oss_sinks_and_windows_under_ring_match_hf(pools, world):
-    results = pools[world].run(_ring_sinks_worker, LAYOUTS[world], MODELS, timeout=600)
-    assert len(results[0]) == len(MODELS) * 2 * (len(LAYOUTS[world]) + 1)
+    results = pools[world].run(_ring_sinks_worker, LAYOUTS[world], MODELS[world], timeout=600)
+    assert len(results[0]) == len(MODELS[world]) * 2 * (len(LAYOUTS[world]) + 1)
     for key, (outcome, detail) in results[0].items():
         assert outcome == "ran", f"{key}: refused: {detail}"
         loss, ref_loss, diff, same_keys = detail
