@@ -28,9 +28,9 @@ pairs — O(S/R), never the whole sequence. Score tiles are those of the block k
 step: forward (H−1)·S/R·2·h_kv elements per rank; backward as much again plus the same in fp32 gradients.
 Composes with: Ulysses (inside the ring, over each position's heads), activation checkpointing (the recompute
 rotates again, in the same order on every rank), tiled MLP / loss (per token), LoRA and ZeRO (weights are outside).
-Not with chunked attention (refused where the run is configured): FPDT's chunks attend the earlier chunks' K/V from the
-rank's own store, and under a ring those live on the other positions (docs/parallel.md: what an exact version needs).
-Attention dropout is refused.
+Not with chunked attention (refused where the run is configured, and by this kernel when called in a chunk): FPDT's
+chunks attend the earlier chunks' K/V from the rank's own store, and under a ring those live on the other positions
+(docs/parallel.md: what an exact version needs). Attention dropout is refused.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 from lstune.errors import DataError, ModelError
 from lstune.memory.rotation import Ring, wait
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
-from lstune.models.attention import window_from_mask
+from lstune.models.attention import in_chunked_attention, window_from_mask
 from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import SequenceLayout
 
@@ -84,6 +84,10 @@ class RingAttention:
 
     def __call__(self, module, query, key, value, attention_mask, *, position_ids=None, scaling=None,
                  sliding_window=None, softcap=None, dropout=0.0, s_aux=None, is_causal=None, **_unused):
+        if in_chunked_attention():
+            raise ModelError("chunked attention (--attn-chunks) does not run under ring attention: its chunks read the "
+                             "earlier chunks' K/V from the rank's own store, which a ring spreads over its positions; "
+                             "use --attn-chunks off, or --sp-ring 1.")
         if dropout:
             raise ModelError(f"ring attention has no attention dropout (got {dropout}); set attention_dropout=0 in "
                              "the model config or use --sp-ring 1.")

@@ -53,3 +53,20 @@ def test_a_ring_of_one_applies_the_sinks_once_after_its_merge_as_block_attention
     for mine, reference in zip(*results):
         torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6)
     assert results[0][-1].abs().min() > 0  # every head's sink had a gradient
+
+
+def test_a_ring_called_by_chunked_attention_refuses_rather_than_attend_one_chunk():
+    import types
+
+    import pytest
+    import torch
+
+    from lstune.errors import ModelError
+    from lstune.memory.attention_ring import RingAttention
+    from lstune.memory.rotation import Ring
+    from lstune.models.attention import chunked_attention_calls
+
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    with chunked_attention_calls(object()), pytest.raises(ModelError, match="does not run under ring attention"):
+        RingAttention(Ring(1, 0, (0,)))(types.SimpleNamespace(is_causal=True), q, k, v, None,
+                                        position_ids=torch.arange(4)[None])
