@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from datetime import datetime
 from functools import lru_cache, wraps
@@ -242,6 +242,17 @@ def measure_items(value: Any) -> int:
     return total
 
 
+def _bounded_items(items: Iterator, what: str) -> Iterator:
+    """`items`, lazily, stopped once their sizes add up past the limit (a generator's items, each within the
+    limit, could otherwise fill a list or a join: `range(100000) | map('center', 10**6) | list`)."""
+    limit, total = _LIMIT.get(), 0
+    for item in items:
+        total += measure(item, limit) + 2
+        if total > limit:
+            raise TemplateTooLarge(f"{what} would make a value of more than {limit:,} characters")
+        yield item
+
+
 def _join_size(items: list, separator: Any) -> int:
     return sum(measure(item) for item in items) + measure(separator) * max(len(items) - 1, 0)
 
@@ -319,7 +330,7 @@ def _environment():
             if isinstance(owner, str):
                 name = getattr(obj, "__name__", "")
                 if name == "join":
-                    items = list(args[0]) if args else []
+                    items = list(_bounded_items(iter(args[0]), "str.join")) if args else []
                     _refuse_past(_join_size(items, owner), "str.join")
                     args = (items, *args[1:])
                 else:
@@ -399,6 +410,8 @@ def _bounded_filter(name: str, function):
     @wraps(function)
     def bounded(*args, **kwargs):
         leading, rest = (args[:1], args[1:]) if passes is not None else ((), args)
+        if rest and isinstance(rest[0], Iterator):
+            rest = (_bounded_items(rest[0], f"filter {name}"), *rest[1:])
         if name == "join" and rest:
             items = list(rest[0])
             _refuse_past(_join_size(items, rest[1] if len(rest) > 1 else kwargs.get("d", "")), "filter join")

@@ -95,6 +95,7 @@ HOSTILE = {
     "format width": "{{ '{:>1000000000}'.format('x') }}",
     "tojson indent": "{{ messages | tojson(indent=1000000000) }}",
     "power": "{{ 7 ** 1000000000 }}",
+    "generator to list": "{{ range(100000) | map('center', 1000000) | list | length }}",
 }
 
 
