@@ -43,16 +43,17 @@ def check_json_file(path: Path, limit: int) -> None:
     longer than that)."""
     if path.stat().st_size <= limit:
         return
+    depth, in_string, skip, opened_at, number, offset = 0, False, -1, None, 0, 0
+    in_array = None
     with open(path, "rb") as f:
-        head = f.read(_BLOCK)
-        first = _FIRST.search(head)
-        if first is None:
-            return
-        in_array = head[first.start():first.start() + 1] == b"["
-        record_depth = 1 if in_array else 0
-        depth, in_string, skip, opened_at, number = 0, False, -1, None, 0
-        offset, block = 0, head
-        while block:
+        while block := f.read(_BLOCK):
+            if in_array is None:  # the first byte that is not whitespace tells an array from top-level values
+                first = _FIRST.search(block)
+                if first is None:
+                    offset += len(block)
+                    continue
+                in_array = block[first.start():first.start() + 1] == b"["
+                record_depth = 1 if in_array else 0
             for match in _STRUCTURE.finditer(block):
                 at = offset + match.start()
                 if opened_at is not None and at - opened_at > limit:
@@ -83,7 +84,6 @@ def check_json_file(path: Path, limit: int) -> None:
             if opened_at is not None and offset + len(block) - opened_at > limit:
                 raise _too_long(f"{path} record {number}" + (" (of its top-level array)" if in_array else ""), limit)
             offset += len(block)
-            block = f.read(_BLOCK)
 
 
 def check_parquet_file(path: Path, limit: int) -> None:

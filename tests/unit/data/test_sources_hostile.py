@@ -122,3 +122,31 @@ def test_a_200_mb_json_document_is_refused_in_seconds(tmp_path):
     with pytest.raises(DataError, match=r"huge.json record 2 \(of its top-level array\) is longer than 64 MiB"):
         load_records(str(path), max_record_bytes=record_byte_limit(256))
     assert time.monotonic() - started < 10
+
+
+def test_the_json_scan_does_not_depend_on_where_its_blocks_end(tmp_path, monkeypatch):
+    # Escapes (runs of backslashes before quotes), brackets inside strings, nesting, whitespace: every block edge.
+    from lstune.data import record_size
+
+    tricky = ['a\\', '\\"]', '{[', 'x' * 30, '\\\\\\"', "é\"}"]
+    records = [{"t": tricky, "n": {"m": [1, {"k": "]"}]}}, "plain", {"t": "y" * 120}, [["\\"]], {"u": "z"}]
+    documents = {"array.json": "  \n" + json.dumps(records, indent=1),
+                 "lines.json": "\n".join(json.dumps(r) for r in records) + "\n"}
+    for name, text in documents.items():
+        path = tmp_path / name
+        path.write_text(text, encoding="utf-8")
+        outcomes = set()
+        for block in (1, 2, 3, 5, 7, 16, 64, 2**20):
+            monkeypatch.setattr(record_size, "_BLOCK", block)
+            for limit in (100, 120, 1000):
+                try:
+                    record_size.check_json_file(path, limit)
+                    outcomes.add((block, limit, None))
+                except DataError as error:
+                    outcomes.add((block, limit, re.search(r"record (\d+)", str(error)).group(1)))
+        by_limit = {(limit, found) for _, limit, found in outcomes}
+        assert len(by_limit) == 3, (name, sorted(outcomes))  # one outcome per limit, whatever the blocks
+        # Records 1 and 3 are 117 and 129 bytes on a line (more, indented in the array).
+        expected = {(100, "1"), (120, "3"), (1000, None)} if name == "lines.json" else {(100, "1"), (120, "1"),
+                                                                                       (1000, None)}
+        assert by_limit == expected, (name, sorted(outcomes))
