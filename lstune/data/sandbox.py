@@ -56,6 +56,12 @@ def limit_for(messages: Any) -> int:
     return SIZE_FLOOR + SIZE_FACTOR * measure(messages, 1 << 62)
 
 
+def limit_words(messages: list) -> str:
+    """How a message states the limit of a rendering of `messages` (as the template sees them)."""
+    size = measure(_template_messages(messages), 1 << 62)
+    return f"{SIZE_FACTOR} x the record's {size:,} characters + {SIZE_FLOOR:,}"
+
+
 def render_bounded(template: str, messages: list, variables: Mapping[str, Any], add_generation_prompt: bool) -> str:
     """The text of `template` rendered for `messages` as transformers renders it (`variables`: the special tokens),
     or TemplateTooLarge past `limit_for(messages)`."""

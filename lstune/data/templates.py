@@ -145,10 +145,9 @@ def render(tokenizer: Any, messages: list, index: int, what: str, *, tokenize: b
 
 
 def _limit_words(messages: list) -> str:
-    from lstune.data import sandbox
+    from lstune.data.sandbox import limit_words
 
-    return (f"{sandbox.SIZE_FACTOR} x the record's {sandbox.measure(messages, 1 << 62):,} characters + "
-            f"{sandbox.SIZE_FLOOR:,}")
+    return limit_words(messages)
 
 
 def _apply(tokenizer: Any, messages: list, tokenize: bool, add_generation_prompt: bool,
