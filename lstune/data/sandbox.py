@@ -12,8 +12,8 @@ extensions — `{% generation %}`, loop controls — globals and the `tojson` fi
 - binary operators `*`, `**`, `+`, `%` (`intercepted_binops`) and `~` (a code generator that measures its
   operands), checked before they allocate when the result size is known from the operands (repetition, powers,
   format widths), after otherwise;
-- every call (methods, macros) and every filter: widths (`center`, `ljust`, `indent`, `format`, ...), joins and
-  replacements checked before they run, every result after;
+- every call (methods, macros, globals) and every filter: widths (`center`, `ljust`, `indent`, `format`, ...),
+  joins, replacements, `translate` and `lipsum` checked before they run, every result after (text and bytes);
 - every `{{ }}` value before it is turned into text (`finalize`), every namespace attribute set;
 - `range` (Jinja's own `MAX_RANGE`, 100,000 items).
 
@@ -89,7 +89,7 @@ def measure(value: Any, limit: int | None = None) -> int:
     total, stack, seen = 0, [value], set()
     while stack and total <= limit:
         item = stack.pop()
-        if isinstance(item, str):
+        if isinstance(item, (str, bytes, bytearray)):
             total += len(item)
         elif isinstance(item, bool) or item is None or isinstance(item, float):
             total += 5
@@ -163,8 +163,8 @@ def _plain(value: Any) -> Any:
 
 
 _ESCAPING = ("escape", "e", "forceescape", "urlize")
-_GROWING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "replace", "format", "format_map",
-                      "%", "string", "pprint", "xmlattr", "wordwrap", "tojson", *_ESCAPING})
+_GROWING = frozenset({"center", "ljust", "rjust", "zfill", "expandtabs", "indent", "replace", "translate", "format",
+                      "format_map", "%", "string", "pprint", "xmlattr", "wordwrap", "tojson", *_ESCAPING})
 
 
 def _width_of_percent(fmt: str, args: Any) -> int:
@@ -216,10 +216,14 @@ def _predicted(name: str, args: tuple, kwargs: dict) -> int:
         return size + (str(value).count("\n") + 1) * width
     if name == "replace":
         old, new = arg(1, "old", ""), arg(2, "new", "")
-        if isinstance(value, str) and isinstance(old, str) and isinstance(new, str):
+        if all(isinstance(v, str) for v in (value, old, new)) or all(isinstance(v, bytes) for v in (value, old, new)):
             times = value.count(old) if old else len(value) + 1
             return size + times * len(new)
         return 0
+    if name == "translate":  # each character to at most the longest text of the table
+        table = arg(1, "table", None)
+        values = table.values() if isinstance(table, dict) else ()
+        return size * max([1, *(len(v) for v in values if isinstance(v, (str, bytes)))])
     if name in ("format", "format_map", "%"):  # Jinja's format filter is %-style, str.format is {}-style: both
         if not isinstance(value, str):
             return 0
@@ -317,7 +321,7 @@ def _environment():
             if operator == "*":
                 if isinstance(left, int) and not isinstance(right, int):
                     left, right = right, left
-                if isinstance(right, int) and isinstance(left, (str, list, tuple)):
+                if isinstance(right, int) and isinstance(left, (str, bytes, bytearray, list, tuple)):
                     _refuse_past(measure(left) * max(right, 0), "'*'")
                 elif isinstance(left, int) and isinstance(right, int):
                     _refuse_past((left.bit_length() + right.bit_length()) // 3, "'*'")
@@ -333,14 +337,18 @@ def _environment():
 
         def call(self, context, obj, /, *args, **kwargs):
             owner = getattr(obj, "__self__", None)
-            if isinstance(owner, str):
+            if getattr(obj, "__name__", "") == "generate_lorem_ipsum":  # the lipsum global: n paragraphs
+                n, most = (args[0] if args else kwargs.get("n", 5)), (args[3] if len(args) > 3 else kwargs.get("max", 100))
+                if isinstance(n, int) and isinstance(most, int):
+                    _refuse_past(n * most * 16, "lipsum")
+            if isinstance(owner, (str, bytes, bytearray)):
                 name = getattr(obj, "__name__", "")
                 if name == "join":
                     items = list(_bounded_items(iter(args[0]), "str.join")) if args else []
-                    _refuse_past(_join_size(items, owner), "str.join")
+                    _refuse_past(_join_size(items, owner), f"{type(owner).__name__}.join")
                     args = (items, *args[1:])
                 else:
-                    _refuse_past(_predicted(name, (owner, *args), kwargs), f"str.{name}")
+                    _refuse_past(_predicted(name, (owner, *args), kwargs), f"{type(owner).__name__}.{name}")
             return _check(super().call(context, obj, *args, **kwargs), f"calling {_name_of(obj)}")
 
         def wrap_str_format(self, value):

@@ -96,6 +96,10 @@ HOSTILE = {
     "tojson indent": "{{ messages | tojson(indent=1000000000) }}",
     "power": "{{ 7 ** 1000000000 }}",
     "generator to list": "{{ range(100000) | map('center', 1000000) | list | length }}",
+    "bytes": "{{ (('x' * 1000000).encode() * 10000) | length }}",
+    "bytes method": "{{ 'x'.encode().center(10**10) | length }}",
+    "translate": "{{ ('x' * 1000000).translate({120: 'y' * 1000000}) | length }}",
+    "lipsum": "{{ lipsum(10**7) | length }}",
 }
 
 
