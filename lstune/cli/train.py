@@ -28,9 +28,8 @@ def _signature() -> inspect.Signature:
     dry_run = inspect.Parameter(
         "dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
         default=typer.Option(False, "--dry-run", help=(
-            "Check the config as the run does before loading anything (the model's config included: SP layout, "
-            "attention, RoPE scaling, 4-bit weights), print the run's plan on this machine — every `auto` "
-            "resolved, the predicted peaks and verdict — and exit; loads no weights, writes nothing.")),
+            "Check the config as the run would, print its plan here (every `auto` resolved, predicted peaks, "
+            "verdict) and exit; loads no weights, writes nothing.")),
     )
     ctx = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
     return inspect.Signature([ctx, config_parameter(), dry_run, *section_parameters()])
