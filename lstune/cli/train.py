@@ -46,7 +46,7 @@ def _train_command(**kwargs: Any) -> int:
     flags = given_flags(kwargs)
     recipe = read_recipe(config_path) if config_path else {}
     name = str(config_path) if config_path else "the recipe"
-    config = build_config(recipe, flags, recipe_name=name, checks=lambda c: _data_given(c) + preflight_problems(c))
+    config = build_config(recipe, flags, recipe_name=name, checks=lambda c: _data_given(c) + c.training_problems() + preflight_problems(c))
     if dry_run:
         return _dry_run(config)
     if _needs_launch(config):

@@ -35,6 +35,7 @@ def flag_name(key: str) -> str:
 
 _nonneg_int = partial(p.parse_int, minimum=0)
 _pos_int = partial(p.parse_int, minimum=1)
+DEFAULT_SHUFFLE_BUFFER = 1000  # records held by --data-streaming's shuffle buffer unless --data-shuffle-buffer
 TILE_SETTING_HINT = "'auto', 'off' or a tile count >= 1"
 _LORA_ONLY = ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout", "lora_dora", "lora_rslora")
 LORA_ONLY = _LORA_ONLY  # the model keys that act only with a LoRA rank
@@ -185,6 +186,15 @@ class DataSection:
         None, "Read lstune's fields from other columns: FIELD=COLUMN, comma-separated (text=body or "
         "prompt=question,completion=answer).", p.parse_field_map, metavar="FIELD=COLUMN", accepts_list=True,
     )
+    # Sources larger than the datasets cache's disk (issue 38): lstune.data.streaming.
+    data_streaming: bool = _opt(
+        False, "Read --data as a stream: tokenized, packed and shuffled on the fly, nothing stored; for sources "
+        "larger than the cache disk. Needs --max-steps (docs/data.md).", p.parse_bool,
+    )
+    data_shuffle_buffer: int | None = _opt(
+        None, f"With --data-streaming: records in the shuffle buffer, 0 = stream order (default "
+        f"{DEFAULT_SHUFFLE_BUFFER}).", _nonneg_int,
+    )
     eval_data: str | None = _opt(
         None, "Validation data, in the same formats as --data (evaluated every --eval-every steps and at the end); "
         "builtin:passkey-eval (16 held-out passkey records) adds the passkey accuracy.",
@@ -206,6 +216,24 @@ class DataSection:
             problems.append("--eval-data and --eval-split both give validation data; keep one.")
         if self.eval_max_samples is not None and not self.has_eval():
             problems.append("--eval-max-samples bounds validation: add --eval-data or --eval-split, or drop it.")
+        return problems + self._streaming_problems()
+
+    def _streaming_problems(self) -> list[str]:
+        """What --data-streaming does not do (yet): refused rather than approximated (docs/data.md)."""
+        if not self.data_streaming:
+            return ["--data-shuffle-buffer sets --data-streaming's shuffle: add --data-streaming, or drop it."] \
+                if self.data_shuffle_buffer is not None else []
+        problems = []
+        sources = self.source if isinstance(self.source, list) else [self.source]
+        if len(sources) > 1:
+            problems.append("--data-streaming reads one --data source; a mixture of streams is not supported. Give "
+                            "one source, or drop --data-streaming.")
+        if any(isinstance(s, str) and s.startswith("builtin:") for s in sources):
+            problems.append("--data-streaming: builtin: sources are small files shipped with lstune; drop "
+                            "--data-streaming.")
+        if self.eval_split is not None:
+            problems.append("--eval-split holds out samples of a dataset whose length is known; a stream's is not. "
+                            "With --data-streaming give --eval-data SOURCE (read as usual, not streamed).")
         return problems
 
     def _mixture_problems(self) -> list[str]:
@@ -227,6 +255,10 @@ class DataSection:
     def reading(self) -> dict[str, Any]:
         """How to read --data: its split, subset and field mapping (`lstune.data.dataset.build_dataset`'s keywords)."""
         return dict(split=self.data_split, subset=self.data_subset, fields=self.data_fields)
+
+    def shuffle_buffer(self) -> int:
+        """--data-streaming's shuffle buffer, in records."""
+        return DEFAULT_SHUFFLE_BUFFER if self.data_shuffle_buffer is None else self.data_shuffle_buffer
 
     def has_eval(self) -> bool:
         return self.eval_data is not None or self.eval_split is not None
@@ -647,6 +679,13 @@ class TrainConfig:
         if self.run.eval_every is not None and not self.data.has_eval():
             problems.append("--eval-every needs validation data: add --eval-data SOURCE or --eval-split 0.01.")
         return problems
+
+    def training_problems(self) -> list[str]:
+        """The rules of a run that trains (`lstune train`; `lstune data` and `estimate` read no step count)."""
+        if self.data.data_streaming and self.optim.max_steps is None:
+            return ["--data-streaming needs --max-steps: a stream's length is unknown until it is read, so epochs "
+                    "cannot be counted."]
+        return []
 
 
 def flat_key(f: Field) -> str:

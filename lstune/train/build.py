@@ -57,8 +57,12 @@ class Built:
         from lstune.parallel.sp_data import SPDataAdapter
 
         config = self.plan.config
-        loader = make_dataloader(dataset, config.optim.micro_batch_size, seed=config.optim.seed,
-                                 start_sample=start_sample, dp_rank=runtime.rank, dp_size=runtime.world_size)
+        if hasattr(dataset, "rank_batches"):  # --data-streaming (lstune.data.streaming): the same positions
+            loader = dataset.rank_batches(config.optim.micro_batch_size, start_sample=start_sample,
+                                          rank=runtime.rank, world_size=runtime.world_size)
+        else:
+            loader = make_dataloader(dataset, config.optim.micro_batch_size, seed=config.optim.seed,
+                                     start_sample=start_sample, dp_rank=runtime.rank, dp_size=runtime.world_size)
         chunks = self.prepared.memory.attn_chunking if self.prepared is not None else None
         return iter(SPDataAdapter(loader, runtime.dims, device=runtime.device, chunks=chunks))
 
