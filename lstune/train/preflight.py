@@ -64,6 +64,8 @@ _RESUME_FIXED = {
     "model": "the model it was trained from",
     "lora_r": "the LoRA rank (0 = full fine-tune)",
     "lora_targets": "the modules LoRA adapts",
+    # The checkpoint's count of consumed samples is a position in a stream or in the map-style order, not both.
+    "data_streaming": "how --data is read, whose position the checkpoint records",
 }
 
 
@@ -77,7 +79,7 @@ def check_resume_compatible(config: TrainConfig, checkpoint: Path, world_size: i
     current = config.to_dict()
     problems = [
         f"--{key.replace('_', '-')} is {current.get(key)!r} but {checkpoint} was trained with {saved[key]!r} "
-        f"({meaning}); resume with --{key.replace('_', '-')} {saved[key]}, or start a new run without --resume."
+        f"({meaning}); resume with {_as_flag(key, saved[key])}, or start a new run without --resume."
         for key, meaning in _RESUME_FIXED.items()
         if key in saved and not _same_setting(key, saved[key], current.get(key))
     ]
@@ -128,6 +130,13 @@ def _zero_stage_problems(config: TrainConfig, checkpoint: Path) -> list[str]:
     except CheckpointError as exc:
         return [str(exc)]
     return []
+
+
+def _as_flag(key: str, value) -> str:
+    flag = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
 
 
 def _same_setting(key: str, saved, current) -> bool:

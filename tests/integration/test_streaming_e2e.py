@@ -30,6 +30,9 @@ def test_a_streamed_run_resumes_as_if_uninterrupted(cli, tmp_path, text_data):
     losses = [m["loss"] for m in read_metrics(full)]
     assert len(losses) == 6 and len(set(losses)) > 1
     assert [m["loss"] for m in read_metrics(part)] == pytest.approx(losses, rel=1e-6)
+    # Its count of consumed samples is a position in the stream: resuming without streaming is refused.
+    switched = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "8", "--output-dir", part, "--resume")
+    assert switched.code == 2 and "resume with --data-streaming, or start a new run" in switched.err
 
 
 def test_streaming_without_max_steps_or_with_eval_split_is_refused(cli, tmp_path, text_data):
@@ -46,3 +49,17 @@ def test_lstune_data_previews_a_stream(cli, text_data):
     assert result.code == 0, result.err
     assert "streaming json file" in _flat(result.out) and "· samples" not in result.out
     assert "Document" in result.out
+
+
+def test_two_processes_read_their_shares_of_the_stream(tmp_path, text_data):
+    """SP=2 on 2 gloo processes reads global samples 0, 1 (rank 0, rank 1) per step, then the SP group works through
+    both: the numbers of one process accumulating 2 samples of the same stream."""
+    from tests.integration.conftest import run_subprocess
+
+    common = [*TINY_MODEL, "--data", text_data, *STREAM, "--max-steps", "2"]
+    for name, layout in (("sp2", ["--gpus", "2", "--sp", "2"]), ("one", ["--grad-accum", "2"])):
+        proc = run_subprocess("train", *common, *layout, "--output-dir", tmp_path / name, timeout=400)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sp2, one = read_metrics(tmp_path / "sp2"), read_metrics(tmp_path / "one")
+    assert [m["label_tokens"] for m in sp2] == [m["label_tokens"] for m in one]
+    assert [m["loss"] for m in sp2] == pytest.approx([m["loss"] for m in one], rel=1e-5)
