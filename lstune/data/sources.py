@@ -410,10 +410,12 @@ def check_hub_size(name: str, subset: str | None) -> None:
 
     try:
         with _quiet_datasets():
-            info = load_dataset_builder(name, subset).info
+            builder = load_dataset_builder(name, subset)
     except Exception:  # offline, unknown, gated: the load that follows reports it with the fix
         return
-    download, arrow = info.download_size or 0, info.dataset_size or 0
+    if Path(builder.cache_dir).exists():
+        return  # prepared by an earlier load: nothing more to store
+    download, arrow = builder.info.download_size or 0, builder.info.dataset_size or 0
     cache = Path(config.HF_DATASETS_CACHE)
     existing = next((parent for parent in (cache, *cache.parents) if parent.exists()), Path("/"))
     free = shutil.disk_usage(existing).free

@@ -144,7 +144,7 @@ def test_a_hub_dataset_is_loaded_as_a_stream(monkeypatch, word_tok):
     assert next(stream.samples())["input_ids"][:3].tolist() == word_tok("hello world")["input_ids"][:3]
 
 
-def test_a_hub_dataset_larger_than_the_cache_disk_is_refused_before_download(monkeypatch):
+def test_a_hub_dataset_larger_than_the_cache_disk_is_refused_before_download(monkeypatch, tmp_path):
     import shutil
     import types
 
@@ -153,7 +153,8 @@ def test_a_hub_dataset_larger_than_the_cache_disk_is_refused_before_download(mon
     from lstune.data.sources import load_records
 
     info = types.SimpleNamespace(download_size=3 * 2**40, dataset_size=5 * 2**40)
-    monkeypatch.setattr(datasets, "load_dataset_builder", lambda name, subset=None: types.SimpleNamespace(info=info))
+    builder = types.SimpleNamespace(info=info, cache_dir=str(tmp_path / "not-prepared"))
+    monkeypatch.setattr(datasets, "load_dataset_builder", lambda name, subset=None: builder)
     loads = []
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: loads.append(a) or
                         datasets.Dataset.from_list([{"text": "hello"}]))
@@ -163,6 +164,9 @@ def test_a_hub_dataset_larger_than_the_cache_disk_is_refused_before_download(mon
                                         r"files .* 1024.0 GiB is free there\. Add --data-streaming"):
         load_records("org/big", subset="en")
     assert loads == []
+    builder.cache_dir = str(tmp_path)  # prepared by an earlier load: it needs no more room
+    assert len(load_records("org/big").dataset) == 1
+    builder.cache_dir = str(tmp_path / "not-prepared")
     info.download_size, info.dataset_size = None, None  # sizes not stated: nothing to check, the load goes on
     assert len(load_records("org/big").dataset) == 1
     info.download_size, info.dataset_size = 2**30, 2**30
