@@ -23,10 +23,11 @@ layers' `weight` is None while METP is installed), so an engine built over the m
 from rank 0, its all-reduce over every rank, ZeRO-3's partitioning) never treats them as one replicated tensor; the
 training engine takes them from `shard_parameters()` (lstune.parallel.local_params) and sums their gradients over
 their true replicas only. The full weights' storage is released while sharded (each rank keeps 1/p of the MLP).
-Each step computes in the dtype of the tokens (shards cast on the way: fp32 masters under bf16 autocast/DeepSpeed bf16).
+Trained shards are fp32 masters; each step computes in the dtype of the tokens (the rotating copies cast to it, so
+under bf16 half the bytes travel), the gradient sums in fp32.
 
-`install_metp_mlp` shards every decoder layer's MLP in place; `full_weights()` gathers the shards into the full
-weights for a while (export); `undo` gathers them back for good, so the single-device model sees ordinary linear
+`install_metp_mlp` shards every decoder layer's MLP in place; under `full_weights()` an export gathers each full weight
+from the shards in turn; `undo` gathers them back for good, so the single-device model sees ordinary linear
 layers again.
 """
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,11 +91,12 @@ class MetpHandle:
 
     @contextmanager
     def full_weights(self):
-        """Every rank of the group together: the full weights gathered from the shards (no gradients) and set on the
-        linear layers for the duration (an export reads them as ordinary parameters); released again after."""
+        """The linear layers hold their full weights again, as placeholders an export makes whole one at a time
+        (`lstune_whole`: a context that gathers that one weight from the shards on every rank of the group, then
+        releases it — lstune.parallel.export.gathered enters it), so no rank ever holds more than one full weight."""
         for mlp, shard, full in self.shards:
             for name in _PROJECTIONS:
-                _fill(full[name], self.ring, shard[name].detach(), name)
+                full[name].lstune_whole = partial(self._whole, full[name], shard[name], name)
                 getattr(mlp, name).weight = full[name]
         try:
             yield
@@ -101,7 +104,15 @@ class MetpHandle:
             for mlp, _, full in self.shards:
                 for name in _PROJECTIONS:
                     _unset_weight(getattr(mlp, name))
-                    _release(full[name])
+                    del full[name].lstune_whole
+
+    @contextmanager
+    def _whole(self, full: torch.nn.Parameter, shard: torch.nn.Parameter, name: str):
+        _fill(full, self.ring, shard.detach(), name)
+        try:
+            yield
+        finally:
+            _release(full)
 
     def undo(self) -> None:
         """Every rank of the group together: the shards (and their gradients, if any) gathered into the full
@@ -112,7 +123,8 @@ class MetpHandle:
             for name in _PROJECTIONS:
                 piece, original = shard[name], full[name]
                 _fill(original, self.ring, piece.detach(), name)
-                original.grad = None if piece.grad is None else _gather(self.ring, piece.grad, _dim(name))
+                original.grad = None if piece.grad is None else _gather(self.ring, piece.grad, _dim(name)).to(
+                    original.dtype)
                 getattr(mlp, name).weight = original
         self.undos, self.shards = [], []
 
@@ -161,6 +173,8 @@ def install_metp_mlp(layers: "nn.ModuleList", ring: Ring) -> MetpHandle:
             original = linear.weight
             piece = _rows(ring.size, ring.rank, original.shape[_dim(name)])
             data = original.detach()[:, piece] if _dim(name) else original.detach()[piece]
+            # trained shards keep fp32 masters (as DeepSpeed keeps the replicated weights' under bf16)
+            data = data.float() if original.requires_grad else data
             shard[name] = torch.nn.Parameter(data.clone(), requires_grad=original.requires_grad)
             full[name] = original
             _unset_weight(linear)

@@ -9,8 +9,9 @@ registered parameter over its whole group. So these shards stay outside it, and 
 engine does for the rest, in the same step, with the same numbers:
 
 - gradients summed over the shard's true replicas only — the ranks at the same SP position of every SP group
-  (`ParallelDims.dp_group`) — and divided by the factor the loop multiplied every loss by (engine_ds.gradient_divisor),
-  so each shard's gradient is the global sum, as DeepSpeed's reduction makes it for the replicated parameters;
+  (`ParallelDims.dp_group`) — and divided by the factor the loop multiplied every loss by
+  (engine_ds.gradient_divisor), so each shard's gradient is the global sum, as DeepSpeed's reduction makes it for the
+  replicated parameters;
 - their squared norm, summed over the SP group (every shard once), joins DeepSpeed's own norm
   (`DeepSpeedEngine` hands it in), so clipping sees the one-process norm and scales these by the same factor;
 - their own torch AdamW with the engine's settings, at the learning rate the engine's schedule gives each step;
