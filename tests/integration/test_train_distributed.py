@@ -174,7 +174,8 @@ def test_metp_mlp_run_equals_one_process_resumes_only_in_its_layout_and_exports_
 
     common = ["--data", text_data, "--max-steps", "3", "--max-grad-norm", "0.5"]
     metp = [*common, "--gpus", "2", "--sp", "2", "--metp-mlp"]
-    _train(*metp, "--output-dir", tmp_path / "metp")
+    shown = _train(*metp, "--output-dir", tmp_path / "metp").stdout
+    assert "METP MLP: 1/2 of its weights per rank" in shown, shown[:2000]
     _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
     full, one = read_metrics(tmp_path / "metp"), read_metrics(tmp_path / "one")
     assert [m["label_tokens"] for m in full] == [m["label_tokens"] for m in one]
@@ -185,6 +186,8 @@ def test_metp_mlp_run_equals_one_process_resumes_only_in_its_layout_and_exports_
     reference = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final").named_parameters())
     mlp = [n for n in reference if ".mlp." in n]
     assert mlp and exported.keys() == reference.keys()
+    count = sum(p.numel() for p in reference.values())  # the plan counts the MLP weights the shards make up
+    assert re.search(rf"^\s*parameters\s+{count:,}\s*$", shown, re.M), shown[:2000]
     for name in mlp:  # full [I, H] / [H, I] weights, trained as one process trains them
         assert exported[name].shape == reference[name].shape
         scale = float(reference[name].detach().abs().max())
