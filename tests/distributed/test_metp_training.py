@@ -4,7 +4,8 @@ and the exported model (loaded with transformers: the full MLP weights gathered 
 weight) equals the single-process run's.
 
 ZeRO-1 on SP 2, ZeRO-2 on SP 2 × DP 2 (the shards' gradients summed over their DP replicas only), ZeRO-3 on Ulysses 2
-× ring 2 (the shards never partitioned); and a resume under the same layout equals the uninterrupted run.
+× ring 2 (the shards never partitioned), ZeRO-2 with the optimizer on the host; and a resume under the same layout
+equals the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, f
 
 
 def _metp_train_worker(rank: int, world: int, sp: int, stage: int, ring: int, out: str,
-                       resume_at: int | None = None) -> dict:
+                       resume_at: int | None = None, offload: bool = False) -> dict:
     import copy
     from pathlib import Path
 
@@ -47,7 +48,7 @@ def _metp_train_worker(rank: int, world: int, sp: int, stage: int, ring: int, ou
         metp = install_metp_mlp(find_parts(model).layers,
                                 Ring(dims.sp, dims.sp_rank, tuple(dims.sp_group_ranks(dims.dp_rank)), dims.sp_group))
         local = LocalParams(metp.shard_parameters(), dims, OPTIM, full_weights=metp.full_weights)
-        engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, False, False, 0, "test"),
+        engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, offload, False, 0, "test"),
                                  bf16=False, local=local)
         return model, handle, metp, engine
 
@@ -86,6 +87,14 @@ def test_metp_zero_run_matches_single_process(pools, tmp_path, world, sp, stage,
     _check(result)
     assert not result["mlp_registered"]  # DeepSpeed never saw the shards
     assert result["weights_seen"]  # the exported folder holds every weight, the full MLP ones included
+    _check_weights(result["weight_diffs"])
+
+
+def test_metp_with_the_optimizer_offloaded_matches_single_process(pools, tmp_path):
+    """ZeRO-2 with DeepSpeedCPUAdam on the host (its norm then comes from the offload path): the shards, stepped by
+    their own AdamW on the device, still give the one-process numbers."""
+    result = pools[2].run(_metp_train_worker, 2, 2, 1, str(tmp_path), None, True, timeout=600)[0]
+    _check(result)
     _check_weights(result["weight_diffs"])
 
 
