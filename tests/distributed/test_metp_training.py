@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.test_zero3_sp_training import ACCUM, OPTIM, STEPS, _check, _global_order, _samples
+from tests.distributed.test_zero3_sp_training import ACCUM, OPTIM, SEQ, STEPS, _check, _global_order, _samples
 
 
 def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, float]]:
@@ -22,7 +22,7 @@ def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, f
 
 
 def _metp_train_worker(rank: int, world: int, sp: int, stage: int, ring: int, out: str,
-                       resume_at: int | None = None, offload: bool = False) -> dict:
+                       resume_at: int | None = None, offload: bool = False, memory: dict | None = None) -> dict:
     import copy
     from pathlib import Path
 
@@ -42,9 +42,16 @@ def _metp_train_worker(rank: int, world: int, sp: int, stage: int, ring: int, ou
     reference = _reference(reference_model, _global_order(samples, world, sp), ACCUM * world // sp)
     dims = ParallelDims(world, sp, ring=ring).build_groups()
 
+    plans = []
+
     def build():
         model = copy.deepcopy(base)
         handle = apply_sequence_parallelism(model, dims)
+        if memory is not None:  # lstune's memory techniques before METP, as lstune.train.prepare applies them
+            from lstune.config.schema import MemorySection
+            from lstune.memory.apply import apply_memory_techniques
+
+            plans.append(apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // sp))
         metp = install_metp_mlp(find_parts(model).layers,
                                 Ring(dims.sp, dims.sp_rank, tuple(dims.sp_group_ranks(dims.dp_rank)), dims.sp_group))
         local = LocalParams(metp.shard_parameters(), dims, OPTIM, full_weights=metp.full_weights)
@@ -53,9 +60,10 @@ def _metp_train_worker(rank: int, world: int, sp: int, stage: int, ring: int, ou
         return model, handle, metp, engine
 
     model, handle, metp, engine = build()
-    batches = iter(SPDataAdapter(samples[rank::world], dims))
+    compute, chunks = (plans[0].loss_sum, plans[0].attn_chunking) if plans else (loss_sum, None)
+    batches = iter(SPDataAdapter(samples[rank::world], dims, chunks=chunks))
     if resume_at is None:
-        losses = train_steps(engine, batches, STEPS, ACCUM, loss_sum)
+        losses = train_steps(engine, batches, STEPS, ACCUM, compute)
     else:  # train, save, build afresh, load, train on: the uninterrupted run's numbers
         losses = train_steps(engine, batches, resume_at, ACCUM, loss_sum)
         engine.save(Path(out) / "ckpt")
@@ -74,8 +82,10 @@ def _metp_train_worker(rank: int, world: int, sp: int, stage: int, ring: int, ou
         ref = {n: p.detach() for n, p in reference_model.named_parameters()}
         names = set(exported)
         diffs = {n: float((exported[n].detach() - ref[n]).abs().max() / ref[n].abs().max()) for n in ref}
-    handle.undo()
     metp.undo()
+    for memory_plan in plans[-1:]:
+        memory_plan.undo()
+    handle.undo()
     return {"losses": losses, "reference": reference, "weight_diffs": diffs,
             "weights_seen": names == {n for n, _ in reference_model.named_parameters()},
             "mlp_registered": any(".mlp." in n for n in registered)}
@@ -94,6 +104,15 @@ def test_metp_with_the_optimizer_offloaded_matches_single_process(pools, tmp_pat
     """ZeRO-2 with DeepSpeedCPUAdam on the host (its norm then comes from the offload path): the shards, stepped by
     their own AdamW on the device, still give the one-process numbers."""
     result = pools[2].run(_metp_train_worker, 2, 2, 1, str(tmp_path), None, True, timeout=600)[0]
+    _check(result)
+    _check_weights(result["weight_diffs"])
+
+
+def test_metp_with_chunked_attention_and_checkpointing_matches_single_process(pools, tmp_path):
+    """What `auto` may pick beside METP under Ulysses: attention in 2 chunks (FPDT's token layout), checkpointing, the
+    tiled loss head — METP's MLP works per token, in whatever layout the tokens come."""
+    memory = {"tiled_mlp": "off", "tiled_loss": 2, "checkpointing": True, "attn_chunks": 2}
+    result = pools[2].run(_metp_train_worker, 2, 1, 1, str(tmp_path), None, False, memory, timeout=600)[0]
     _check(result)
     _check_weights(result["weight_diffs"])
 
