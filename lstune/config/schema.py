@@ -662,6 +662,9 @@ class TrainConfig:
                             "or --sp-ring 1.")
         if self.run.eval_every is not None and not self.data.has_eval():
             problems.append("--eval-every needs validation data: add --eval-data SOURCE or --eval-split 0.01.")
+        if parallel.metp_mlp and (self.memory.tiled_mlp not in ("auto", "off") or self.memory.mini_sequence is True):
+            problems.append("--metp-mlp runs each MLP itself, on (s/SP)×(I/SP) per step: it does not combine with "
+                            "--tiled-mlp N or --mini-sequence; use --tiled-mlp off and --no-mini-sequence.")
         return problems
 
 

@@ -28,15 +28,13 @@ def preflight_problems(config: TrainConfig, *, weights: bool = True) -> list[str
 
 
 def check_metp_mlp_trainable(config: TrainConfig) -> None:
-    """--metp-mlp is built and tested as a module (lstune.memory.metp_mlp: exact under Ulysses × ring, LoRA on
-    attention, checkpointing), and `lstune estimate` models it; a training run refuses it until the engine knows its
-    per-rank shards: DeepSpeed would partition (ZeRO-3) or all-reduce over every rank (ZeRO 1-2) tensors that differ
-    from rank to rank, its gradient clipping would leave them out, and checkpoints / export would keep one rank's."""
-    if config.parallel.metp_mlp:
-        raise ConfigError(["--metp-mlp is not yet composed with lstune's training engine (DeepSpeed ZeRO would treat "
-                           "each rank's MLP weight shard as the same tensor; clipping, checkpoints and export would "
-                           "miss the other ranks' shards), so train refuses it rather than train it wrong. Drop "
-                           "--metp-mlp (`lstune estimate --metp-mlp` still predicts what it would save)."])
+    """--metp-mlp shards the MLP over the SP group and trains the shards beside DeepSpeed's engine
+    (lstune.parallel.local_params): it needs SP > 1 (an SP degree that resolves to 1 is refused when the model is
+    prepared, lstune.train.prepare)."""
+    parallel = config.parallel
+    if parallel.metp_mlp and parallel.sp == 1:
+        raise ConfigError(["--metp-mlp shards the MLP over the SP group, and --sp 1 has none: give --sp N (N > 1), "
+                           "or drop --metp-mlp."])
 
 
 def _check_model(config: TrainConfig, *, weights: bool) -> None:

@@ -365,8 +365,9 @@ def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Run
     model = prepared.model
     plan = {
         "model": f"{config.model.name} ({loaded.source.kind})",
-        "parameters": sum(_numel(p) for p in model.parameters()),
-        "trainable_parameters": sum(_numel(p) for p in model.parameters() if p.requires_grad),
+        "parameters": sum(_numel(p) for p in model.parameters()) + _metp_numel(prepared, trainable=False),
+        "trainable_parameters": sum(_numel(p) for p in model.parameters() if p.requires_grad)
+        + _metp_numel(prepared, trainable=True),
         "device": str(runtime.device),
         "seq_len": config.data.seq_len,
         "data": dataset.summary()["note"],
@@ -378,8 +379,18 @@ def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Run
     }
     if runtime.distributed:
         plan["parallelism"] = f"{runtime.world_size} processes: SP {runtime.sp} × DP {runtime.dims.dp}" + (
-            f" (SP = Ulysses {runtime.dims.ulysses} × ring {runtime.dims.ring})" if runtime.dims.ring > 1 else "")
+            f" (SP = Ulysses {runtime.dims.ulysses} × ring {runtime.dims.ring})" if runtime.dims.ring > 1 else "") + (
+            f"; METP MLP: 1/{runtime.sp} of its weights per rank, rotated" if prepared.metp is not None else "")
     return plan
+
+
+def _metp_numel(prepared, *, trainable: bool) -> int:
+    """The full MLP weights METP keeps as shards outside `model.parameters()` (lstune.memory.metp_mlp)."""
+    metp = getattr(prepared, "metp", None)
+    if metp is None:
+        return 0
+    shards = [p for p in metp.shard_parameters() if p.requires_grad or not trainable]
+    return sum(p.numel() for p in shards) * metp.ring.size
 
 
 def _numel(param) -> int:
