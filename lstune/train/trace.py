@@ -386,12 +386,13 @@ def grid_row(arch: str, setting: str, seq_len: int, *, layers: int = 2, gpu: str
     """One row of the accuracy grid: analytic and traced device peak of the same rank."""
     from lstune.estimate import estimate, traced_settings_estimate
     from lstune.estimate.hardware import resolve_hardware
-    from lstune.models.presets import preset_config
+    from lstune.models.presets import get_preset, preset_config
 
     # Attention is chunked only where the setting says so (`auto`, the default, would chunk the longer rows).
     flat = {"model": arch, "seq_len": seq_len, "attn_chunks": "off", **GRID_SETTINGS[setting]}
     config = TrainConfig.from_flat(flat)
-    model_config = preset_config(arch, num_hidden_layers=layers)
+    types = get_preset(arch).config.get("layer_types")  # per-layer kinds (gpt-oss: windowed / full): the first ones
+    model_config = preset_config(arch, num_hidden_layers=layers, **({"layer_types": types[:layers]} if types else {}))
     hardware = resolve_hardware(gpu=gpu, gpus=config.parallel.gpus, host_mem=1 << 50)
     analytic = estimate(config, hardware, model_config=model_config, suggest=False)
     comparable = traced_settings_estimate(config, hardware, model_config, analytic)

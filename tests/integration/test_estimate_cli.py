@@ -118,6 +118,7 @@ def test_trace_of_a_softcapped_model_runs_on_cpu(cli):
     result = cli("estimate", "--model", "gemma-2-9b", "--seq-len", "1k", "--trace", *H100)
     assert result.code == 0, result.err
     assert "trace (fake tensors" in " ".join(result.out.split())
+    assert "without --trace gives the run's own" in " ".join(result.out.split())
 
 
 def test_trace_of_a_model_that_cannot_run_on_cpu_says_so(monkeypatch):
