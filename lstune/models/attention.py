@@ -431,8 +431,10 @@ def lstune_attention_forward(
     chunk = attention_mask.chunk if isinstance(attention_mask, ModelMask) else None
     sink = _CHUNK_SINK.get()
     if sink is not None:
-        if chunk:
-            raise ModelError(_CHUNKED_MASK_FPDT_MESSAGE.format(chunk=chunk))
+        if chunk:  # the model's chunks are documents to FPDT too (its document key is index - position)
+            if position_ids is None:
+                raise ModelError(_CHUNKED_MASK_FPDT_MESSAGE.format(chunk=chunk))
+            position_ids = chunk_positions(position_ids, chunk)
         out_BSHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
                         softcap=softcap, dropout=dropout, sinks=s_aux)
         return out_BSHD, None
@@ -507,9 +509,9 @@ def full_position_ids(query_BHSD: Tensor, position_ids_BS: Tensor | None) -> Ten
 
 
 _CHUNKED_MASK_FPDT_MESSAGE = (
-    "this model's layers with chunked attention ({chunk}-token chunks, Llama-4) cannot run under lstune's chunked "
-    "attention (FPDT), which tells documents apart by position; use --attn-chunks off (lstune's limitation: cutting "
-    "FPDT's chunks at the model's chunk edges would lift it)."
+    "this model's layers with chunked attention ({chunk}-token chunks) do not pass position_ids to their attention, "
+    "and lstune's chunked attention (FPDT) cuts the model's chunks by position; use --attn-chunks off (passing "
+    "position_ids on to the attention layers would lift this, as lstune does for Llama-4)."
 )
 _BLOCK_KERNEL_MESSAGE = (
     "this model's attention has {what}, which lstune runs through its block attention kernel, and this attention "
@@ -596,8 +598,21 @@ class ModelMask:
         except ModelError:
             if self.local_size is None:
                 raise
-            _check_model_mask(self.mask_function, position_ids_BS, None, chunk=self.local_size)
+            self._check_chunks(position_ids_BS)
             self.chunk = self.local_size
+
+    def _check_chunks(self, position_ids_BS: Tensor) -> None:
+        """Chunked attention in chunks of `local_size` positions. On an SP rank's shard that continues a document,
+        transformers' mask (index-based when it sees no packing) counts chunks from the shard's first token, while
+        the model on the whole sequence counts them from the document's start — as lstune's kernels do, from the
+        global positions (`chunk_positions`). So the pattern is also accepted on the shard's own numbering."""
+        try:
+            _check_model_mask(self.mask_function, position_ids_BS, None, chunk=self.local_size)
+        except ModelError:
+            if bool((position_ids_BS[:, 0] == 0).all()):  # not a shard that continues a document
+                raise
+            shard_BS = position_ids_BS - position_ids_BS[:, :1]
+            _check_model_mask(self.mask_function, shard_BS, None, chunk=self.local_size)
 
 
 class MaskTensorUse(ModelError, AttributeError):
@@ -711,10 +726,13 @@ class AttentionHandle:
     description: str
     _previous: list[tuple[Any, str | None]] = field(default_factory=list, repr=False)
     active: bool = True
+    adapters: list[Any] = field(default_factory=list, repr=False)  # model adapters with `undo()` (models.llama4)
 
     def undo(self) -> None:
         if not self.active:
             return
+        while self.adapters:
+            self.adapters.pop().undo()
         for config, implementation in self._previous:
             hf_internals.restore_attention_implementation(config, implementation)
         hf_internals.unregister_attention(self.key)
@@ -775,7 +793,18 @@ def use_lstune_attention(
     if block_kernel is None and (where := sinks_module(model)):
         raise ModelError(_BLOCK_KERNEL_MESSAGE.format(what=f"learned attention sinks ({where})"))
     attention_fn = functools.partial(lstune_attention_forward, backend=backend, block_kernel=block_kernel)
-    return register_attention_function(model, attention_fn, description=f"backend={backend}")
+    handle = register_attention_function(model, attention_fn, description=f"backend={backend}")
+    try:
+        # Llama-4's decoder layers do not pass position_ids to attention, and its temperature reads token indices.
+        from lstune.models.llama4 import install_llama4_attention
+
+        adapter = install_llama4_attention(model)
+    except BaseException:
+        handle.undo()
+        raise
+    if adapter is not None:
+        handle.adapters.append(adapter)
+    return handle
 
 
 def sinks_module(model: Any) -> str | None:
