@@ -523,7 +523,7 @@ _BLOCK_KERNEL_MESSAGE = (
 def _build_no_mask(
     *, attention_mask: Tensor | None = None, use_vmap: bool = False, mask_function: Callable | None = None,
     q_length: int | None = None, kv_length: int | None = None, q_offset: int = 0, kv_offset: int = 0,
-    local_size: int | None = None, **_unused: Any,
+    local_size: int | None = None, config: Any = None, **_unused: Any,
 ) -> ModelMask | None:
     """Mask function for `AttentionMaskInterface`: HF calls it instead of building a mask; it builds nothing and
     returns a `ModelMask` (the model's own index-based mask function and the window it named) that reaches the
@@ -543,7 +543,11 @@ def _build_no_mask(
         )
     if mask_function is None or q_length != kv_length or q_offset or kv_offset:
         return None  # no mask asked for, or generation with a cache (refused by the attention function)
-    return ModelMask(mask_function, local_size)
+    # A config whose attention chunk (and no sliding window) has this size: the mask is most likely chunked attention
+    # (Llama-4), checked first — on an SP rank's FPDT pieces no longer than a chunk both patterns fit the sample.
+    chunked = (local_size is not None and getattr(config, "attention_chunk_size", None) == local_size
+               and getattr(config, "sliding_window", None) != local_size)
+    return ModelMask(mask_function, local_size, chunk_first=chunked)
 
 
 @dataclass(eq=False)
@@ -560,6 +564,7 @@ class ModelMask:
     mask_function: Callable
     local_size: int | None
     chunk: int | None = None  # set by `window_for` when the mask is chunked attention (Llama-4) of this size
+    chunk_first: bool = False  # the config names an attention chunk of `local_size`: that pattern is checked first
     _checked: Any = field(default=None, repr=False)
 
     def __getattr__(self, name: str) -> Any:
@@ -592,7 +597,16 @@ class ModelMask:
 
     def _check(self, position_ids_BS: Tensor) -> None:
         """The mask is causal per document with the named window — or, failing that, chunked attention in chunks
-        of the named size (`chunk`: every document cut every `local_size` positions, Llama-4)."""
+        of the named size (`chunk`: every document cut every `local_size` positions, Llama-4). With `chunk_first`
+        the other way round: where both fit the sample (no piece of a document longer than a chunk), the model's
+        config decides."""
+        if self.chunk_first:
+            try:
+                self._check_chunks(position_ids_BS)
+                self.chunk = self.local_size
+                return
+            except ModelError:
+                pass
         try:
             _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
         except ModelError:
