@@ -647,7 +647,11 @@ def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: 
     """ModelError unless `mask_function`, within each document, allows exactly causal (windowed) attention on sample
     rows — or with `chunk`, causal attention within each document's chunks of `chunk` positions."""
     seq = position_ids_BS.shape[-1]
-    doc_BS = document_ids(chunk_positions(position_ids_BS, chunk))
+    doc_BS = document_ids(position_ids_BS)
+    if chunk is not None:  # documents cut at every chunk start; a jump (an SP rank's FPDT pieces) cuts even where
+        # the chunk positions happen to continue by +1 (positions 0..9 then 42 in 16-token chunks)
+        starts_BS = document_starts(position_ids_BS) | document_starts(chunk_positions(position_ids_BS, chunk))
+        doc_BS = starts_BS.cumsum(dim=1) - 1
     rows_R = _sample_rows(doc_BS, window)
     kv_S = torch.arange(seq, device=position_ids_BS.device)
     batch_B = torch.arange(doc_BS.shape[0], device=kv_S.device)

@@ -169,3 +169,24 @@ def test_generation_with_a_cache_runs_the_modules_own_forward():
     finally:
         handle.undo()
     assert torch.equal(out, model.generate(ids, max_new_tokens=3, do_sample=False))
+
+
+@pytest.mark.parametrize("sp, chunks", [(2, 1), (4, 1), (2, 2), (4, 2), (2, 3)])
+def test_every_ranks_view_passes_the_chunk_mask_check(sp, chunks):
+    """The chunked mask is checked on each SP rank's own tokens (transformers builds it there): contiguous shards that
+    start mid-chunk, and FPDT's pieces, whose positions jump — also where the chunk positions happen to continue by
+    +1 across the jump (positions ..., 8, 9 then 46, 47 with 12-token chunks: 46 % 12 = 10)."""
+    model = _model()
+    use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
+    seq = 96
+    piece = seq // (sp * chunks)
+    gen = torch.Generator().manual_seed(sp * 10 + chunks)
+    layouts = [[seq], [37, 59], [22, 10, 14, 50], [10, 36, 50]]
+    layouts += [torch.randperm(seq - 1, generator=gen)[:4].add(1).sort().values.diff(prepend=torch.tensor([0]),
+                append=torch.tensor([seq])).tolist() for _ in range(4)]
+    for docs in layouts:
+        positions = torch.cat([torch.arange(n) for n in docs if n])
+        for rank in range(sp):
+            local = torch.cat([positions[piece * (rank + k * sp):piece * (rank + k * sp + 1)] for k in range(chunks)])
+            with torch.no_grad():
+                model(input_ids=torch.randint(3, 300, (1, len(local))), position_ids=local[None], use_cache=False)
