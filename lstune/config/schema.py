@@ -657,8 +657,9 @@ class TrainConfig:
             )
         if parallel.sp_ring != 1 and self.memory.attn_chunks not in ("auto", "off"):
             problems.append(f"--attn-chunks {self.memory.attn_chunks} does not combine with ring attention (--sp-ring "
-                            f"{parallel.sp_ring}): the ring already holds 1/ring of the sequence's K/V per rank. Use "
-                            "--attn-chunks off, or --sp-ring 1.")
+                            f"{parallel.sp_ring}) yet: its chunks read the earlier chunks' K/V from the rank's own "
+                            "store, which a ring spreads over its positions (docs/parallel.md). Use --attn-chunks off, "
+                            "or --sp-ring 1.")
         if self.run.eval_every is not None and not self.data.has_eval():
             problems.append("--eval-every needs validation data: add --eval-data SOURCE or --eval-split 0.01.")
         return problems

@@ -242,7 +242,7 @@ def chunk_options(config: TrainConfig, hardware: Cluster, shape: ModelShape, sp:
     if setting != "auto":
         return [setting]
     if sp > 1 and resolve_ring(config, hardware, sp) > 1:
-        return ["off"]  # chunked attention does not combine with ring attention (the ring holds 1/R of the K/V)
+        return ["off"]  # chunked attention is refused under a ring (lstune.memory.attention_ring)
     from lstune.memory.offload_math import auto_chunk_tokens
 
     d = hardware.device

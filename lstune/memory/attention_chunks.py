@@ -85,7 +85,7 @@ from lstune.memory.tiling import (
     tile_bounds,
 )
 from lstune.models.attention import chunked_attention_calls
-from lstune.models.attention_sinks import apply_sinks, rowsums, sink_gradient
+from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import AttentionChunks, sequence_layout
 from lstune.models.introspect import attention_heads, layer_attention
 
@@ -340,7 +340,7 @@ class _ChunkSink:
                              "in the model config or use --attn-chunks off.")
         store, m = self.store, self.m
         if self.mode == "forward":
-            sinks5 = None if sinks is None else sinks.detach().float().reshape(1, key.shape[1], -1, 1)
+            sinks5 = None if sinks is None else grouped_sinks(sinks, key.shape[1])
             self.config = dict(scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
                                window=sliding_window, softcap=softcap, kv_heads=key.shape[1], sinks=sinks5)
             index_Bn, doc_Bn = self._token_ids(query, position_ids)

@@ -11,11 +11,15 @@ hops and chunks. Causality, packed-document boundaries and sliding windows come 
 layout) and document keys (index − position_id); blocks are cut to at most BLOCK_TOKENS a side (a bounded mask and score
 tiles for the PyTorch kernel); a block with no allowed pair is skipped (`block_kinds`), and a hop
 none of whose pieces a window reaches is neither sent nor computed (`ring_hops`: with a window shorter than a piece,
-hops 0, 1 and R−1 only). Softcapping is the block kernel's score map.
+hops 0, 1 and R−1 only). Softcapping is the block kernel's score map. Learned attention sinks (gpt-oss; under Ulysses ×
+ring the slice of the rank's q heads, which Ulysses cuts, uneven plans included) are applied once per query row after
+every hop is merged (`models.attention_sinks.apply_sinks`, the function chunked and block attention use): the ring
+keeps the sink-applied (O', lse').
 
 Backward (`_RingFunction`): the same hops fetch the same blocks; each hop's dK/dV (FlashAttention's backward with the
-queries' merged output and lse: exactly the gradient of the merge) goes straight back to the block's owner while the
-next hop computes, and the owner sums what comes home. dQ stays local. Sending each block from its owner rather than
+queries' merged output and lse — with sinks, the sink-applied ones: exactly the gradient of the merge and the sinks) goes straight back to the block's owner while the
+next hop computes, and the owner sums what comes home. dQ stays local, and so does the sinks' gradient from this rank's
+query rows (`sink_gradient`; summed over ranks with the other weights' gradients). Sending each block from its owner rather than
 relaying it rank to rank moves the same bytes per hop (one block per rank) and lets a window skip hops.
 
 Memory per rank (S tokens in the group, R ring ranks, h_q / h_kv widths of the local heads): q, k, v, o of S/R tokens
@@ -24,7 +28,9 @@ pairs — O(S/R), never the whole sequence. Score tiles are those of the block k
 step: forward (H−1)·S/R·2·h_kv elements per rank; backward as much again plus the same in fp32 gradients.
 Composes with: Ulysses (inside the ring, over each position's heads), activation checkpointing (the recompute
 rotates again, in the same order on every rank), tiled MLP / loss (per token), LoRA and ZeRO (weights are outside).
-Not with chunked attention (refused where the run is configured). Attention sinks and dropout are refused.
+Not with chunked attention (refused where the run is configured, and by this kernel when called in a chunk): FPDT's
+chunks attend the earlier chunks' K/V from the rank's own store, and under a ring those live on the other positions
+(docs/parallel.md: what an exact version needs). Attention dropout is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import torch
 from lstune.errors import DataError, ModelError
 from lstune.memory.rotation import Ring, wait
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
-from lstune.models.attention import window_from_mask
+from lstune.models.attention import in_chunked_attention, window_from_mask
+from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import SequenceLayout
 
 if TYPE_CHECKING:
@@ -77,9 +84,10 @@ class RingAttention:
 
     def __call__(self, module, query, key, value, attention_mask, *, position_ids=None, scaling=None,
                  sliding_window=None, softcap=None, dropout=0.0, s_aux=None, is_causal=None, **_unused):
-        if s_aux is not None:
-            raise ModelError("attention sinks are not implemented under ring attention yet; use --sp-ring 1 "
-                             "(Ulysses alone) for this model.")
+        if in_chunked_attention():
+            raise ModelError("chunked attention (--attn-chunks) does not run under ring attention: its chunks read the "
+                             "earlier chunks' K/V from the rank's own store, which a ring spreads over its positions; "
+                             "use --attn-chunks off, or --sp-ring 1.")
         if dropout:
             raise ModelError(f"ring attention has no attention dropout (got {dropout}); set attention_dropout=0 in "
                              "the model config or use --sp-ring 1.")
@@ -97,7 +105,10 @@ class RingAttention:
         doc_Bn = index_n - position_ids.to(query.device).expand(batch, n)
         scale = scaling if scaling is not None else dim ** -0.5
         q5 = query.reshape(batch, kv_heads, heads // kv_heads, n, dim)
-        out5 = _RingFunction.apply(self.ring, q5, key, value, doc_Bn.contiguous(), (scale, window, softcap))
+        if s_aux is not None and s_aux.shape != (heads,):
+            raise ModelError(f"attention sinks of shape {tuple(s_aux.shape)} for {heads} query heads; expected "
+                             f"[{heads}].")
+        out5 = _RingFunction.apply(self.ring, q5, key, value, doc_Bn.contiguous(), (scale, window, softcap), s_aux)
         return out5.reshape(batch, heads, n, out5.shape[-1]).transpose(1, 2).contiguous(), None
 
 
@@ -152,14 +163,16 @@ def _blocks_of(x: Tensor, dim: int) -> list[Tensor]:
 
 
 class _RingFunction(torch.autograd.Function):
-    """Forward and backward of ring attention (module doc); q5 [B, Hkv, g, n, D], k4/v4 [B, Hkv, n, D], doc [B, n].
+    """Forward and backward of ring attention (module doc); q5 [B, Hkv, g, n, D], k4/v4 [B, Hkv, n, D], doc [B, n],
+    sinks [Hkv·g] or None.
 
     Hop h's block comes straight from its owner, position r − h (`Ring.exchange(to=h)`: every rank sends its own block
     h ahead), fetched while the hop before it computes; a hop the window skips is neither fetched nor computed. In
     backward each hop's dK/dV go straight back to the block's owner while the next hop computes."""
 
     @staticmethod
-    def forward(ctx, ring: Ring, q5: Tensor, k4: Tensor, v4: Tensor, doc_Bn: Tensor, config: tuple):
+    def forward(ctx, ring: Ring, q5: Tensor, k4: Tensor, v4: Tensor, doc_Bn: Tensor, config: tuple,
+                sinks: Tensor | None):
         scale, window, softcap = config
         n = q5.shape[3]
         hops = ring_hops(ring.size, n // 2, window)
@@ -184,21 +197,23 @@ class _RingFunction(torch.autograd.Function):
                     out, lse = block_forward(kind, q_pieces[j], k_pieces[i], v_pieces[i], allowed, scale, softcap)
                     acc[j] = merge(*acc[j], out, lse)
             kinds_by_hop.append(hop_kinds)
-        out5 = torch.cat([a[0] for a in acc], dim=3).to(q5.dtype)
-        lse = torch.cat([a[1] for a in acc], dim=3)
+        out5, lse = torch.cat([a[0] for a in acc], dim=3), torch.cat([a[1] for a in acc], dim=3)
+        if sinks is not None:  # once per row, after every hop: the backward runs on the sink-applied (O', lse')
+            out5, lse = apply_sinks(out5, lse, grouped_sinks(sinks, k4.shape[1]))
+        out5 = out5.to(q5.dtype)
         ctx.ring, ctx.config, ctx.hops, ctx.kinds = ring, config, hops, kinds_by_hop
-        ctx.save_for_backward(q5, k4, v4, doc_Bn, out5, lse)
+        ctx.save_for_backward(q5, k4, v4, doc_Bn, out5, lse, sinks)
         return out5
 
     @staticmethod
     def backward(ctx, dout5: Tensor):
         ring, (scale, window, softcap), hops = ctx.ring, ctx.config, ctx.hops
-        q5, k4, v4, doc_Bn, out5, lse = ctx.saved_tensors
+        q5, k4, v4, doc_Bn, out5, lse, sinks = ctx.saved_tensors
         n = q5.shape[3]
         index = SequenceLayout(n * ring.size, ring.size, 1, ring.size).ring_index
         ids_q = _ids(index(ring.rank, q5.device), doc_Bn)
         dout5 = dout5.contiguous()
-        delta = (dout5.float() * out5.float()).sum(-1)
+        delta = rowsums(out5, dout5)
         q_pieces, dout_pieces = _blocks_of(q5, 3), _blocks_of(dout5, 3)
         merged_o, merged_delta, merged_lse = _blocks_of(out5, 3), _blocks_of(delta, 3), _blocks_of(lse, 3)
         dq = [torch.zeros(p.shape, dtype=torch.float32, device=q5.device) for p in q_pieces]
@@ -232,7 +247,11 @@ class _RingFunction(torch.autograd.Function):
                 returning.append((ring.exchange([dk, dv], home, to=-hop), *home))
         _arrived(returning, dk_own, dv_own)
         dq5 = torch.cat(dq, dim=3).to(q5.dtype)
-        return None, dq5, dk_own.to(k4.dtype), dv_own.to(v4.dtype), None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[6]:  # this rank's query rows' part; the ranks' parts are summed
+            per_row = sink_gradient(lse, delta, grouped_sinks(sinks, k4.shape[1]))
+            dsinks = per_row.sum(dim=(0, 3)).reshape(sinks.shape).to(sinks.dtype)
+        return None, dq5, dk_own.to(k4.dtype), dv_own.to(v4.dtype), None, None, dsinks
 
 
 def _arrived(returning: list, dk_own: Tensor, dv_own: Tensor) -> None:

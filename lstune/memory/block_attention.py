@@ -31,7 +31,7 @@ from lstune.errors import ModelError
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
 from lstune.memory.tiling import tile_bounds
 from lstune.models.attention import document_ids
-from lstune.models.attention_sinks import apply_sinks, rowsums, sink_gradient
+from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -87,10 +87,6 @@ def _to5(x_BHSD: Tensor, kv_heads: int) -> Tensor:
     return x_BHSD.reshape(batch, kv_heads, heads // kv_heads, seq, dim)
 
 
-def _sinks5(sinks: Tensor, kv_heads: int) -> Tensor:
-    return sinks.detach().float().reshape(1, kv_heads, -1, 1)
-
-
 class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, config: _Config, query: Tensor, key: Tensor, value: Tensor, sinks: Tensor | None) -> Tensor:
@@ -112,7 +108,7 @@ class _BlockAttention(torch.autograd.Function):
             lses.append(acc_lse)
         out5, lse = torch.cat(outs, dim=3), torch.cat(lses, dim=3)
         if sinks is not None:
-            out5, lse = apply_sinks(out5, lse, _sinks5(sinks, config.kv_heads))
+            out5, lse = apply_sinks(out5, lse, grouped_sinks(sinks, config.kv_heads))
         out5 = out5.to(query.dtype)
         ctx.config = config
         ctx.save_for_backward(query, key, value, sinks, out5, lse)
@@ -145,7 +141,7 @@ class _BlockAttention(torch.autograd.Function):
                 dv[:, :, c:d] += dv_i
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[4]:
-            per_row = sink_gradient(lse, rowsums(out5, dout5), _sinks5(sinks, config.kv_heads))
+            per_row = sink_gradient(lse, rowsums(out5, dout5), grouped_sinks(sinks, config.kv_heads))
             dsinks = per_row.sum(dim=(0, 3)).reshape(sinks.shape).to(sinks.dtype)
         dquery = dq5.reshape(query.shape).to(query.dtype)
         return None, dquery, dk.to(key.dtype), dv.to(value.dtype), dsinks

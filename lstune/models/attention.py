@@ -477,6 +477,12 @@ def recording_attention_modules() -> Iterator[list]:
         _ATTENTION_MODULES.reset(token)
 
 
+def in_chunked_attention() -> bool:
+    """Whether lstune's chunked attention is running a module on one chunk (`chunked_attention_calls`): a kernel that
+    cannot hand its q/k/v to the chunk sink (ring attention) refuses instead of attending one chunk alone."""
+    return _CHUNK_SINK.get() is not None
+
+
 @contextmanager
 def chunked_attention_calls(sink: Any) -> Iterator[None]:
     """Within the block, lstune's attention function hands q/k/v (one chunk's) to `sink` and returns its output."""

@@ -50,6 +50,12 @@ def rowsums(out: Tensor, dout: Tensor) -> Tensor:
     return (dout.float() * out.float()).sum(-1)
 
 
+def grouped_sinks(sinks: Tensor, kv_heads: int) -> Tensor:
+    """Sink logits [H] as fp32 constants [1, H_kv, H/H_kv, 1], broadcastable to the grouped-query lse [B, H_kv, g, t]
+    of lstune's block kernels (query head h uses kv head h // (H/H_kv), as HF's repeat_kv)."""
+    return sinks.detach().float().reshape(1, kv_heads, -1, 1)
+
+
 def head_sinks(sinks: Tensor | None, start: int, count: int) -> Tensor | None:
     """The sinks of query heads [start, start + count) — a rank's slice under Ulysses (uneven head plans too)."""
     return None if sinks is None else sinks[start:start + count]

@@ -15,3 +15,58 @@ def test_every_hop_without_a_window_and_only_the_near_ones_with_a_short_one():
     assert ring_hops(1, 1024, 8) == [0]
     # A window spanning two pieces: the next-but-one positions too.
     assert ring_hops(8, 1024, 1500) == [0, 1, 2, 6, 7]
+
+
+def test_a_ring_of_one_applies_the_sinks_once_after_its_merge_as_block_attention_does():
+    """Sinks through the ring's own Function (one position: hop 0 only, blocks of 5 so rows merge several blocks)
+    equal lstune's block attention (equal to HF eager, tests/unit/models/test_attention_sinks.py): output and the
+    gradients of q, k, v and the sinks, with packed documents and a sliding window."""
+    import types
+
+    import torch
+
+    from lstune.memory import attention_ring
+    from lstune.memory.attention_ring import RingAttention
+    from lstune.memory.block_attention import block_attention
+    from lstune.memory.rotation import Ring
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 24, 8, generator=g, requires_grad=True) for h in (4, 2, 2))
+    sinks = (torch.randn(4, generator=g) * 2).requires_grad_()
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    module = types.SimpleNamespace(is_causal=True)
+    results = []
+    old, attention_ring.BLOCK_TOKENS = attention_ring.BLOCK_TOKENS, 5  # read again by the backward
+    try:
+        for run in ("ring", "blocks"):
+            if run == "ring":
+                out, _ = RingAttention(Ring(1, 0, (0,)))(module, q, k, v, None, position_ids=positions,
+                                                         sliding_window=6, s_aux=sinks)
+            else:
+                out = block_attention(q, k, v, position_ids_BS=positions, scaling=None, sliding_window=6,
+                                      softcap=None, sinks=sinks, block_tokens=5)
+            weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+            grads = torch.autograd.grad((out * weights).sum(), (q, k, v, sinks))
+            results.append((out, *grads))
+    finally:
+        attention_ring.BLOCK_TOKENS = old
+    for mine, reference in zip(*results):
+        torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6)
+    assert results[0][-1].abs().min() > 0  # every head's sink had a gradient
+
+
+def test_a_ring_called_by_chunked_attention_refuses_rather_than_attend_one_chunk():
+    import types
+
+    import pytest
+    import torch
+
+    from lstune.errors import ModelError
+    from lstune.memory.attention_ring import RingAttention
+    from lstune.memory.rotation import Ring
+    from lstune.models.attention import chunked_attention_calls
+
+    q = k = v = torch.zeros(1, 2, 4, 8)
+    with chunked_attention_calls(object()), pytest.raises(ModelError, match="does not run under ring attention"):
+        RingAttention(Ring(1, 0, (0,)))(types.SimpleNamespace(is_causal=True), q, k, v, None,
+                                        position_ids=torch.arange(4)[None])
