@@ -236,7 +236,8 @@ def probe_llama4_attention(wrapper: Llama4Attention, rotary: nn.Module, name: st
     try:
         with torch.no_grad():
             embeddings = rotary(hidden, positions)
-            expected = wrapper.own_forward(hidden, embeddings, None, cache=_SeenTokens(start), position_ids=positions)[0]
+            seen = _SeenTokens(start)
+            expected = wrapper.own_forward(hidden, embeddings, None, cache=seen, position_ids=positions)[0]
             got = wrapper(hidden, embeddings, None, position_ids=positions)[0]
     finally:
         module.train(was_training)

@@ -8,8 +8,8 @@ the unmodified model running its own attention implementation (eager) and its ow
 1. probe model: a copy of the loaded model when it is small (<= 100M parameters) and names no window / attention
    chunk longer than 16 tokens; else a random-init copy, built on the run's device, of a prefix of its layers long
    enough to hold every layer type the config lists per layer (a layer or a few), with a vocabulary of 512 and
-   windows / attention chunks (and Llama-4's temperature step) cut to 16 tokens — exactness is a property of the code path, not of the weights or
-   the window's size;
+   windows / attention chunks (and Llama-4's temperature step) cut to 16 tokens — exactness is a property of the code
+   path, not of the weights or the window's size;
 2. probe batch: one sequence longer than every window/chunk the config names (at least 64 tokens), with two packed
    documents when the run packs; labels pre-shifted as the data pipeline makes them;
 3. reference: the probe model with `attn_implementation="eager"`, fp32, dropout off, each packed document run alone

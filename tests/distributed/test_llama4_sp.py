@@ -5,8 +5,8 @@ packed document alone (fp32).
 The chunked-attention layer's 12-token chunks do not line up with the shards (52 tokens on 2 ranks, 26 on 4: every
 rank but the first starts mid-chunk, where transformers' mask on the shard counts chunks from the shard's start) nor
 with FPDT's pieces (13 tokens on 4 ranks: no piece holds a whole chunk plus one), so chunk membership must come from
-the global position_ids; the NoPE layer's temperature steps every 4 positions, so a rank computing it from its shard's token
-index (transformers' own rule) would differ from the whole sequence."""
+the global position_ids; the NoPE layer's temperature steps every 4 positions, so a rank computing it from its shard's
+token index (transformers' own rule) would differ from the whole sequence."""
 
 from __future__ import annotations
 
