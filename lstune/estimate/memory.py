@@ -625,10 +625,13 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         parts.append(("layer backward: autocast's 16-bit copies of the fp32 weights and inputs", casts))
     if s.lora_r and p.lora_wrapped:
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
+    # Under head-parallel SP a rank runs S tokens of 1/sp of the heads: the same bytes as its t tokens of all.
     if shape.linear_layers and shape.state_elements:
-        # Under head-parallel SP a rank runs S tokens of 1/sp of the heads: the same bytes as its t tokens of all.
         parts.append(("layer backward: a linear-attention / state-space mixer's recurrent states (fp32, one per "
                       "64-token chunk)", shape.linear_state_bytes(t)))
+    if shape.linear_layers and shape.conv_channels:
+        parts.append(("layer backward: a linear mixer's short convolution (its input and output, "
+                      f"{shape.conv_channels:,} channels)", shape.linear_conv_bytes(t, act)))
     return parts
 
 

@@ -49,6 +49,8 @@ class ModelShape:
     mixers: tuple[str, ...] = ()
     chunks: tuple[int | None, ...] = ()  # per layer: chunked attention's chunk (Llama-4), None = not chunked
     state_elements: int = 0  # one linear layer's recurrent state per sequence (heads · key dim · value dim)
+    conv_channels: int = 0  # one linear layer's short causal convolution: its channels (0: none, MiniMax)
+    conv_kernel: int = 0  # and its width in tokens
     sinks: bool = False  # learned attention sinks (gpt-oss): the block kernel, O(S) like SDPA's flash kernel
 
     @classmethod
@@ -72,6 +74,7 @@ class ModelShape:
             vocab=c.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
             gated=getattr(c, "model_type", "") not in _UNGATED_MLP, windows=_windows(c, layers),
             mixers=_mixers(c, layers), chunks=_chunks(c, layers), state_elements=_state_elements(c, hidden),
+            **_conv(c, hidden),
             sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
 
@@ -116,6 +119,14 @@ class ModelShape:
         """What one linear layer's chunked recurrent kernel keeps for backward over one sequence: the fp32 state at
         every chunk edge (chunk_gated_delta_rule, Mamba-2's chunked scan: 64-token chunks)."""
         return 4 * self.state_elements * -(-seq_len // chunk)
+
+    def linear_conv_bytes(self, seq_len: int, act_bytes: int) -> int:
+        """What one linear layer's short causal convolution keeps for backward over one sequence, in the activation
+        dtype: its input (the projected channels) and its output before the activation, which the convolution
+        computes over the sequence padded by kernel − 1 (transformers' torch path and causal-conv1d alike)."""
+        if not self.conv_channels:
+            return 0
+        return self.conv_channels * (2 * seq_len + self.conv_kernel - 1) * act_bytes
 
 
 def _first(config: Any, *names: str) -> int:
@@ -194,6 +205,29 @@ def _state_elements(c: Any, hidden: int) -> int:
         head_dim = get("head_dim") or hidden // c.num_attention_heads
         return c.num_attention_heads * head_dim * head_dim
     return 0
+
+
+def _conv(c: Any, hidden: int) -> dict[str, int]:
+    """One linear layer's short convolution (`conv_channels`, `conv_kernel`), from the families' config names: Gated
+    DeltaNet's q, k and v channels, KDA's three convolutions, Mamba-2's inner width and B, C groups, Mamba-1's
+    expanded width, LFM2's hidden width; none for lightning attention (MiniMax) or a model without linear layers."""
+    get = functools.partial(_get_any, c)
+    kernel = get("linear_conv_kernel_dim", "mamba_d_conv", "conv_kernel", "conv_L_cache")
+    if get("linear_num_value_heads"):
+        channels = (2 * get("linear_num_key_heads") * get("linear_key_head_dim")
+                    + get("linear_num_value_heads") * get("linear_value_head_dim"))
+    elif get("linear_num_heads") and get("linear_head_dim"):  # KDA: q, k and v each convolved
+        channels = 3 * get("linear_num_heads") * get("linear_head_dim")
+    elif heads := get("mamba_n_heads", "mamba_num_heads"):
+        inner = get("mamba_d_ssm") or heads * get("mamba_d_head", "mamba_head_dim")
+        channels = inner + 2 * get("mamba_n_groups", "n_groups") * get("mamba_d_state", "ssm_state_size")
+    elif get("mamba_expand") and get("mamba_d_state"):  # Mamba-1 (Jamba)
+        channels = get("mamba_expand") * hidden
+    elif getattr(c, "model_type", "") in ("lfm2", "lfm2_moe"):
+        channels = hidden
+    else:
+        return {"conv_channels": 0, "conv_kernel": 0}
+    return {"conv_channels": channels, "conv_kernel": kernel} if kernel else {"conv_channels": 0, "conv_kernel": 0}
 
 
 def _get_any(c: Any, *names: str) -> int:

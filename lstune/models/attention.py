@@ -750,13 +750,13 @@ class AttentionHandle:
     description: str
     _previous: list[tuple[Any, str | None]] = field(default_factory=list, repr=False)
     active: bool = True
-    adapters: list[Any] = field(default_factory=list, repr=False)  # model adapters with `undo()` (models.llama4)
+    undos: list[Callable[[], None]] = field(default_factory=list, repr=False)  # hooks added beside the registration
 
     def undo(self) -> None:
         if not self.active:
             return
-        while self.adapters:
-            self.adapters.pop().undo()
+        for undo in reversed(self.undos):
+            undo()
         for config, implementation in self._previous:
             hf_internals.restore_attention_implementation(config, implementation)
         hf_internals.unregister_attention(self.key)
@@ -819,6 +819,8 @@ def use_lstune_attention(
     attention_fn = functools.partial(lstune_attention_forward, backend=backend, block_kernel=block_kernel)
     handle = register_attention_function(model, attention_fn, description=f"backend={backend}")
     try:
+        if _text_model_type(model) in POSITIONS_DROPPED:
+            handle.undos.extend(pass_positions_to_layers(model))
         # Llama-4's decoder layers do not pass position_ids to attention, and its temperature reads token indices.
         from lstune.models.llama4 import install_llama4_attention
 
@@ -827,8 +829,46 @@ def use_lstune_attention(
         handle.undo()
         raise
     if adapter is not None:
-        handle.adapters.append(adapter)
+        handle.undos.append(adapter.undo)
     return handle
+
+
+# Model types whose body takes position_ids (its RoPE reads them) but whose decoder layers do not hand them on, so
+# their attention would see one document per row: packed documents silently joined (their own HF mask is plain
+# causal too), and no positions for Ulysses. A genuine exception (docs/models.md): most models pass them through
+# the layers' **kwargs. Llama-4 is not here: its attention also scales queries by the local token index
+# (lstune.models.llama4 hands its positions on and computes that scale from them).
+POSITIONS_DROPPED = frozenset({"granitemoehybrid"})
+
+
+def _text_model_type(model: Any) -> str:
+    config = getattr(model, "config", None)
+    getter = getattr(config, "get_text_config", None)
+    return getattr(getter() if callable(getter) else config, "model_type", "")
+
+
+def pass_positions_to_layers(model: Any) -> list[Callable[[], None]]:
+    """Hand the body's `position_ids` to every decoder layer that is not given them (two forward pre-hooks: the body
+    records them, each layer adds them to its keyword arguments, which its attention passes on to lstune's attention
+    function). An activation-checkpoint recompute calls the layer's forward with the keywords recorded at its first
+    call. Returns the hooks' removers."""
+    from lstune.models.introspect import decoder_body, decoder_layers
+
+    current: dict[str, Any] = {}
+
+    def record(module, args, kwargs):
+        current["position_ids"] = kwargs.get("position_ids")
+
+    def add(module, args, kwargs):
+        if kwargs.get("position_ids") is None and current.get("position_ids") is not None:
+            return args, {**kwargs, "position_ids": current["position_ids"]}
+        return None
+
+    hooks = [decoder_body(model).register_forward_pre_hook(record, with_kwargs=True)]
+    hooks += [layer.register_forward_pre_hook(add, with_kwargs=True) for layer in decoder_layers(model)]
+    logger.info("lstune attention: position_ids handed to the %d decoder layers of %s (its layers drop them)",
+                len(hooks) - 1, type(model).__name__)
+    return [hook.remove for hook in hooks]
 
 
 def sinks_module(model: Any) -> str | None:

@@ -79,6 +79,35 @@ def is_causal_lm_config(config: Any) -> bool:
 
 
 @contextlib.contextmanager
+def traceable_grouped_mm() -> Iterator[None]:
+    """Within the block transformers' MoE experts take their own grouped-matmul fallback for weights that are not
+    bf16, as they already do under torch.compile.
+
+    torch's meta kernel of `_grouped_mm` (which fake tensors run) keeps CUDA's old bf16-only check, so an fp32
+    expert weight (a full fine-tune's) failed the memory trace although the real CPU and CUDA kernels take it.
+    transformers' fallback has a fake kernel of its own for every dtype and saves the same tensors for backward
+    (input, weight, offsets), so the trace's bytes are the run's.
+    """
+    from unittest import mock
+
+    import torch
+
+    try:
+        from transformers.integrations import moe
+
+        real = moe._can_use_grouped_mm
+    except (ImportError, AttributeError):  # a transformers without grouped-mm experts: nothing to redirect
+        yield
+        return
+
+    def can_use(input, weight, offs) -> bool:
+        return real(input, weight, offs) and weight.dtype == torch.bfloat16
+
+    with mock.patch.object(moe, "_can_use_grouped_mm", can_use):
+        yield
+
+
+@contextlib.contextmanager
 def no_packed_sequence_detection() -> Iterator[None]:
     """Within the block transformers treats every row as one document when it builds masks.
 

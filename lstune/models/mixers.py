@@ -553,8 +553,10 @@ class DocumentMixer:
         if spans[0][-1][1] != hidden_states.shape[1] * self.sp:
             raise ModelError(
                 f"{self.name} ({type(self.module).__name__}) got {hidden_states.shape[1]} tokens of a "
-                f"{spans[0][-1][1] // self.sp}-token sequence (chunked attention runs a layer on pieces of it), and "
-                "lstune's per-document mixer needs the whole sequence to find its documents: use --attn-chunks off."
+                f"{spans[0][-1][1] // self.sp}-token sequence (chunked attention, or MLP tiling taking a block "
+                "whose only part is this mixer for its MLP, runs it on pieces), and lstune's per-document mixer "
+                "needs the whole sequence to find its documents: use --attn-chunks off, or tiled_mlp: off and "
+                "mini_sequence: false."
             )
         return self.run(hidden_states, spans, kwargs)
 

@@ -65,7 +65,7 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from lstune.models.attention import stated_document_spans
-    from lstune.models.hf_internals import no_packed_sequence_detection
+    from lstune.models.hf_internals import no_packed_sequence_detection, traceable_grouped_mm
     from lstune.train.build import meta_model_of
 
     start = time.perf_counter()
@@ -83,7 +83,7 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
         base_bytes = _storage_bytes(model)  # allocated before the meter starts; alive throughout
         if zero3:
             _mark_partitioned(model)
-        with live, no_packed_sequence_detection():
+        with live, no_packed_sequence_detection(), traceable_grouped_mm():
             prepared, optimizer = _prepare(model, whole, runtime)  # apply_techniques takes its rank's share
             holder["plan"] = prepared.memory
             parameter_bytes = base_bytes + live.current
@@ -312,6 +312,11 @@ def trace_plan(run_plan) -> TraceResult:
     except ModelError as exc:
         raise ConfigError([f"--trace runs the step on this CPU, where lstune cannot prepare this model: {exc} "
                            "Drop --trace for the analytic estimate."]) from None
+    except (RuntimeError, NotImplementedError) as exc:  # a kernel fake tensors cannot run: a user's way out, no trace
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError([f"--trace could not run this model's step on fake tensors ({type(exc).__name__}: "
+                           f"{first}). Drop --trace for the analytic estimate; --debug shows where it failed."]) \
+            from exc
 
 
 @dataclass

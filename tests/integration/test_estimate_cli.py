@@ -138,6 +138,32 @@ def test_trace_of_a_model_that_cannot_run_on_cpu_says_so(monkeypatch):
     assert "--trace runs the step on this CPU" in text and "cannot run here" in text and "Drop --trace" in text
 
 
+def test_trace_that_fake_tensors_cannot_run_is_a_config_error(monkeypatch):
+    """A kernel that fails on fake tensors (as torch's bf16-only meta `_grouped_mm` did for fp32 experts) is a
+    ConfigError (exit 2) with the way out, not a traceback."""
+    import lstune.train.trace as trace
+    from lstune.config.schema import TrainConfig
+    from lstune.errors import ConfigError
+    from lstune.estimate.hardware import resolve_hardware
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("Expected inputs of BF16 type\nmore")
+
+    monkeypatch.setattr(trace, "trace_step", fail)
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 1024})
+    with pytest.raises(ConfigError) as caught:
+        trace.trace_estimate(config, resolve_hardware(gpu="h100-80gb", host_mem=128 * 2**30))
+    text = " ".join(caught.value.problems)
+    assert "Expected inputs of BF16 type" in text and "more" not in text and "Drop --trace" in text
+
+
+def test_trace_of_a_full_fine_tune_of_an_moe_runs(cli):
+    """fp32 experts (no LoRA) traced through transformers' grouped-matmul fallback (hf_internals)."""
+    result = cli("estimate", "--model", "tiny-qwen3-moe", "--seq-len", "512", "--trace", *H100)
+    assert result.code == 0, result.err
+    assert "trace (fake tensors" in " ".join(result.out.split())
+
+
 def test_train_prints_the_predicted_peak_before_loading_weights(cli, tmp_path, text_data):
     from tests.integration.conftest import TINY_MODEL
 

@@ -72,9 +72,9 @@ MIXER_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "qwen3_5_text": (dict(_GDN), {}),
     "qwen3_5_moe_text": ({**_GDN, **MOE, "shared_expert_intermediate_size": 32}, {}),
     "bamba": ({**_MAMBA2, "attn_layer_indices": [1]}, {}),
-    # Mamba layers only: its decoder layers do not pass position_ids to attention (Ulysses refuses SP there, and packed
-    # documents in its attention are the self-check's to catch), which is not the mixers' business.
-    "granitemoehybrid": ({**_MAMBA2, "layer_types": ["mamba", "mamba"]}, {}),
+    # Its decoder layers do not pass position_ids to attention: lstune's attention hands them on
+    # (models.attention.POSITIONS_DROPPED), so packed documents and Ulysses are exact in its attention layer too.
+    "granitemoehybrid": ({**_MAMBA2, "layer_types": ["mamba", "attention"]}, {}),
     # mamba_rms_norm off: the gate multiplies on the rank's heads (bamba and nemotron_h cover the deferred gated norm)
     "falcon_h1": ({**_MAMBA2, "mamba_d_ssm": 48, "mamba_rms_norm": False, "head_dim": 8}, {}),
     "nemotron_h": (dict(mamba_num_heads=6, mamba_head_dim=8, n_groups=2, ssm_state_size=8, chunk_size=16,

@@ -11,6 +11,7 @@ import torch
 from lstune.config.schema import MemorySection
 from lstune.memory import attention_saved
 from lstune.memory.apply import apply_memory_techniques
+from lstune.memory.block_attention import block_attention
 from lstune.memory.measure import LiveBytes
 from lstune.models.attention import use_lstune_attention
 from lstune.models.presets import build_model
@@ -35,7 +36,7 @@ def _batch(data: str) -> dict:
 def _run(model, options: dict, recompute: str, batches: list[dict], calls: dict | None = None):
     """(plan, loss, grads) with lstune's attention and `options` under `--recompute-attention recompute`; `calls`
     (`_count_kernels`) zeroed once the plan's probes ran, so it counts the step's kernels."""
-    attention = use_lstune_attention(model, backend="sdpa")
+    attention = use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)  # as train installs it
     plan = apply_memory_techniques(model, MemorySection(**options, recompute_attention=recompute), seq_len=SEQ)
     if calls is not None:
         calls.update(dict.fromkeys(calls, 0))
@@ -71,10 +72,22 @@ def models():
 @pytest.mark.parametrize("data", ["long", "packed"])
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_saved_attention_matches_recompute_across_architectures(models, arch, data):
-    model = models(arch)
-    if getattr(model.config, "attn_logit_softcapping", None):
-        pytest.skip("softcapped logits need flex/flash_attention_2, neither trains on CPU")
-    _assert_equal_on_and_off(model, SETTINGS["offload"], [_batch(data)])
+    _assert_equal_on_and_off(models(arch), SETTINGS["offload"], [_batch(data)])
+
+
+@pytest.mark.parametrize("data", ["long", "packed"])
+def test_softcapped_layers_are_recomputed_and_match(models, monkeypatch, data):
+    """Gemma-2's softcapped logits run lstune's block kernel on CPU (issue 34); the saved path leaves them to
+    `local_attention`, recomputed in backward: forward and recompute each run every layer's attention once."""
+    from tests.support.archs import tiny_model
+
+    model = tiny_model("gemma2", attn_logit_softcapping=2.0)  # a cap the tiny logits reach
+    layers = model.config.num_hidden_layers
+    calls = _count_kernels(monkeypatch)
+    plan, _, _ = _run(model, SETTINGS["checkpointing"], "off", [_batch(data)], calls)
+    assert plan.save_attention
+    assert calls == {"saved_forward": 0, "saved_backward": 0, "local": 2 * layers}
+    _assert_equal_on_and_off(model, SETTINGS["checkpointing"], [_batch(data)])
 
 
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if s != "offload"])
@@ -148,7 +161,7 @@ def test_kept_bytes_are_the_estimates(models):
     batch = long_batch(SEQ)
 
     def live_after_forward(recompute: str) -> int:
-        attention = use_lstune_attention(model, backend="sdpa")
+        attention = use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)  # as train installs it
         plan = apply_memory_techniques(model, MemorySection(**SETTINGS["checkpointing"],
                                                             recompute_attention=recompute), seq_len=SEQ)
         try:
@@ -214,7 +227,7 @@ def test_placement_matches_and_keeps_nothing_for_layers_it_recomputes(data, frac
 
     model = build_model("tiny-llama", num_hidden_layers=6).train()
     placement = CheckpointPlacement(PLACEMENTS[fractions])
-    attention = use_lstune_attention(model, backend="sdpa")
+    attention = use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)  # as train installs it
     results = {}
     try:
         for save in (False, True):

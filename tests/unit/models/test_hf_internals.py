@@ -11,7 +11,7 @@ from lstune.models.presets import build_model, preset_config
 
 PACKAGE = Path(hf_internals.__file__).resolve().parents[1]
 PRIVATE = re.compile(r"_global_mapping|\._attn_implementation|_model_mapping|"
-                     r"masking_utils|modeling_utils|find_packed_sequence_indices")
+                     r"masking_utils|modeling_utils|find_packed_sequence_indices|_can_use_grouped_mm")
 
 
 def test_installed_transformers_is_in_the_supported_range():
@@ -81,3 +81,21 @@ def test_no_other_module_touches_transformers_internals():
         if PRIVATE.search(line) and not line.lstrip().startswith(("#", "`")) and "`" not in line
     ]
     assert not offenders, offenders
+
+
+def test_fp32_experts_trace_on_fake_tensors_through_transformers_fallback():
+    """torch's meta `_grouped_mm` accepts bf16 only; an fp32 MoE (a full fine-tune) failed `--trace` before."""
+    import pytest
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = build_model("tiny-qwen3-moe", attn_implementation="sdpa")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        ids = torch.zeros(1, 8, dtype=torch.long)
+        with pytest.raises(RuntimeError, match="BF16"):
+            model(input_ids=ids).logits.sum().backward()
+        with hf_internals.traceable_grouped_mm():
+            logits = model(input_ids=ids).logits
+            logits.sum().backward()
+    assert logits.shape == (1, 8, model.config.vocab_size)
