@@ -214,3 +214,21 @@ def test_metp_mlp_refusals_and_ring_with_chunks_are_refused_before_launch(tmp_pa
     assert proc.returncode == 2 and "--sp 1 has none" in proc.stderr, proc.stderr[-2000:]
     proc = run_subprocess(*base, "--sp-ring", "2", "--attn-chunks", "2", "--output-dir", tmp_path / "c", timeout=120)
     assert proc.returncode == 2 and "does not combine with ring attention" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_llama4_packed_with_chunked_attention_under_sp2_equals_one_process(tmp_path, text_data):
+    """Llama-4 (chunked-attention layer in 16-token chunks, NoPE layer with its temperature from positions,
+    lstune.models.llama4) with --pack and FPDT: two SP ranks train the same numbers as one process."""
+    from tests.support.archs import tiny_config
+
+    tiny_config("llama4_text").save_pretrained(tmp_path / "llama4")
+    common = ["--model", tmp_path / "llama4", "--data", text_data, "--seq-len", "128", "--max-steps", "3", "--init",
+              "random", "--lr", "1e-3", "--warmup-steps", "0", "--pack", "--attn-chunks", "2"]
+    for name, extra in (("sp2", ["--gpus", "2", "--sp", "2"]), ("one", ["--grad-accum", "2"])):
+        proc = run_subprocess("train", *common, *extra, "--output-dir", tmp_path / name, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "self-check passed" in proc.stdout + proc.stderr
+    sp2, one = read_metrics(tmp_path / "sp2"), read_metrics(tmp_path / "one")
+    assert [m["label_tokens"] for m in sp2] == [m["label_tokens"] for m in one]
+    assert [m["loss"] for m in sp2] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    assert [m["grad_norm"] for m in sp2] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
