@@ -58,10 +58,8 @@ class BenchOptions:
 
     rungs: Any = _opt(
         None,
-        "Configurations to measure, comma-separated: hf (plain Hugging Face), tiled_loss, tiled_mlp, offload, "
-        "mini_seq, lstune (the flags as given), sp (lstune on --gpus processes); SP layouts over --gpus to compare: "
-        "sp_ulysses, sp_ring (ring attention), sp_hybrid (Ulysses × ring 2) [default: lstune; the ladder with "
-        "--ablation].",
+        "Configurations, comma-separated: hf, tiled_loss, tiled_mlp, offload, mini_seq, lstune (the flags), sp, "
+        "sp_ulysses, sp_ring, sp_hybrid (docs/bench.md) [default: lstune; the ladder with --ablation].",
         partial(p.parse_str_list, items="rung names", auto=False,
                 hint="one or more of hf, tiled_loss, tiled_mlp, offload, mini_seq, lstune, sp, sp_ulysses, sp_ring, "
                      "sp_hybrid, comma-separated"),

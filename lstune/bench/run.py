@@ -87,6 +87,9 @@ def problems_with(config: TrainConfig, options: BenchOptions) -> list[str]:
         problems.append(f"--max-len {options.max_len} is shorter than --len-step {options.len_step}; raise it.")
     if (options.max_len is not None or options.len_step != BenchOptions.len_step) and not options.find_max_len:
         problems.append("--max-len and --len-step set the --find-max-len search: add --find-max-len, or drop them.")
+    if config.data.data_streaming:
+        problems.append("bench measures steps on data read as usual (each trial at its own length); drop "
+                        "--data-streaming (a part of a large source will do: --max-records).")
     return problems
 
 

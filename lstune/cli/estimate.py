@@ -143,6 +143,9 @@ def _render_trace(report) -> None:
         f"{human_bytes(t.gradient_bytes)}, optimizer {human_bytes(t.optimizer_bytes)}; host {human_bytes(t.host_peak_bytes)}; "
         f"checkpoints {t.checkpoint_bytes_per_token_layer:,} B per token per layer ({t.residual_dtype})"
     )
+    # The plan above is the traced step's (Cluster.traced): its verdict and longest length are not the GPU run's.
+    console().print("the verdict, longest length and step above are those of the step the trace runs (no Liger, no "
+                    "fused norms); `lstune estimate` without --trace gives the run's own (its longest may be longer)")
 
 
 def _model_problems(config) -> list[str]:

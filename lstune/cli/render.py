@@ -254,9 +254,10 @@ def print_data_preview(preview) -> None:
     con = console()
     s = preview.summary
     con.print(f"[bold]data[/bold]: {escape(s['note'])}")
-    con.print(f"records {s['records']:,} · samples {s['samples']:,} · tokens {s['tokens']:,} · padding "
-              f"{s['padding_tokens']:,} · truncated records {s['truncated_records']:,} (tokens dropped "
-              f"{s['truncated_tokens']:,}) · skipped records {s['skipped_documents']:,}", markup=False)
+    if not s.get("streaming"):  # a stream's counts are unknown until it is read
+        con.print(f"records {s['records']:,} · samples {s['samples']:,} · tokens {s['tokens']:,} · padding "
+                  f"{s['padding_tokens']:,} · truncated records {s['truncated_records']:,} (tokens dropped "
+                  f"{s['truncated_tokens']:,}) · skipped records {s['skipped_documents']:,}", markup=False)
     if preview.eval_summary is not None:
         con.print(f"[bold]validation[/bold]: {escape(preview.eval_summary['note'])}")
     if not preview.shown_tokens:

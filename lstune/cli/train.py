@@ -28,9 +28,8 @@ def _signature() -> inspect.Signature:
     dry_run = inspect.Parameter(
         "dry_run", inspect.Parameter.KEYWORD_ONLY, annotation=bool,
         default=typer.Option(False, "--dry-run", help=(
-            "Check the config as the run does before loading anything (the model's config included: SP layout, "
-            "attention, RoPE scaling, 4-bit weights), print the run's plan on this machine — every `auto` "
-            "resolved, the predicted peaks and verdict — and exit; loads no weights, writes nothing.")),
+            "Check the config as the run would, print its plan here (every `auto` resolved, predicted peaks, "
+            "verdict) and exit; loads no weights, writes nothing.")),
     )
     ctx = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
     return inspect.Signature([ctx, config_parameter(), dry_run, *section_parameters()])
@@ -47,7 +46,7 @@ def _train_command(**kwargs: Any) -> int:
     flags = given_flags(kwargs)
     recipe = read_recipe(config_path) if config_path else {}
     name = str(config_path) if config_path else "the recipe"
-    config = build_config(recipe, flags, recipe_name=name, checks=lambda c: _data_given(c) + preflight_problems(c))
+    config = build_config(recipe, flags, recipe_name=name, checks=lambda c: _data_given(c) + c.training_problems() + preflight_problems(c))
     if dry_run:
         return _dry_run(config)
     if _needs_launch(config):

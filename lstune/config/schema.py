@@ -35,6 +35,7 @@ def flag_name(key: str) -> str:
 
 _nonneg_int = partial(p.parse_int, minimum=0)
 _pos_int = partial(p.parse_int, minimum=1)
+DEFAULT_SHUFFLE_BUFFER = 1000  # records held by --data-streaming's shuffle buffer unless --data-shuffle-buffer
 TILE_SETTING_HINT = "'auto', 'off' or a tile count >= 1"
 _LORA_ONLY = ("lora_alpha", "lora_targets", "merge_lora", "lora_dropout", "lora_dora", "lora_rslora")
 LORA_ONLY = _LORA_ONLY  # the model keys that act only with a LoRA rank
@@ -147,9 +148,7 @@ class DataSection:
     source: Any = _opt(
         None,
         "Training data (required): a JSONL/JSON/Parquet/Arrow file or folder, a save_to_disk folder, a hub "
-        "dataset name, or builtin:passkey (the bundled synthetic task the demo recipe trains on; "
-        "builtin:passkey-answer: its loss on the key only). Repeat it for a mixture, each SOURCE:WEIGHT "
-        "(--data a.jsonl:0.7 --data b/:0.3).",
+        "dataset, or builtin:passkey (the demo's task). Repeat as SOURCE:WEIGHT for a mixture (README: Data).",
         p.parse_data_sources,
         key="data",
         metavar="SOURCE",
@@ -187,6 +186,15 @@ class DataSection:
         None, "Read lstune's fields from other columns: FIELD=COLUMN, comma-separated (text=body or "
         "prompt=question,completion=answer).", p.parse_field_map, metavar="FIELD=COLUMN", accepts_list=True,
     )
+    # Sources larger than the datasets cache's disk (issue 38): lstune.data.streaming.
+    data_streaming: bool = _opt(
+        False, "Read --data as a stream: tokenized, packed and shuffled on the fly, nothing stored; for sources "
+        "larger than the cache disk. Needs --max-steps (docs/data.md).", p.parse_bool,
+    )
+    data_shuffle_buffer: int | None = _opt(
+        None, f"With --data-streaming: records in the shuffle buffer, 0 = stream order (default "
+        f"{DEFAULT_SHUFFLE_BUFFER}).", _nonneg_int,
+    )
     eval_data: str | None = _opt(
         None, "Validation data, in the same formats as --data (evaluated every --eval-every steps and at the end); "
         "builtin:passkey-eval (16 held-out passkey records) adds the passkey accuracy.",
@@ -208,6 +216,24 @@ class DataSection:
             problems.append("--eval-data and --eval-split both give validation data; keep one.")
         if self.eval_max_samples is not None and not self.has_eval():
             problems.append("--eval-max-samples bounds validation: add --eval-data or --eval-split, or drop it.")
+        return problems + self._streaming_problems()
+
+    def _streaming_problems(self) -> list[str]:
+        """What --data-streaming does not do (yet): refused rather than approximated (docs/data.md)."""
+        if not self.data_streaming:
+            return ["--data-shuffle-buffer sets --data-streaming's shuffle: add --data-streaming, or drop it."] \
+                if self.data_shuffle_buffer is not None else []
+        problems = []
+        sources = self.source if isinstance(self.source, list) else [self.source]
+        if len(sources) > 1:
+            problems.append("--data-streaming reads one --data source; a mixture of streams is not supported. Give "
+                            "one source, or drop --data-streaming.")
+        if any(isinstance(s, str) and s.startswith("builtin:") for s in sources):
+            problems.append("--data-streaming: builtin: sources are small files shipped with lstune; drop "
+                            "--data-streaming.")
+        if self.eval_split is not None:
+            problems.append("--eval-split holds out samples of a dataset whose length is known; a stream's is not. "
+                            "With --data-streaming give --eval-data SOURCE (read as usual, not streamed).")
         return problems
 
     def _mixture_problems(self) -> list[str]:
@@ -229,6 +255,10 @@ class DataSection:
     def reading(self) -> dict[str, Any]:
         """How to read --data: its split, subset and field mapping (`lstune.data.dataset.build_dataset`'s keywords)."""
         return dict(split=self.data_split, subset=self.data_subset, fields=self.data_fields)
+
+    def shuffle_buffer(self) -> int:
+        """--data-streaming's shuffle buffer, in records."""
+        return DEFAULT_SHUFFLE_BUFFER if self.data_shuffle_buffer is None else self.data_shuffle_buffer
 
     def has_eval(self) -> bool:
         return self.eval_data is not None or self.eval_split is not None
@@ -258,25 +288,22 @@ class MemorySection:
 
     tiled_mlp: Any = _opt(
         "auto",
-        "Run each MLP over sequence tiles, recomputed in backward: 'auto' = the fewest tiles the memory estimate "
-        "says keep the peak within 90% of the device (none when memory is no concern; up to ALST's "
-        "ceil(seq / hidden)), 'off', or a tile count.",
+        "Run each MLP over sequence tiles, recomputed in backward: a tile count, 'off', or 'auto' = the fewest "
+        "tiles that keep the estimated peak within 90% of the device (docs/memory.md).",
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
     tiled_loss: Any = _opt(
         "auto",
-        "Compute logits + loss tile by tile, never the full [seq, vocab] logits: 'auto' = Liger's fused loss on "
-        "CUDA, else the fewest tiles the memory estimate says keep the peak within 90% of the device (up to "
-        "ALST's tiles of ~1 GiB of fp32 logits), 'off' (one tile), or a tile count.",
+        "Logits + loss tile by tile, never the full [seq, vocab] logits: a tile count, 'off' (one tile), or "
+        "'auto' = Liger's fused loss on CUDA, else the fewest tiles that fit (docs/memory.md).",
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
     mini_sequence: Any = _opt(
         "auto",
-        "Mini-sequence policy (MST): MLP tiles of hidden-size tokens with the layer norm fused in, loss in "
-        "vocab/hidden tiles. Default auto: on only when the estimate says the run does not fit the device without "
-        "it (exact either way; it costs smaller tiles); --mini-sequence forces it, --no-mini-sequence turns it off.",
+        "MST's tiles: MLP in hidden-size tiles with the norm fused in, loss in vocab/hidden tiles. auto: on "
+        "only where the run would not fit without it (docs/memory.md).",
         p.parse_auto_bool,
         switch=True,
     )
@@ -286,10 +313,8 @@ class MemorySection:
     )
     offload_checkpoints: Any = _opt(
         "auto",
-        "Keep each layer's checkpointed hidden state in host memory (async copies, prefetched in backward). "
-        "Default auto: on only when the estimate says the run does not fit the device without it and the host "
-        "holds it; --offload-checkpoints forces it (still off where the sequence is too short for the copies "
-        "to hide), --no-offload-checkpoints turns it off.",
+        "Keep each layer's checkpoint in host memory (async, prefetched in backward). auto: on only where the "
+        "run would not fit without it and the host holds it (docs/memory.md).",
         p.parse_auto_bool,
         switch=True,
     )
@@ -302,26 +327,22 @@ class MemorySection:
     )
     checkpoint_device_budget: int | None = _opt(
         None,
-        "Device memory activation checkpoints may use, e.g. 8G: past it (host budget full) some layers' checkpoints "
-        "are not stored but recomputed in backward from the one below (MEMO placement; docs/memory.md). Default "
-        "with offload, when the host budget cannot hold every checkpoint: the device's headroom per the estimate.",
+        "Device memory checkpoints may use, e.g. 8G; past it (host budget full) layers are recomputed from the "
+        "one below (MEMO). Default with offload: the estimate's headroom (docs/memory.md).",
         p.parse_bytes,
         metavar="BYTES",
     )
     attn_chunks: Any = _opt(
         "auto",
-        "Run each layer's attention block over the sequence in chunks (FPDT; docs/memory.md): 'auto' = only when the "
-        "run would not fit the device without, in the fewest chunks that fit (chunks no shorter than those whose host "
-        "copies hide under their attention: 16K tokens on an H100), 'off', or a chunk count. With "
-        "--offload-checkpoints the saved chunks go to host memory.",
+        "Attention in sequence chunks (FPDT; offloaded with --offload-checkpoints): a chunk count, 'off', or "
+        "'auto' = the fewest that fit, only where needed (docs/memory.md).",
         p.parse_auto_off_int,
         metavar="auto|off|N",
     )
     recompute_attention: str = _opt(
         "auto",
-        "'on': backward re-runs attention's forward with each checkpointed layer; 'off': attention's output and "
-        "log-sum-exp are kept beside the checkpoint instead (on the host if it is offloaded), skipping that O(seq²) "
-        "work. 'auto': off where the estimate says the bytes fit, on at the longest lengths.",
+        "'on': backward re-runs each layer's attention; 'off': its output and log-sum-exp are kept instead "
+        "(saves O(seq²) work); 'auto': off where they fit (docs/memory.md).",
         partial(p.parse_choice, choices=("auto", "on", "off")),
         metavar="auto|on|off",
     )
@@ -388,8 +409,8 @@ class ParallelSection:
 
     gpus: int = _opt(
         1,
-        "Processes per node: lstune launches them itself (one per GPU; on a machine without CUDA, CPU "
-        "processes with gloo). Under torchrun / deepspeed / accelerate launch the launcher's world is used.",
+        "Processes per node, launched by lstune (one per GPU; without CUDA, CPU processes with gloo). Under "
+        "torchrun / deepspeed / accelerate launch: the launcher's world.",
         _pos_int,
     )
     sp: Any = _opt(
@@ -400,15 +421,14 @@ class ParallelSection:
     )
     sp_ring: Any = _opt(
         1,
-        "The ring-attention part of --sp (METP): ranks whose K/V blocks rotate point to point, so SP can pass the "
-        "query heads (Ulysses takes at most one rank per head). 1 = Ulysses alone; 'auto' = Ulysses takes what the "
-        "heads (and a node) allow, the ring the rest. Must divide --sp; with --sp auto, every process goes to SP.",
+        "The ring-attention part of --sp (METP), to pass the head count: 1 = Ulysses alone; 'auto' = Ulysses "
+        "as far as the heads allow, the ring the rest. Divides --sp (docs/parallel.md).",
         p.parse_auto_int,
     )
     metp_mlp: bool = _opt(
         False,
-        "METP's MLP: gate/up column shards and down row shards over the SP group, rotating rank to rank by "
-        "point-to-point sends instead of being gathered; each rank stores 1/SP of the MLP weights (needs SP > 1).",
+        "METP's MLP: each rank stores 1/SP of the MLP weights, rotated rank to rank instead of gathered (needs "
+        "SP > 1; docs/parallel.md).",
         p.parse_bool,
     )
     zero_stage: Any = _opt(
@@ -425,10 +445,8 @@ class ParallelSection:
     )
     offload_ratio: float = _opt(
         1.0,
-        "With --zero-stage 3 --offload-optimizer: the fraction of the optimizer state (fp32 master weights, Adam "
-        "moments, their gradients) kept on the host; the rest stays on the GPU and is stepped there (DeepSpeed's "
-        "partial offload), for a host that cannot hold it all. --zero-stage auto tries 0.75, 0.5, 0.25, then every "
-        "other k/32, itself when the whole offload does not fit the host.",
+        "With --zero-stage 3 --offload-optimizer: the fraction of the optimizer state on the host, the rest "
+        "stepped on the GPU; --zero-stage auto lowers it for a small host (docs/parallel.md).",
         partial(p.parse_float, above=0.0, maximum=1.0),
     )
     hostfile: str | None = _opt(
@@ -541,27 +559,26 @@ class RunSection:
     )
     skip_self_check: bool = _opt(
         False,
-        "Skip the startup self-check (the prepared model's loss and input-embedding gradient against the unmodified "
-        "model on a short probe; see docs/models.md).",
+        "Skip the startup self-check (the prepared model's loss and input gradient against the plain model on a "
+        "short probe; docs/models.md).",
         p.parse_bool,
     )
     skip_nonfinite_steps: bool = _opt(
         False,
-        "Skip a step whose loss or gradient norm is NaN/inf (its update is not applied) instead of stopping "
-        "the run; it still stops after 10 such steps in a row.",
+        "Skip (not apply) a step whose loss or gradient norm is NaN/inf instead of stopping; 10 such steps in a "
+        "row still stop the run.",
         p.parse_bool,
     )
     force: bool = _opt(
         False,
-        "Train even when the memory estimate (`lstune estimate`) predicts the run will not fit on this GPU, "
-        "--output-dir's disk has no room for one of its checkpoints, or --gpus N on CPU asks more processes than "
-        "cores.",
+        "Train even when the estimate predicts the run will not fit this GPU, the output disk cannot hold a "
+        "checkpoint, or --gpus on CPU asks more processes than cores.",
         p.parse_bool,
     )
     trust_checkpoint: bool = _opt(
         False,
-        "Resume from a DeepSpeed checkpoint even when its files hold Python objects beyond tensors and plain "
-        "data, which loading would execute: only for checkpoints you wrote or trust.",
+        "Resume from a DeepSpeed checkpoint whose files hold Python objects (loading runs them): only for "
+        "checkpoints you wrote or trust.",
         p.parse_bool,
     )
 
@@ -662,7 +679,17 @@ class TrainConfig:
                             "or --sp-ring 1.")
         if self.run.eval_every is not None and not self.data.has_eval():
             problems.append("--eval-every needs validation data: add --eval-data SOURCE or --eval-split 0.01.")
+        if parallel.metp_mlp and (self.memory.tiled_mlp not in ("auto", "off") or self.memory.mini_sequence is True):
+            problems.append("--metp-mlp runs each MLP itself, on (s/SP)×(I/SP) per step: it does not combine with "
+                            "--tiled-mlp N or --mini-sequence; use --tiled-mlp off and --no-mini-sequence.")
         return problems
+
+    def training_problems(self) -> list[str]:
+        """The rules of a run that trains (`lstune train`; `lstune data` and `estimate` read no step count)."""
+        if self.data.data_streaming and self.optim.max_steps is None:
+            return ["--data-streaming needs --max-steps: a stream's length is unknown until it is read, so epochs "
+                    "cannot be counted."]
+        return []
 
 
 def flat_key(f: Field) -> str:

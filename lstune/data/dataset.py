@@ -99,19 +99,25 @@ class LongContextDataset(torch.utils.data.Dataset):
         return list(self._docs[docs]["shift_labels"])
 
     def _assemble(self, ids: list, labels: list, positions: list) -> dict[str, torch.Tensor]:
-        pad = self.seq_len - sum(len(p) for p in positions)
-        if pad:
-            ids.append(np.full(pad, self.pad_id))
-            labels.append(np.full(pad, IGNORE))
-            # Long mode keeps one position run over the sample; in pack mode the pad run is a
-            # segment of its own, so document boundaries derived from positions stay exact.
-            start = 0 if self.pack else self.seq_len - pad
-            positions.append(np.arange(start, start + pad))
-        return {
-            "input_ids": torch.from_numpy(np.concatenate(ids).astype(np.int64)),
-            "position_ids": torch.from_numpy(np.concatenate(positions).astype(np.int64)),
-            "shift_labels": torch.from_numpy(np.concatenate(labels).astype(np.int64)),
-        }
+        return assemble_sample(ids, labels, positions, self.seq_len, pad_id=self.pad_id, pack=self.pack)
+
+
+def assemble_sample(ids: list, labels: list, positions: list, seq_len: int, *, pad_id: int,
+                    pack: bool) -> dict[str, torch.Tensor]:
+    """A sample from its segments' pieces, right-padded to `seq_len` (shared with lstune.data.streaming)."""
+    pad = seq_len - sum(len(p) for p in positions)
+    if pad:
+        ids.append(np.full(pad, pad_id))
+        labels.append(np.full(pad, IGNORE))
+        # Long mode keeps one position run over the sample; in pack mode the pad run is a
+        # segment of its own, so document boundaries derived from positions stay exact.
+        start = 0 if pack else seq_len - pad
+        positions.append(np.arange(start, start + pad))
+    return {
+        "input_ids": torch.from_numpy(np.concatenate(ids).astype(np.int64)),
+        "position_ids": torch.from_numpy(np.concatenate(positions).astype(np.int64)),
+        "shift_labels": torch.from_numpy(np.concatenate(labels).astype(np.int64)),
+    }
 
 
 class _LongLayout:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,7 +132,12 @@ def _load_builtin(name: str) -> Records:
 def _map_fields(records: Records, fields: dict[str, str], source: str) -> Records:
     """The columns named in `fields` renamed to lstune's fields; a column already bearing such a name is refused
     (which of the two to train on would be a guess)."""
-    columns = records.dataset.column_names
+    renamed = field_renames(records.dataset.column_names, fields, source)
+    return Records(records.dataset.rename_columns(renamed), f"{records.origin}, fields {mapped_fields(fields)}")
+
+
+def field_renames(columns: list[str], fields: dict[str, str], source: str) -> dict[str, str]:
+    """{column: field} for `rename_columns`; DataError for a missing column or a clash (shared with streaming)."""
     missing = [column for column in fields.values() if column not in columns]
     if missing:
         raise DataError(f"--data-fields: {source} has no column {', '.join(map(repr, missing))}; its columns are "
@@ -141,9 +147,11 @@ def _map_fields(records: Records, fields: dict[str, str], source: str) -> Record
     if clash:
         raise DataError(f"--data-fields: {source} already has a column {', '.join(map(repr, clash))}; map that "
                         "name too (e.g. text=body,body=text swaps them) or drop the mapping.")
-    renamed = {column: field for field, column in fields.items() if field != column}
-    mapped = ", ".join(f"{field}={column}" for field, column in fields.items())
-    return Records(records.dataset.rename_columns(renamed), f"{records.origin}, fields {mapped}")
+    return {column: field for field, column in fields.items() if field != column}
+
+
+def mapped_fields(fields: dict[str, str]) -> str:
+    return ", ".join(f"{field}={column}" for field, column in fields.items())
 
 
 def _load_local(path: Path, split: str | None = None, max_record_bytes: int | None = None) -> Records:
@@ -238,6 +246,14 @@ def _load_saved(path: Path, split: str) -> Records:
 
 def _load_folder(path: Path, max_record_bytes: int | None = None) -> Records:
     """All data files under `path` (recursively, hidden ones skipped), which must share one format."""
+    builder, nonempty = folder_files(path)
+    _check_line_lengths(nonempty, max_record_bytes)
+    records = Records(_read_files(builder, nonempty), f"folder {path} ({len(nonempty)} {builder} files)")
+    return _checked_rows(records, max_record_bytes) if builder == "arrow" else records
+
+
+def folder_files(path: Path) -> tuple[str, list[Path]]:
+    """(the builder, the non-empty data files) of a folder of data files; DataError for none or mixed formats."""
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in BUILDERS
                    and not any(part.startswith(".") for part in p.relative_to(path).parts))
     nonempty = [p for p in files if p.stat().st_size > 0]
@@ -249,10 +265,7 @@ def _load_folder(path: Path, max_record_bytes: int | None = None) -> Records:
     if len(builders) > 1:
         raise DataError(f"data source {path}: the folder mixes formats ({', '.join(sorted(builders))}). "
                         "Keep one format per folder, or point the data source at a single file.")
-    builder = builders.pop()
-    _check_line_lengths(nonempty, max_record_bytes)
-    records = Records(_read_files(builder, nonempty), f"folder {path} ({len(nonempty)} {builder} files)")
-    return _checked_rows(records, max_record_bytes) if builder == "arrow" else records
+    return builders.pop(), nonempty
 
 
 def _read_files(builder: str, files: list[Path]) -> Dataset:
@@ -400,6 +413,7 @@ def _load_hub(name: str, split: str | None = None, subset: str | None = None) ->
     from datasets import load_dataset
 
     split = split or "train"
+    check_hub_size(name, subset)
     try:
         dataset = load_dataset(name, subset, split=split)
     except Exception as e:  # offline, unknown name, gated, no train split: all need the user's action
@@ -411,6 +425,31 @@ def _load_hub(name: str, split: str | None = None, subset: str | None = None) ->
         ) from e
     part = f"subset {subset}, split {split}" if subset else f"split {split}"
     return Records(dataset, f"hub dataset {name} ({part})")
+
+
+def check_hub_size(name: str, subset: str | None) -> None:
+    """DataError, before any download, when the hub dataset's download and Arrow files (as its builder's info
+    gives them; many datasets state them, some do not: then nothing is checked) exceed the free space of the
+    datasets cache's disk; --data-streaming reads it without storing it."""
+    from datasets import config, load_dataset_builder
+
+    try:
+        with _quiet_datasets():
+            builder = load_dataset_builder(name, subset)
+    except Exception:  # offline, unknown, gated: the load that follows reports it with the fix
+        return
+    if Path(builder.cache_dir).exists():
+        return  # prepared by an earlier load: nothing more to store
+    download, arrow = builder.info.download_size or 0, builder.info.dataset_size or 0
+    cache = Path(config.HF_DATASETS_CACHE)
+    existing = next((parent for parent in (cache, *cache.parents) if parent.exists()), Path("/"))
+    free = shutil.disk_usage(existing).free
+    if download + arrow > free:
+        raise DataError(
+            f"data source {name!r}{f' (subset {subset})' if subset else ''} is {_gib(download)} to download and "
+            f"{_gib(arrow)} as Arrow files in the datasets cache ({cache}), {_gib(download + arrow)} in all, and "
+            f"{_gib(free)} is free there. Add --data-streaming to read it as a stream (nothing stored; docs/data.md), "
+            "or point HF_DATASETS_CACHE at a disk with room.")
 
 
 def looks_like_path(source: str) -> bool:

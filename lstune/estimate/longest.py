@@ -55,8 +55,8 @@ def longest_seq_len(config, hardware, shape, params, sp, engine) -> int:
     what `auto` chooses at each length (checkpoint offload, attention chunks, mini-sequence). One bisection over
     all lengths could stop short: `auto` may take a choice only from some length on (offload once its copies hide,
     more chunks as the sequence grows), so "fits" is not monotone in the length. With the kind of choice held fixed
-    (`_choice_kinds`) it is, from the first length that kind is open (`_longest_of_kind`): the longest is the most
-    of theirs."""
+    (`_choice_kinds`) it nearly is, from the first length that kind is open (`_longest_of_kind`, which also tries the
+    lengths just past its last fit: the tiles' sawtooth): the longest is the most of theirs."""
     return max((_longest_of_kind(config, hardware, shape, params, sp, engine, kind)
                 for kind in _choice_kinds(config)), default=0)
 
@@ -72,7 +72,9 @@ def _choice_kinds(config: TrainConfig) -> list[tuple[bool, str, bool]]:
 
 def _longest_of_kind(config, hardware, shape, params, sp, engine, kind) -> int:
     """The longest length one kind of choice fits: open from its first length on (a bisection for that), then
-    fitting up to its longest (another), the peaks only growing with the length."""
+    fitting up to its longest (another; the peaks grow with the length but for the sawtooth of the tiles `auto`
+    resolves at each length, so the UPWARD_STEPS lengths past it are tried too, and the search goes on from any that
+    fits)."""
     step = MIN_SEQ * sp
     top = 2**24
 
@@ -86,13 +88,30 @@ def _longest_of_kind(config, hardware, shape, params, sp, engine, kind) -> int:
     first = _first(lambda n: settings_at(n * step) is not None, top)
     if first is None or not fits_at(first):
         return 0
-    low, high = first, first * 2
+    low = first
+    while True:
+        low = _last_fitting(fits_at, low, top)
+        again = next((n for n in range(low + 1, min(low + UPWARD_STEPS, top) + 1) if fits_at(n)), None)
+        if again is None:
+            return low * step
+        low = again
+
+
+# Lengths tried past a search's last fit: the tiles `auto` resolves at each length (a tile's tokens ⌈t / tiles⌉,
+# the tile counts themselves) make the peaks a sawtooth in the length, so a length a few steps on can fit again
+# (Llama-3.2-1B LoRA, 5 GiB device, 3 attention chunks: 46,080 fits, 47,104 not, 48,128 again).
+UPWARD_STEPS = 8
+
+
+def _last_fitting(fits_at, low: int, top: int) -> int:
+    """From a fitting `low`: double while it fits, then bisect to the last fitting n before the first failure."""
+    high = low * 2
     while high < top and fits_at(high):
         low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
         low, high = (mid, high) if fits_at(mid) else (low, mid)
-    return low * step
+    return low
 
 
 def _first(is_open, top: int) -> int | None:

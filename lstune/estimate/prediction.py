@@ -207,7 +207,7 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
         params=params, flops=flops, copies=copies, kernels=kernel_flops(flops, model_config, config.data.seq_len),
         step_seconds=step_seconds(flops, hardware, sp, engine, params) + copies.exposed_seconds,
         device_capacity=device_capacity(hardware), host_capacity=host_capacity(hardware), longest_seq_len=0,
-        notes=_notes(config, shape, sp),
+        notes=_notes(config, shape, sp, hardware.world_size),
     )
 
 
@@ -246,8 +246,15 @@ def step_seconds(flops: StepFlops, hardware: Cluster, sp: int, engine: Engine, p
     return compute + host_adam
 
 
-def _notes(config: TrainConfig, shape: ModelShape, sp: int) -> list[str]:
+def _notes(config: TrainConfig, shape: ModelShape, sp: int, world: int = 1) -> list[str]:
     notes = []
+    if config.parallel.sp == "auto" and sp < world:
+        # More GPUs past this SP degree make the step no shorter: they run more sequences at once (DP).
+        dp = world // sp
+        notes.append(f"SP stops at {sp} of the {world} GPUs: Ulysses gives each rank an equal share of whole "
+                     f"query heads (this model has {shape.heads}), so the other GPUs run DP {dp}: {dp} sequences a "
+                     "step in the same step time (tokens/s × DP), not a shorter step; --sp-ring splits the sequence "
+                     "past the heads (ring attention, docs/parallel.md), --sp N trades otherwise.")
     local = math.ceil(config.data.seq_len / sp)
     if local * shape.hidden >= 2**31:
         notes.append(f"{local:,} local tokens × hidden {shape.hidden} reach 2^31 elements: kernels outside the tiles "

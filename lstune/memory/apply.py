@@ -158,10 +158,12 @@ class MemoryPlan:
 
 
 def _patched_here(module: "nn.Module") -> bool:
-    """A forward patched by a memory technique (the token mixers' per-document forward is not one: it comes first)."""
+    """A forward patched by a memory technique (the token mixers' per-document forward and Llama-4's attention
+    adapter are not: they come first)."""
+    from lstune.models.llama4 import Llama4Attention
     from lstune.models.mixers import DocumentMixer
 
-    return "forward" in vars(module) and not isinstance(vars(module)["forward"], DocumentMixer)
+    return "forward" in vars(module) and not isinstance(vars(module)["forward"], (DocumentMixer, Llama4Attention))
 
 
 def apply_memory_techniques(

@@ -16,16 +16,26 @@ that (weights and their gradient sums) plus one send home — METP's 3·(p−1)/
 Composes with: ring attention and Ulysses (it rotates over the whole SP group), activation checkpointing (the
 recompute rotates again, in the same order on every rank), LoRA on attention only (frozen MLP shards: no gradient
 sums travel). Refused: LoRA on the MLP's projections, biases, MLPs other than gate/up/down with `act_fn`, an
-intermediate size the group does not divide, and (in lstune.train) DeepSpeed ZeRO, which would partition or
-all-reduce the shards as if every rank held the same tensor.
+intermediate size the group does not divide.
 
-`install_metp_mlp` shards every decoder layer's MLP in place; `undo` gathers the (trained) shards back into the full
-weights, so export and the single-device model see ordinary linear layers again.
+The shards are rank-local parameters the model does not register: `model.parameters()` leaves them out (the linear
+layers' `weight` is None while METP is installed), so an engine built over the model (DeepSpeed ZeRO: its broadcast
+from rank 0, its all-reduce over every rank, ZeRO-3's partitioning) never treats them as one replicated tensor; the
+training engine takes them from `shard_parameters()` (lstune.parallel.local_params) and sums their gradients over
+their true replicas only. The full weights' storage is released while sharded (each rank keeps 1/p of the MLP).
+Trained shards are fp32 masters; each step computes in the dtype of the tokens (the rotating copies cast to it, so
+under bf16 half the bytes travel), the gradient sums in fp32.
+
+`install_metp_mlp` shards every decoder layer's MLP in place; under `full_weights()` an export gathers each full weight
+from the shards in turn; `undo` gathers them back for good, so the single-device model sees ordinary linear
+layers again.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,25 +80,70 @@ class MetpHandle:
     """What `install_metp_mlp` did; `undo()` gathers the shards back into full weights and restores the MLPs."""
 
     ring: Ring
-    shards: list[tuple["nn.Module", dict[str, torch.nn.Parameter]]] = field(default_factory=list)
+    # per MLP: the MLP, its shards by projection name, the full weights (storage released while sharded) by name
+    shards: list[tuple["nn.Module", dict[str, torch.nn.Parameter], dict[str, torch.nn.Parameter]]] = field(
+        default_factory=list)
     undos: list[Undo] = field(default_factory=list)
 
     def shard_parameters(self) -> list[torch.nn.Parameter]:
         """The sharded parameters (gradients per owner: reduce them over data parallelism only, never SP)."""
-        return [getattr(mlp, name).weight for mlp, _ in self.shards for name in _PROJECTIONS]
+        return [shard[name] for _, shard, _ in self.shards for name in _PROJECTIONS]
+
+    @contextmanager
+    def full_weights(self):
+        """The linear layers hold their full weights again, as placeholders an export makes whole one at a time
+        (`lstune_whole`: a context that gathers that one weight from the shards on every rank of the group, then
+        releases it — lstune.parallel.export.gathered enters it), so no rank ever holds more than one full weight."""
+        for mlp, shard, full in self.shards:
+            for name in _PROJECTIONS:
+                full[name].lstune_whole = partial(self._whole, full[name], shard[name], name)
+                getattr(mlp, name).weight = full[name]
+        try:
+            yield
+        finally:
+            for mlp, _, full in self.shards:
+                for name in _PROJECTIONS:
+                    _unset_weight(getattr(mlp, name))
+                    del full[name].lstune_whole
+
+    @contextmanager
+    def _whole(self, full: torch.nn.Parameter, shard: torch.nn.Parameter, name: str):
+        _fill(full, self.ring, shard.detach(), name)
+        try:
+            yield
+        finally:
+            _release(full)
 
     def undo(self) -> None:
         """Every rank of the group together: the shards (and their gradients, if any) gathered into the full
         weights, which replace them."""
         for undo in reversed(self.undos):
             undo()
-        for mlp, full in self.shards:
-            for name, original in full.items():
-                shard, dim = getattr(mlp, name).weight, 1 if name == "down_proj" else 0
-                original.data.copy_(_gather(self.ring, shard.detach(), dim))
-                original.grad = None if shard.grad is None else _gather(self.ring, shard.grad, dim)
+        for mlp, shard, full in self.shards:
+            for name in _PROJECTIONS:
+                piece, original = shard[name], full[name]
+                _fill(original, self.ring, piece.detach(), name)
+                original.grad = None if piece.grad is None else _gather(self.ring, piece.grad, _dim(name)).to(
+                    original.dtype)
                 getattr(mlp, name).weight = original
         self.undos, self.shards = [], []
+
+
+def _dim(name: str) -> int:
+    return 1 if name == "down_proj" else 0
+
+
+def _fill(full: torch.nn.Parameter, ring: Ring, shard: Tensor, name: str) -> None:
+    full.data = _gather(ring, shard, _dim(name)).to(full.dtype)
+
+
+def _release(full: torch.nn.Parameter) -> None:
+    full.data = torch.empty(0, dtype=full.dtype, device=full.device)
+
+
+def _unset_weight(linear: "nn.Module") -> None:
+    """The linear layer without a registered weight (METP's forward reads the shards, never the layer)."""
+    linear._parameters["weight"] = None
 
 
 def _gather(ring: Ring, shard: Tensor, dim: int) -> Tensor:
@@ -112,29 +167,30 @@ def install_metp_mlp(layers: "nn.ModuleList", ring: Ring) -> MetpHandle:
                              "MLP bounds its intermediate to (s/p)×(I/p) itself: use --tiled-mlp off and no "
                              "--mini-sequence with --metp-mlp.")
     for index, mlp in enumerate(mlps):
-        full = {}
+        shard, full = {}, {}
         for name in _PROJECTIONS:
             linear = getattr(mlp, name)
             original = linear.weight
-            dim = 1 if name == "down_proj" else 0
-            piece = _rows(ring.size, ring.rank, original.shape[dim])
-            data = original.detach()[:, piece] if dim else original.detach()[piece]
-            shard = torch.nn.Parameter(data.clone(), requires_grad=original.requires_grad)
+            piece = _rows(ring.size, ring.rank, original.shape[_dim(name)])
+            data = original.detach()[:, piece] if _dim(name) else original.detach()[piece]
+            # trained shards keep fp32 masters (as DeepSpeed keeps the replicated weights' under bf16)
+            data = data.float() if original.requires_grad else data
+            shard[name] = torch.nn.Parameter(data.clone(), requires_grad=original.requires_grad)
             full[name] = original
-            linear.weight = shard
-        handle.shards.append((mlp, full))
-        handle.undos.append(patch_forward(mlp, _MetpForward(mlp, ring), what=f"METP MLP, layer {index}"))
+            _unset_weight(linear)
+            _release(original)
+        handle.shards.append((mlp, shard, full))
+        handle.undos.append(patch_forward(mlp, _MetpForward(mlp, ring, [shard[n] for n in _PROJECTIONS]),
+                                          what=f"METP MLP, layer {index}"))
     return handle
 
 
 class _MetpForward:
-    def __init__(self, mlp: "nn.Module", ring: Ring):
-        self.mlp, self.ring = mlp, ring
+    def __init__(self, mlp: "nn.Module", ring: Ring, weights: list[torch.nn.Parameter]):
+        self.mlp, self.ring, self.weights = mlp, ring, weights
 
     def __call__(self, hidden_BSD: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        mlp = self.mlp
-        weights = [getattr(mlp, name).weight for name in _PROJECTIONS]
-        return _MetpFunction.apply(self.ring, mlp.act_fn, hidden_BSD, *weights)
+        return _MetpFunction.apply(self.ring, self.mlp.act_fn, hidden_BSD, *self.weights)
 
 
 def _step(act, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
@@ -148,7 +204,7 @@ class _MetpFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ring: Ring, act, x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
-        shard = [gate.detach().contiguous(), up.detach().contiguous(), down.detach().contiguous()]
+        shard = [w.detach().to(x.dtype).contiguous() for w in (gate, up, down)]
         out = None
         for step in range(ring.size):
             incoming, requests = None, []
@@ -169,7 +225,7 @@ class _MetpFunction(torch.autograd.Function):
         ring, act = ctx.ring, ctx.act
         x, gate, up, down = ctx.saved_tensors
         want_w = any(ctx.needs_input_grad[3:6])
-        shard = [gate.detach().contiguous(), up.detach().contiguous(), down.detach().contiguous()]
+        shard = [w.detach().to(x.dtype).contiguous() for w in (gate, up, down)]
         dx, carry = None, None
         x_leaf = x.detach().requires_grad_(ctx.needs_input_grad[2])
         for step in range(ring.size):

@@ -431,8 +431,10 @@ def lstune_attention_forward(
     chunk = attention_mask.chunk if isinstance(attention_mask, ModelMask) else None
     sink = _CHUNK_SINK.get()
     if sink is not None:
-        if chunk:
-            raise ModelError(_CHUNKED_MASK_FPDT_MESSAGE.format(chunk=chunk))
+        if chunk:  # the model's chunks are documents to FPDT too (its document key is index - position)
+            if position_ids is None:
+                raise ModelError(_CHUNKED_MASK_FPDT_MESSAGE.format(chunk=chunk))
+            position_ids = chunk_positions(position_ids, chunk)
         out_BSHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=sliding_window,
                         softcap=softcap, dropout=dropout, sinks=s_aux)
         return out_BSHD, None
@@ -513,9 +515,9 @@ def full_position_ids(query_BHSD: Tensor, position_ids_BS: Tensor | None) -> Ten
 
 
 _CHUNKED_MASK_FPDT_MESSAGE = (
-    "this model's layers with chunked attention ({chunk}-token chunks, Llama-4) cannot run under lstune's chunked "
-    "attention (FPDT), which tells documents apart by position; use --attn-chunks off (lstune's limitation: cutting "
-    "FPDT's chunks at the model's chunk edges would lift it)."
+    "this model's layers with chunked attention ({chunk}-token chunks) do not pass position_ids to their attention, "
+    "and lstune's chunked attention (FPDT) cuts the model's chunks by position; use --attn-chunks off (passing "
+    "position_ids on to the attention layers would lift this, as lstune does for Llama-4)."
 )
 _BLOCK_KERNEL_MESSAGE = (
     "this model's attention has {what}, which lstune runs through its block attention kernel, and this attention "
@@ -527,7 +529,7 @@ _BLOCK_KERNEL_MESSAGE = (
 def _build_no_mask(
     *, attention_mask: Tensor | None = None, use_vmap: bool = False, mask_function: Callable | None = None,
     q_length: int | None = None, kv_length: int | None = None, q_offset: int = 0, kv_offset: int = 0,
-    local_size: int | None = None, **_unused: Any,
+    local_size: int | None = None, config: Any = None, **_unused: Any,
 ) -> ModelMask | None:
     """Mask function for `AttentionMaskInterface`: HF calls it instead of building a mask; it builds nothing and
     returns a `ModelMask` (the model's own index-based mask function and the window it named) that reaches the
@@ -547,7 +549,11 @@ def _build_no_mask(
         )
     if mask_function is None or q_length != kv_length or q_offset or kv_offset:
         return None  # no mask asked for, or generation with a cache (refused by the attention function)
-    return ModelMask(mask_function, local_size)
+    # A config whose attention chunk (and no sliding window) has this size: the mask is most likely chunked attention
+    # (Llama-4), checked first — on an SP rank's FPDT pieces no longer than a chunk both patterns fit the sample.
+    chunked = (local_size is not None and getattr(config, "attention_chunk_size", None) == local_size
+               and getattr(config, "sliding_window", None) != local_size)
+    return ModelMask(mask_function, local_size, chunk_first=chunked)
 
 
 @dataclass(eq=False)
@@ -564,6 +570,7 @@ class ModelMask:
     mask_function: Callable
     local_size: int | None
     chunk: int | None = None  # set by `window_for` when the mask is chunked attention (Llama-4) of this size
+    chunk_first: bool = False  # the config names an attention chunk of `local_size`: that pattern is checked first
     _checked: Any = field(default=None, repr=False)
 
     def __getattr__(self, name: str) -> Any:
@@ -596,14 +603,36 @@ class ModelMask:
 
     def _check(self, position_ids_BS: Tensor) -> None:
         """The mask is causal per document with the named window — or, failing that, chunked attention in chunks
-        of the named size (`chunk`: every document cut every `local_size` positions, Llama-4)."""
+        of the named size (`chunk`: every document cut every `local_size` positions, Llama-4). With `chunk_first`
+        the other way round: where both fit the sample (no piece of a document longer than a chunk), the model's
+        config decides."""
+        if self.chunk_first:
+            try:
+                self._check_chunks(position_ids_BS)
+                self.chunk = self.local_size
+                return
+            except ModelError:
+                pass
         try:
             _check_model_mask(self.mask_function, position_ids_BS, self.local_size)
         except ModelError:
             if self.local_size is None:
                 raise
-            _check_model_mask(self.mask_function, position_ids_BS, None, chunk=self.local_size)
+            self._check_chunks(position_ids_BS)
             self.chunk = self.local_size
+
+    def _check_chunks(self, position_ids_BS: Tensor) -> None:
+        """Chunked attention in chunks of `local_size` positions. On an SP rank's shard that continues a document,
+        transformers' mask (index-based when it sees no packing) counts chunks from the shard's first token, while
+        the model on the whole sequence counts them from the document's start — as lstune's kernels do, from the
+        global positions (`chunk_positions`). So the pattern is also accepted on the shard's own numbering."""
+        try:
+            _check_model_mask(self.mask_function, position_ids_BS, None, chunk=self.local_size)
+        except ModelError:
+            if bool((position_ids_BS[:, 0] == 0).all()):  # not a shard that continues a document
+                raise
+            shard_BS = position_ids_BS - position_ids_BS[:, :1]
+            _check_model_mask(self.mask_function, shard_BS, None, chunk=self.local_size)
 
 
 class MaskTensorUse(ModelError, AttributeError):
@@ -624,7 +653,11 @@ def _check_model_mask(mask_function: Callable, position_ids_BS: Tensor, window: 
     """ModelError unless `mask_function`, within each document, allows exactly causal (windowed) attention on sample
     rows — or with `chunk`, causal attention within each document's chunks of `chunk` positions."""
     seq = position_ids_BS.shape[-1]
-    doc_BS = document_ids(chunk_positions(position_ids_BS, chunk))
+    doc_BS = document_ids(position_ids_BS)
+    if chunk is not None:  # documents cut at every chunk start; a jump (an SP rank's FPDT pieces) cuts even where
+        # the chunk positions happen to continue by +1 (positions 0..9 then 42 in 16-token chunks)
+        starts_BS = document_starts(position_ids_BS) | document_starts(chunk_positions(position_ids_BS, chunk))
+        doc_BS = starts_BS.cumsum(dim=1) - 1
     rows_R = _sample_rows(doc_BS, window)
     kv_S = torch.arange(seq, device=position_ids_BS.device)
     batch_B = torch.arange(doc_BS.shape[0], device=kv_S.device)
@@ -785,15 +818,26 @@ def use_lstune_attention(
         raise ModelError(_BLOCK_KERNEL_MESSAGE.format(what=f"learned attention sinks ({where})"))
     attention_fn = functools.partial(lstune_attention_forward, backend=backend, block_kernel=block_kernel)
     handle = register_attention_function(model, attention_fn, description=f"backend={backend}")
-    if _text_model_type(model) in POSITIONS_DROPPED:
-        handle.undos.extend(pass_positions_to_layers(model))
+    try:
+        if _text_model_type(model) in POSITIONS_DROPPED:
+            handle.undos.extend(pass_positions_to_layers(model))
+        # Llama-4's decoder layers do not pass position_ids to attention, and its temperature reads token indices.
+        from lstune.models.llama4 import install_llama4_attention
+
+        adapter = install_llama4_attention(model)
+    except BaseException:
+        handle.undo()
+        raise
+    if adapter is not None:
+        handle.undos.append(adapter.undo)
     return handle
 
 
 # Model types whose body takes position_ids (its RoPE reads them) but whose decoder layers do not hand them on, so
 # their attention would see one document per row: packed documents silently joined (their own HF mask is plain
 # causal too), and no positions for Ulysses. A genuine exception (docs/models.md): most models pass them through
-# the layers' **kwargs. Llama-4 is not here: its attention also scales queries by the local token index.
+# the layers' **kwargs. Llama-4 is not here: its attention also scales queries by the local token index
+# (lstune.models.llama4 hands its positions on and computes that scale from them).
 POSITIONS_DROPPED = frozenset({"granitemoehybrid"})
 
 

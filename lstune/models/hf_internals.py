@@ -50,6 +50,13 @@ def attention_mask_function(key: str) -> Callable | None:
     return AttentionMaskInterface._global_mapping.get(key)
 
 
+def attention_interface(config: Any, default: Callable | None) -> Callable:
+    """The attention function a model's own code calls for `config` (transformers' lookup: `default` for eager)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, default)
+
+
 def attention_implementation(config: Any) -> str | None:
     """The attention implementation a config names (resolved, as the model runs it)."""
     return config._attn_implementation

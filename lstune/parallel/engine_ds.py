@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     import torch
 
     from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.local_params import LocalParams
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ EXPORT_SHARD_BYTES = 2 * 1024**3
 # sub-groups; DeepSpeed keeps the first int((1 - ratio) * n) on the GPU, so the ratio is honoured to 1/n.
 PARTIAL_SUB_GROUPS = 32
 GPU_OPTIMIZER_FILE = "gpu_optimizer_rank{rank}.pt"
+# Each rank's rank-local parameters (lstune.parallel.local_params: METP's MLP shards) and their Adam state.
+LOCAL_PARAMS_FILE = "local_params_rank{rank}.pt"
 # The ZeRO stage that wrote a checkpoint ({"stage": N}); DeepSpeed's files of one stage do not load under another.
 ZERO_STAGE_FILE = "lstune-zero-stage.json"
 
@@ -246,8 +250,10 @@ class DeepSpeedEngine:
 
     def __init__(
         self, model, *, dims: "ParallelDims", optim: OptimConfig, zero: ZeroPlan, bf16: bool,
-        trust_checkpoint: bool = False,
+        trust_checkpoint: bool = False, local: "LocalParams | None" = None,
     ):
+        """`local`: rank-local parameters the model does not register (METP's MLP shards): reduced, counted in the
+        clipping norm, stepped, saved and exported beside DeepSpeed's (lstune.parallel.local_params)."""
         import deepspeed
         import torch
 
@@ -284,6 +290,9 @@ class DeepSpeedEngine:
         )
         self.model = self._ds.module
         self._divisor = gradient_divisor(zero_stage, dims)
+        self.local = local
+        if local is not None and local.params:
+            _count_local_norm(self._ds.optimizer, local)
         self._optim = optim  # applied again after a checkpoint's settings are loaded (lstune.optim)
         if not trust_checkpoint:
             from lstune.parallel.safe_load import use_restricted_loader
@@ -309,13 +318,22 @@ class DeepSpeedEngine:
         single-device engine's `skip_step` advances it, so a skipped step leaves both engines on one schedule."""
         lr = float(self.scheduler.get_last_lr()[0])
         _sync_gpu_optimizer_settings(self._ds.optimizer)
+        if self.local is not None:
+            self.local.reduce(self._divisor)  # its norm joins DeepSpeed's (`_count_local_norm`)
         skipped_before = self._ds.skipped_steps
         self._ds.step()
         skipped = self._ds.skipped_steps > skipped_before
         if skipped:
             advance_schedule(self.scheduler)
         norm = self._ds.get_global_grad_norm()
-        return {"grad_norm": float(norm) if norm is not None else float("nan"), "lr": lr, "update_skipped": skipped}
+        norm = float(norm) if norm is not None else float("nan")
+        if self.local is not None:
+            if skipped or not math.isfinite(norm):
+                self.local.zero_grad()
+                skipped = True
+            else:
+                self.local.step(lr, norm)
+        return {"grad_norm": norm, "lr": lr, "update_skipped": skipped}
 
     def skip_step(self) -> dict[str, float]:
         """A step whose loss is not finite: DeepSpeed's own check drops its gradients when they are not finite
@@ -337,6 +355,10 @@ class DeepSpeedEngine:
             import torch
 
             torch.save(states, Path(ckpt_dir) / DS_TAG / GPU_OPTIMIZER_FILE.format(rank=self.dims.rank))
+        if self.local is not None:
+            import torch
+
+            torch.save(self.local.state_dict(), Path(ckpt_dir) / DS_TAG / LOCAL_PARAMS_FILE.format(rank=self.dims.rank))
 
     def load(self, ckpt_dir: Path) -> None:
         if not (Path(ckpt_dir) / DS_TAG).is_dir():
@@ -354,6 +376,24 @@ class DeepSpeedEngine:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {ckpt_dir}")
         _load_gpu_optimizer_states(self._ds.optimizer, gpu_part)
         apply_optim_settings(self.optimizer, self.scheduler, self._optim)
+        self._load_local(Path(ckpt_dir) / DS_TAG / LOCAL_PARAMS_FILE.format(rank=self.dims.rank))
+
+    def _load_local(self, path: Path) -> None:
+        """This rank's rank-local parameters and their Adam state; CheckpointError where the checkpoint has none
+        and this run has some, or the other way round, or they do not fit."""
+        if (self.local is not None) != path.is_file():
+            has = "rank-local parameters (--metp-mlp)" if path.is_file() else "no rank-local parameters"
+            raise CheckpointError(f"{path.parent.parent} holds {has}, unlike this run: resume with the --metp-mlp "
+                                  "setting (and layout) that wrote it.")
+        if self.local is None:
+            return
+        from lstune.untrusted import torch_load
+
+        try:
+            self.local.load_state_dict(torch_load(path, error=CheckpointError, map_location="cpu"), str(path))
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            raise CheckpointError(f"{path} does not fit this run's METP shards ({exc}); resume with the model and "
+                                  "layout that wrote it.") from exc
 
     def export(self, out_dir: Path, *, merge_lora: bool = False) -> None:
         """The HF-format model (from_pretrained loads it), gathered one parameter at a time.
@@ -362,10 +402,13 @@ class DeepSpeedEngine:
         holds more than one full parameter beyond its own shard. A PEFT model exports its adapter, or
         with `merge_lora` the merged full model.
         """
+        from contextlib import nullcontext
+
         from lstune.parallel.export import export_hf
 
-        export_hf(self.model, Path(out_dir), rank=self.dims.rank, merge_lora=merge_lora,
-                  shard_bytes=EXPORT_SHARD_BYTES)
+        with self.local.full_weights() if self.local is not None else nullcontext():
+            export_hf(self.model, Path(out_dir), rank=self.dims.rank, merge_lora=merge_lora,
+                      shard_bytes=EXPORT_SHARD_BYTES)
 
 
 def saved_zero_stage(ckpt_dir: Path) -> int | None:
@@ -410,6 +453,37 @@ def without_inference_shm_op():
         yield
     finally:
         ds_torch.build_shm_op = build
+
+
+def _count_local_norm(optimizer, local: "LocalParams") -> None:
+    """DeepSpeed's global gradient norm made to count the rank-local parameters too (`local.norm`, set before each
+    step), so its clipping (and the norm it reports) is the one-process norm over every parameter. An instance-level
+    patch of the method each ZeRO optimizer computes its norm in (deepspeed 0.19: ZeRO 1-2 `scaled_global_norm`,
+    ZeRO-3 `_get_norm_groups`); the equivalence tests with clipping active fail if either moves."""
+    from deepspeed.runtime.utils import combine_grad_norm_groups
+
+    def scaled(norm):  # ZeRO's norms are of loss-scaled gradients (the scale is 1 without fp16)
+        return local.norm.to(norm.device) * getattr(optimizer, "loss_scale", 1.0)
+
+    if callable(getattr(type(optimizer), "scaled_global_norm", None)):
+        own = optimizer.scaled_global_norm
+
+        def scaled_global_norm(*args, **kwargs):
+            norm = own(*args, **kwargs)
+            return combine_grad_norm_groups([norm, scaled(norm)])
+
+        optimizer.scaled_global_norm = scaled_global_norm
+    elif callable(getattr(type(optimizer), "_get_norm_groups", None)):
+        groups = optimizer._get_norm_groups
+
+        def get_norm_groups():
+            norms = groups()
+            return [*norms, scaled(norms[0])]
+
+        optimizer._get_norm_groups = get_norm_groups
+    else:
+        raise ConfigError([f"--metp-mlp: this DeepSpeed's {type(optimizer).__name__} computes its gradient norm where "
+                           "lstune does not count the METP shards in it; use deepspeed 0.19, or drop --metp-mlp."])
 
 
 def _register_mixer_children(model) -> None:

@@ -20,7 +20,7 @@ with `merge_lora` the base model with each adapter folded into its layer's weigh
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -30,14 +30,25 @@ if TYPE_CHECKING:
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def gathered(params: list[Any]):
-    """Context in which ZeRO-3-partitioned `params` are whole on every rank (no-op for ordinary tensors)."""
-    partitioned = [p for p in params if hasattr(p, "ds_id")]
-    if not partitioned:
-        return nullcontext()
-    import deepspeed
+# A parameter kept in pieces outside DeepSpeed (METP's MLP weights, lstune.memory.metp_mlp) carries, while it is to
+# be exported, a context-manager factory under this name that makes it whole on every rank for the duration.
+WHOLE_ATTR = "lstune_whole"
 
-    return deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None)
+
+@contextmanager
+def gathered(params: list[Any]):
+    """Context in which ZeRO-3-partitioned `params` (and those with a `WHOLE_ATTR` factory) are whole on every rank
+    (no-op for ordinary tensors)."""
+    partitioned = [p for p in params if hasattr(p, "ds_id")]
+    with ExitStack() as stack:
+        for param in params:
+            if hasattr(param, WHOLE_ATTR):
+                stack.enter_context(getattr(param, WHOLE_ATTR)())
+        if partitioned:
+            import deepspeed
+
+            stack.enter_context(deepspeed.zero.GatheredParameters(partitioned, modifier_rank=None))
+        yield
 
 
 class ShardWriter:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from lstune.errors import ConfigError
 from lstune.train.plan import RunPlan
 
 
@@ -57,8 +58,12 @@ class Built:
         from lstune.parallel.sp_data import SPDataAdapter
 
         config = self.plan.config
-        loader = make_dataloader(dataset, config.optim.micro_batch_size, seed=config.optim.seed,
-                                 start_sample=start_sample, dp_rank=runtime.rank, dp_size=runtime.world_size)
+        if hasattr(dataset, "rank_batches"):  # --data-streaming (lstune.data.streaming): the same positions
+            loader = dataset.rank_batches(config.optim.micro_batch_size, start_sample=start_sample,
+                                          rank=runtime.rank, world_size=runtime.world_size)
+        else:
+            loader = make_dataloader(dataset, config.optim.micro_batch_size, seed=config.optim.seed,
+                                     start_sample=start_sample, dp_rank=runtime.rank, dp_size=runtime.world_size)
         chunks = self.prepared.memory.attn_chunking if self.prepared is not None else None
         return iter(SPDataAdapter(loader, runtime.dims, device=runtime.device, chunks=chunks))
 
@@ -78,7 +83,7 @@ def build(plan: RunPlan, runtime, weights: str = "load", *, max_steps: int = 1, 
     if self_check:
         _self_check(built, runtime)
     built.prepare(runtime)
-    built.engine, note = make_engine(plan, built.model, max_steps, runtime)
+    built.engine, note = make_engine(plan, built.model, max_steps, runtime, built.prepared.metp)
     built.notes.append(note)
     # Step 4b: the first step would pin its host copies on the fly, that much slower than the rest (issue 33).
     built.prepared.memory.reserve_host(plan.config.optim.micro_batch_size)
@@ -129,9 +134,10 @@ def _self_check(built: Built, runtime) -> None:
     built.loaded.notes.append(run_self_check(built.loaded.model, config, runtime).note())
 
 
-def make_engine(plan: RunPlan, model, max_steps: int, runtime):
+def make_engine(plan: RunPlan, model, max_steps: int, runtime, metp=None):
     """Step 4: the engine the plan's estimate chose (lstune.train.engine_choice): plain AdamW on one device, or
-    DeepSpeed ZeRO. Returns (engine, the line that says which)."""
+    DeepSpeed ZeRO (with `metp`, a MetpHandle, its shards trained beside it). Returns (engine, the line that says
+    which)."""
     from lstune.optim import OptimConfig
     from lstune.train.engine import TorchEngine
     from lstune.train.engine_choice import zero_plan
@@ -140,12 +146,20 @@ def make_engine(plan: RunPlan, model, max_steps: int, runtime):
     optim = OptimConfig.from_section(config.optim, max_steps)
     zero = zero_plan(plan.estimate)
     if zero is None:
+        if metp is not None:
+            raise ConfigError(["--metp-mlp trains its MLP shards beside DeepSpeed's engine; this run has plain AdamW "
+                               "(one process): use --gpus N --sp N (N > 1), or drop --metp-mlp."])
         return TorchEngine(model, optim), f"engine: AdamW on {runtime.device}"
     from lstune.parallel.engine_ds import DeepSpeedEngine
 
     runtime.ensure_process_group()
+    local = None
+    if metp is not None:  # the shards the model does not register (lstune.parallel.local_params)
+        from lstune.parallel.local_params import LocalParams
+
+        local = LocalParams(metp.shard_parameters(), runtime.dims, optim, full_weights=metp.full_weights)
     engine = DeepSpeedEngine(
         model, dims=runtime.dims, optim=optim, zero=zero, bf16=runtime.autocast_dtype is not None,
-        trust_checkpoint=config.run.trust_checkpoint,
+        trust_checkpoint=config.run.trust_checkpoint, local=local,
     )
     return engine, f"engine: DeepSpeed ZeRO-{zero.stage} ({zero.reason}) on {runtime.world_size} process(es)"

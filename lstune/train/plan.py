@@ -199,6 +199,8 @@ def plan(config: TrainConfig, cluster, device: str | None = None, *, spec=None, 
     it on their own: ALST's tile counts, no offload). `world_known=False`: a --hostfile run before its launch, whose
     world size the launcher learns: only its SP group is laid out. ConfigError listing every problem."""
     device = device or ("cuda" if cluster.on_cuda else "cpu")
+    if config.parallel.metp_mlp:  # METP runs each MLP itself: no MLP tiles (explicit ones are refused with it)
+        config = replace(config, memory=replace(config.memory, tiled_mlp="off", mini_sequence=False))
     spec, dims, notes = checked(config, cluster.world_size, device, spec=spec, world_known=world_known,
                                 node_size=cluster.gpus)
     estimate = _estimate(config, cluster, spec, resolve_auto)

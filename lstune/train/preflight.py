@@ -28,15 +28,13 @@ def preflight_problems(config: TrainConfig, *, weights: bool = True) -> list[str
 
 
 def check_metp_mlp_trainable(config: TrainConfig) -> None:
-    """--metp-mlp is built and tested as a module (lstune.memory.metp_mlp: exact under Ulysses × ring, LoRA on
-    attention, checkpointing), and `lstune estimate` models it; a training run refuses it until the engine knows its
-    per-rank shards: DeepSpeed would partition (ZeRO-3) or all-reduce over every rank (ZeRO 1-2) tensors that differ
-    from rank to rank, its gradient clipping would leave them out, and checkpoints / export would keep one rank's."""
-    if config.parallel.metp_mlp:
-        raise ConfigError(["--metp-mlp is not yet composed with lstune's training engine (DeepSpeed ZeRO would treat "
-                           "each rank's MLP weight shard as the same tensor; clipping, checkpoints and export would "
-                           "miss the other ranks' shards), so train refuses it rather than train it wrong. Drop "
-                           "--metp-mlp (`lstune estimate --metp-mlp` still predicts what it would save)."])
+    """--metp-mlp shards the MLP over the SP group and trains the shards beside DeepSpeed's engine
+    (lstune.parallel.local_params): it needs SP > 1 (an SP degree that resolves to 1 is refused when the model is
+    prepared, lstune.train.prepare)."""
+    parallel = config.parallel
+    if parallel.metp_mlp and parallel.sp == 1:
+        raise ConfigError(["--metp-mlp shards the MLP over the SP group, and --sp 1 has none: give --sp N (N > 1), "
+                           "or drop --metp-mlp."])
 
 
 def _check_model(config: TrainConfig, *, weights: bool) -> None:
@@ -64,6 +62,8 @@ _RESUME_FIXED = {
     "model": "the model it was trained from",
     "lora_r": "the LoRA rank (0 = full fine-tune)",
     "lora_targets": "the modules LoRA adapts",
+    # The checkpoint's count of consumed samples is a position in a stream or in the map-style order, not both.
+    "data_streaming": "how --data is read, whose position the checkpoint records",
 }
 
 
@@ -77,7 +77,7 @@ def check_resume_compatible(config: TrainConfig, checkpoint: Path, world_size: i
     current = config.to_dict()
     problems = [
         f"--{key.replace('_', '-')} is {current.get(key)!r} but {checkpoint} was trained with {saved[key]!r} "
-        f"({meaning}); resume with --{key.replace('_', '-')} {saved[key]}, or start a new run without --resume."
+        f"({meaning}); resume with {_as_flag(key, saved[key])}, or start a new run without --resume."
         for key, meaning in _RESUME_FIXED.items()
         if key in saved and not _same_setting(key, saved[key], current.get(key))
     ]
@@ -128,6 +128,13 @@ def _zero_stage_problems(config: TrainConfig, checkpoint: Path) -> list[str]:
     except CheckpointError as exc:
         return [str(exc)]
     return []
+
+
+def _as_flag(key: str, value) -> str:
+    flag = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{flag}" if value else f"--no-{flag}"
+    return f"--{flag} {value}"
 
 
 def _same_setting(key: str, saved, current) -> bool:

@@ -10,7 +10,8 @@ Order (each step sees the result of the previous one):
    attention (short convolutions, linear attention, state-space scans) run per packed document and head-parallel
    under SP (lstune.models.mixers, installed by lstune.train.mixers), or are refused naming the fix;
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
-   sized for the per-rank sequence length.
+   sized for the per-rank sequence length; then, with --metp-mlp, METP's MLP (lstune.memory.metp_mlp: the MLP
+   weights sharded over the SP group and rotated; it replaces the tiled MLP and mini-sequence, which stay off).
 The engine (optimizer, ZeRO) is built last, over the parameters that remain trainable.
 
 Steps 1-2 (`adapt_model`) change the model for good; steps 3-5 (`apply_techniques`) are reversible:
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lstune.config.schema import ModelSection, TrainConfig
@@ -47,6 +48,7 @@ class PreparedModel:
     # LongRoPE's factors: of the whole sample under SP (lstune.parallel.rope_sp), of each document with --pack in
     # one process (lstune.models.rope_documents)
     rope: Any = None
+    metp: Any = None  # lstune.memory.metp_mlp.MetpHandle with --metp-mlp (its shards: the engine's local params)
 
     def loss_sum(self, batch: dict, model: Any = None):
         """(summed token loss, label count) of `batch` with the planned loss head; `model` may be the engine's
@@ -63,6 +65,8 @@ class PreparedModel:
 
     def undo(self) -> None:
         """Remove the techniques in reverse order of application; the adapted model (device, LoRA) remains."""
+        if self.metp is not None:
+            self.metp.undo()
         self.memory.undo()
         if self.mixers is not None:
             self.mixers.undo()
@@ -120,13 +124,10 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
     from lstune.models.attention import use_lstune_attention
     from lstune.models.introspect import find_parts
 
-    from lstune.train.preflight import check_metp_mlp_trainable
-
-    check_metp_mlp_trainable(config)
     parts = find_parts(model)
     # The block kernel (memory) runs what the backends cannot: attention sinks, softcapping on sdpa.
     attention = use_lstune_attention(model, backend=config.model.attn, block_kernel=block_attention)
-    ulysses = mixers = rope = None
+    ulysses = mixers = rope = metp = None
     try:
         if runtime.sp > 1:
             from lstune.parallel.rope_sp import whole_sample_longrope
@@ -139,20 +140,43 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
             rope = per_document_longrope(model)
         mixers = _install_mixers(parts, config, runtime)
         seq_len = math.ceil(config.data.seq_len / runtime.sp)
-        memory = apply_memory_techniques(model, config.memory, seq_len=seq_len, parts=parts)
+        memory_section = config.memory
+        if config.parallel.metp_mlp:  # explicit tiles / mini-sequence are refused with it (TrainConfig.problems)
+            memory_section = replace(memory_section, tiled_mlp="off", mini_sequence=False)
+        memory = apply_memory_techniques(model, memory_section, seq_len=seq_len, parts=parts)
         if mixers is not None:
             _check_mixer_layout(mixers, memory, runtime.sp)
         if ulysses is not None and runtime.dims.ring > 1 and memory.attn_chunks_at_seq_len > 1:
             memory.undo()
             raise ConfigError([f"chunked attention ({memory.attn_chunks_at_seq_len} chunks) does not combine with ring "
                                f"attention (--sp-ring {runtime.dims.ring}): use --attn-chunks off, or --sp-ring 1."])
+        if config.parallel.metp_mlp:
+            metp = _install_metp(parts, runtime, memory)
     except BaseException:
         for handle in (mixers, rope, ulysses, attention):
             if handle is not None:
                 handle.undo()
         raise
     model.train()
-    return PreparedModel(model, parts, attention, ulysses, memory, mixers, rope)
+    return PreparedModel(model, parts, attention, ulysses, memory, mixers, rope, metp)
+
+
+def _install_metp(parts, runtime, memory):
+    """Step 5's METP MLP over the SP group (in SP order); ConfigError without SP (nothing to shard over)."""
+    from lstune.memory.metp_mlp import install_metp_mlp
+    from lstune.memory.rotation import Ring
+
+    dims = runtime.dims
+    if runtime.sp < 2:
+        memory.undo()
+        raise ConfigError(["--metp-mlp shards the MLP over the SP group, and this run has none (SP 1): use --gpus N "
+                           "with --sp N (N > 1), or drop --metp-mlp."])
+    try:
+        return install_metp_mlp(parts.layers, Ring(dims.sp, dims.sp_rank, tuple(dims.sp_group_ranks(dims.dp_rank)),
+                                                   dims.sp_group))
+    except BaseException:
+        memory.undo()
+        raise
 
 
 def _install_mixers(parts, config: TrainConfig, runtime):

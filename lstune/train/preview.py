@@ -37,7 +37,7 @@ def preview_data(config, max_tokens: int = 400) -> DataPreview:
     set_chat_template(tokenizer, config.data.chat_template)  # as train does: the mask shown is the one trained
     dataset = _setup_data(config, tokenizer, spec.config)
     train, held = _setup_eval_data(config, tokenizer, spec.config, dataset)
-    sample = train[0]
+    sample = next(train.samples()) if hasattr(train, "samples") else train[0]  # a stream: its first sample
     ids, labels = sample["input_ids"].tolist(), sample["shift_labels"].tolist()
     trained = [False] + [label != IGNORE_INDEX for label in labels[:-1]]
     real = len(ids) - _trailing_padding(labels, sample["position_ids"].tolist(), train.summary()["mode"])

@@ -115,7 +115,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         dataset = _setup_data(config, tokenizer, run_plan.spec.config)
         dataset, eval_dataset = _setup_eval_data(config, tokenizer, run_plan.spec.config, dataset)
     raise_if_terminated()  # a SIGTERM whose exception was lost while loading (lstune.train.signals.on_sigterm)
-    max_steps = total_steps(config, len(dataset), runtime.world_size)
+    max_steps = total_steps(config, None if config.data.data_streaming else len(dataset), runtime.world_size)
     with runtime.decided_alike():  # room for the checkpoints it will save: before any weights load
         disk_note = check_disk_space(config, prediction.params, runtime, folder, output_dir,
                                      resume_from=resume_from, max_steps=max_steps)
@@ -234,6 +234,8 @@ def _setup_data(config: TrainConfig, tokenizer, model_config, *, source: str | N
         raise ConfigError(["no training data: set config.data.source (--data)."])
     max_records = data.max_records if source is None else None
     read = data.reading() if source is None else {}  # --data-split/-subset/-fields: --data's, like --max-records
+    if source is None and data.data_streaming:
+        return _setup_stream(config, tokenizer, model_config, read)
     source = source or data.source
     dataset = build_dataset(
         source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed, max_records=max_records, **read
@@ -245,6 +247,17 @@ def _setup_data(config: TrainConfig, tokenizer, model_config, *, source: str | N
             f"{vocab}; pre-tokenized data must come from the model's own tokenizer."
         )
     return dataset
+
+
+def _setup_stream(config: TrainConfig, tokenizer, model_config, read: dict):
+    """--data-streaming: the training data as a stream (lstune.data.streaming); its token ids are checked against
+    the vocabulary as they are read."""
+    from lstune.data.streaming import open_stream
+
+    data = config.data
+    return open_stream(data.source, tokenizer, data.seq_len, pack=data.pack, seed=config.optim.seed,
+                       shuffle_buffer=data.shuffle_buffer(), vocab_size=model_config.vocab_size,
+                       max_records=data.max_records, **read)
 
 
 def _setup_eval_data(config: TrainConfig, tokenizer, model_config, dataset):
@@ -304,10 +317,14 @@ def _passkey_accuracy(config: TrainConfig) -> tuple[bool, str]:
     return True, ", with passkey accuracy"
 
 
-def total_steps(config: TrainConfig, num_samples: int, world_size: int = 1) -> int:
+def total_steps(config: TrainConfig, num_samples: int | None, world_size: int = 1) -> int:
     optim = config.optim
     if optim.max_steps is not None:
         return optim.max_steps
+    if num_samples is None:  # a stream (--data-streaming): the CLI refuses this before anything loads
+        from lstune.errors import ConfigError
+
+        raise ConfigError(config.training_problems())
     per_step = optim.micro_batch_size * optim.grad_accum * world_size
     return max(1, math.ceil((optim.epochs or 1.0) * num_samples / per_step))
 
@@ -365,8 +382,9 @@ def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Run
     model = prepared.model
     plan = {
         "model": f"{config.model.name} ({loaded.source.kind})",
-        "parameters": sum(_numel(p) for p in model.parameters()),
-        "trainable_parameters": sum(_numel(p) for p in model.parameters() if p.requires_grad),
+        "parameters": sum(_numel(p) for p in model.parameters()) + _metp_numel(prepared, trainable=False),
+        "trainable_parameters": sum(_numel(p) for p in model.parameters() if p.requires_grad)
+        + _metp_numel(prepared, trainable=True),
         "device": str(runtime.device),
         "seq_len": config.data.seq_len,
         "data": dataset.summary()["note"],
@@ -378,8 +396,18 @@ def _plan(config, loaded, prepared, dataset, max_steps, output_dir, runtime: Run
     }
     if runtime.distributed:
         plan["parallelism"] = f"{runtime.world_size} processes: SP {runtime.sp} × DP {runtime.dims.dp}" + (
-            f" (SP = Ulysses {runtime.dims.ulysses} × ring {runtime.dims.ring})" if runtime.dims.ring > 1 else "")
+            f" (SP = Ulysses {runtime.dims.ulysses} × ring {runtime.dims.ring})" if runtime.dims.ring > 1 else "") + (
+            f"; METP MLP: 1/{runtime.sp} of its weights per rank, rotated" if prepared.metp is not None else "")
     return plan
+
+
+def _metp_numel(prepared, *, trainable: bool) -> int:
+    """The full MLP weights METP keeps as shards outside `model.parameters()` (lstune.memory.metp_mlp)."""
+    metp = getattr(prepared, "metp", None)
+    if metp is None:
+        return 0
+    shards = [p for p in metp.shard_parameters() if p.requires_grad or not trainable]
+    return sum(p.numel() for p in shards) * metp.ring.size
 
 
 def _numel(param) -> int:

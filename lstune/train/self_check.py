@@ -8,8 +8,8 @@ the unmodified model running its own attention implementation (eager) and its ow
 1. probe model: a copy of the loaded model when it is small (<= 100M parameters) and names no window / attention
    chunk longer than 16 tokens; else a random-init copy, built on the run's device, of a prefix of its layers long
    enough to hold every layer type the config lists per layer (a layer or a few), with a vocabulary of 512 and
-   windows / attention chunks cut to 16 tokens — exactness is a property of the code path, not of the weights or
-   the window's size;
+   windows / attention chunks (and Llama-4's temperature step) cut to 16 tokens — exactness is a property of the code
+   path, not of the weights or the window's size;
 2. probe batch: one sequence longer than every window/chunk the config names (at least 64 tokens), with two packed
    documents when the run packs; labels pre-shifted as the data pipeline makes them;
 3. reference: the probe model with `attn_implementation="eager"`, fp32, dropout off, each packed document run alone
@@ -178,6 +178,8 @@ def truncated_config(config: Any) -> Any:
         setattr(small, key, values[: small.num_hidden_layers])
     for key, window in named_windows(small).items():  # a short window is as good a test, on a short probe
         setattr(small, key, min(window, _PROBE_WINDOW))
+    if _temperature_step(small) is not None:  # and a short temperature step
+        small.floor_scale = min(int(small.floor_scale), _PROBE_WINDOW)
     if _ROPE_THRESHOLD in probe_lengths(small):  # so is a short original context for length-dependent RoPE
         original = min(probe_lengths(small)[_ROPE_THRESHOLD], _PROBE_ROPE)
         small.rope_parameters = {**small.rope_parameters, "original_max_position_embeddings": original}
@@ -222,6 +224,9 @@ def named_windows(config: Any) -> dict[str, int]:
 
 
 _ROPE_THRESHOLD = "rope: original_max_position_embeddings"
+# Llama-4's attention temperature steps every `floor_scale` positions (lstune.models.llama4): a probe that stays
+# below it sees a temperature of 1 everywhere, so a rank or chunk computing it from its own token index would pass.
+_TEMPERATURE_STEP = "attention temperature: floor_scale"
 # The original context a probe model keeps for length-dependent RoPE: the 64-token probe crosses it, while each
 # rank's shard under SP (32 tokens at SP 2) stays within it, so a rank choosing from its shard differs and is caught.
 _PROBE_ROPE = 48
@@ -238,7 +243,21 @@ def probe_lengths(config: Any) -> dict[str, int]:
     found = length_dependent_rope(config)
     if found is not None:
         lengths[_ROPE_THRESHOLD] = found[1]
+    step = _temperature_step(config)
+    if step is not None:
+        lengths[_TEMPERATURE_STEP] = step
     return lengths
+
+
+def _temperature_step(config: Any) -> int | None:
+    """Llama-4's `floor_scale` when its NoPE layers tune the attention temperature, else None."""
+    text = _text(config)
+    step = getattr(text, "floor_scale", None)
+    if not getattr(text, "attn_temperature_tuning", False) or not isinstance(step, (int, float)) or step <= 0:
+        return None
+    if all(getattr(text, "no_rope_layers", None) or [1]):  # every layer has RoPE: the temperature is never applied
+        return None
+    return int(step)
 
 
 def probe_batch(config: Any, *, pack: bool, sp: int, vocab: int) -> dict[str, Any]:

@@ -303,6 +303,12 @@ def trace_estimate(config: TrainConfig, hardware):
 def trace_plan(run_plan) -> TraceResult:
     """The trace of one rank's step of `run_plan` (its resolved memory settings, its engine, its SP degree)."""
     analytic = run_plan.estimate
+    if run_plan.resolved.parallel.metp_mlp:
+        # The trace would meter the full MLP weights it materialises before METP shards them, and its single-device
+        # AdamW would leave out the shards (which train beside the engine, lstune.parallel.local_params); the analytic
+        # breakdown counts the MLP whole too and prints METP's own bytes beside it.
+        raise ConfigError(["--trace does not model --metp-mlp yet (its shards live outside the engine it traces); "
+                           "drop --trace for the analytic estimate, which prints METP's MLP bytes beside ZeRO-3's."])
     static = None
     if analytic.engine.kind == "deepspeed":
         static = sum(i.device for i in analytic.breakdown.items if i.name.startswith(("param", "grad", "optim")))
@@ -380,12 +386,13 @@ def grid_row(arch: str, setting: str, seq_len: int, *, layers: int = 2, gpu: str
     """One row of the accuracy grid: analytic and traced device peak of the same rank."""
     from lstune.estimate import estimate, traced_settings_estimate
     from lstune.estimate.hardware import resolve_hardware
-    from lstune.models.presets import preset_config
+    from lstune.models.presets import get_preset, preset_config
 
     # Attention is chunked only where the setting says so (`auto`, the default, would chunk the longer rows).
     flat = {"model": arch, "seq_len": seq_len, "attn_chunks": "off", **GRID_SETTINGS[setting]}
     config = TrainConfig.from_flat(flat)
-    model_config = preset_config(arch, num_hidden_layers=layers)
+    types = get_preset(arch).config.get("layer_types")  # per-layer kinds (gpt-oss: windowed / full): the first ones
+    model_config = preset_config(arch, num_hidden_layers=layers, **({"layer_types": types[:layers]} if types else {}))
     hardware = resolve_hardware(gpu=gpu, gpus=config.parallel.gpus, host_mem=1 << 50)
     analytic = estimate(config, hardware, model_config=model_config, suggest=False)
     comparable = traced_settings_estimate(config, hardware, model_config, analytic)

@@ -59,3 +59,15 @@ def test_a_model_whose_own_loss_adds_the_router_loss_is_refused(cli, tmp_path, t
     assert result.code == 2, (result.out, result.err)
     assert "load-balancing loss" in result.err and '"output_router_logits": false' in result.err
     assert "Traceback" not in result.err and not (tmp_path / "o" / "final").exists()
+
+
+def test_llama4_trains_packed_with_chunked_attention(cli, tmp_path, text_data):
+    """Llama-4 used to be refused with --pack (its decoder layer passes no position_ids to attention) and with
+    --attn-chunks; lstune.models.llama4 hands the positions on and computes the NoPE temperature from them: the
+    self-check (each document alone, crossing the 16-token chunk and the temperature step) passes and the run trains."""
+    model = _model_folder(tmp_path, "llama4_text")
+    result = cli("train", "--model", model, "--data", text_data, "--output-dir", tmp_path / "o", "--pack",
+                 "--attn-chunks", "2", *ARGS)
+    assert result.code == 0, (result.out, result.err)
+    assert "self-check passed" in result.out + result.err
+    assert (tmp_path / "o" / "final").exists()

@@ -164,12 +164,71 @@ def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tm
     assert [m["loss"] for m in part] == [m["loss"] for m in full]
 
 
-def test_metp_mlp_and_ring_with_chunks_are_refused_before_launch(tmp_path, text_data):
-    """--metp-mlp is not composed with the training engine yet: exit 2 with the reason, before any process starts;
-    so is chunked attention under a ring."""
+def test_metp_mlp_run_equals_one_process_resumes_only_in_its_layout_and_exports_full_weights(tmp_path, text_data):
+    """--metp-mlp on 2 processes (ZeRO-1, each rank training its MLP shards beside DeepSpeed): the numbers of one
+    process accumulating the same samples, clipping included; the exported model holds the full MLP weights (loaded
+    with transformers, equal to the one-process run's); a resume continues exactly, one without --metp-mlp is
+    refused (exit 2)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    common = ["--data", text_data, "--max-steps", "3", "--max-grad-norm", "0.5"]
+    metp = [*common, "--gpus", "2", "--sp", "2", "--metp-mlp"]
+    shown = _train(*metp, "--output-dir", tmp_path / "metp").stdout
+    assert "METP MLP: 1/2 of its weights per rank" in shown, shown[:2000]
+    _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
+    full, one = read_metrics(tmp_path / "metp"), read_metrics(tmp_path / "one")
+    assert [m["label_tokens"] for m in full] == [m["label_tokens"] for m in one]
+    assert [m["loss"] for m in full] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    assert [m["grad_norm"] for m in full] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+    assert all(m["grad_norm"] > 0.5 for m in one)  # clipping was active
+    exported = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "metp" / "final").named_parameters())
+    reference = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final").named_parameters())
+    mlp = [n for n in reference if ".mlp." in n]
+    assert mlp and exported.keys() == reference.keys()
+    count = sum(p.numel() for p in reference.values())  # the plan counts the MLP weights the shards make up
+    assert re.search(rf"^\s*parameters\s+{count:,}\s*$", shown, re.M), shown[:2000]
+    for name in mlp:  # full [I, H] / [H, I] weights, trained as one process trains them
+        assert exported[name].shape == reference[name].shape
+        scale = float(reference[name].detach().abs().max())
+        torch.testing.assert_close(exported[name], reference[name], rtol=0, atol=1e-4 * scale)
+    _train(*metp, "--output-dir", tmp_path / "part", "--stop-at-step", "2")
+    other = run_subprocess("train", *TINY_MODEL, *common, "--gpus", "2", "--sp", "2", "--output-dir",
+                           tmp_path / "part", "--resume", timeout=400)
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert "--metp-mlp True (now False)" in other.stderr and "Traceback" not in other.stderr, other.stderr[-3000:]
+    _train(*metp, "--output-dir", tmp_path / "part", "--resume")
+    part = read_metrics(tmp_path / "part")
+    assert [m["loss"] for m in part] == [m["loss"] for m in full]
+
+
+def test_metp_mlp_refusals_and_ring_with_chunks_are_refused_before_launch(tmp_path, text_data):
+    """--metp-mlp with --sp 1 or with MLP tiles, and chunked attention under a ring: exit 2 with the reason, before
+    any process starts."""
     base = ["train", *TINY_MODEL, "--data", text_data, "--gpus", "2", "--sp", "2"]
-    proc = run_subprocess(*base, "--metp-mlp", "--output-dir", tmp_path / "o", timeout=120)
-    assert proc.returncode == 2 and "--metp-mlp is not yet composed" in proc.stderr, proc.stderr[-2000:]
+    proc = run_subprocess(*base, "--metp-mlp", "--tiled-mlp", "2", "--output-dir", tmp_path / "o", timeout=120)
+    assert proc.returncode == 2 and "--tiled-mlp off" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+    proc = run_subprocess("train", *TINY_MODEL, "--data", text_data, "--gpus", "2", "--sp", "1", "--metp-mlp",
+                          "--output-dir", tmp_path / "s", timeout=120)
+    assert proc.returncode == 2 and "--sp 1 has none" in proc.stderr, proc.stderr[-2000:]
     proc = run_subprocess(*base, "--sp-ring", "2", "--attn-chunks", "2", "--output-dir", tmp_path / "c", timeout=120)
     assert proc.returncode == 2 and "does not combine with ring attention" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_llama4_packed_with_chunked_attention_under_sp2_equals_one_process(tmp_path, text_data):
+    """Llama-4 (chunked-attention layer in 16-token chunks, NoPE layer with its temperature from positions,
+    lstune.models.llama4) with --pack and FPDT: two SP ranks train the same numbers as one process."""
+    from tests.support.archs import tiny_config
+
+    tiny_config("llama4_text").save_pretrained(tmp_path / "llama4")
+    common = ["--model", tmp_path / "llama4", "--data", text_data, "--seq-len", "128", "--max-steps", "3", "--init",
+              "random", "--lr", "1e-3", "--warmup-steps", "0", "--pack", "--attn-chunks", "2"]
+    for name, extra in (("sp2", ["--gpus", "2", "--sp", "2"]), ("one", ["--grad-accum", "2"])):
+        proc = run_subprocess("train", *common, *extra, "--output-dir", tmp_path / name, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "self-check passed" in proc.stdout + proc.stderr
+    sp2, one = read_metrics(tmp_path / "sp2"), read_metrics(tmp_path / "one")
+    assert [m["label_tokens"] for m in sp2] == [m["label_tokens"] for m in one]
+    assert [m["loss"] for m in sp2] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    assert [m["grad_norm"] for m in sp2] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)

@@ -53,11 +53,11 @@ ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "gemma2": (dict(head_dim=8, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), {}),
     "lfm2": (dict(layer_types=["conv", "full_attention"], block_dim=32, block_ff_dim=64, conv_L_cache=3), {}),
     "bloom": (dict(n_layer=2, n_head=4), {"attention": "does not route attention through", "tiled_mlp": "residual"}),
+    # chunked attention (16-token chunks) beside a NoPE layer whose attention temperature steps every 8 positions
+    # (lstune.models.llama4: positions handed to attention, the temperature from them)
     "llama4_text": (dict(attention_chunk_size=WINDOW, head_dim=8, num_local_experts=2, intermediate_size_mlp=64,
                          interleave_moe_layer_step=1, no_rope_layers=[1, 0], layer_types=["chunked_attention",
-                         "full_attention"]),
-                    {"pack": "does not pass position_ids to its attention",
-                     "sp": "needs position_ids at every attention call"}),
+                         "full_attention"], floor_scale=8, attn_scale=1.0), {}),
 }
 
 # Token mixers that are not attention (lstune.models.mixers), sized so that their heads split unevenly on 4 ranks

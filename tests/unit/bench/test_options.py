@@ -110,3 +110,10 @@ def test_sp_layout_rungs_set_the_split_over_every_process():
     assert select_rungs(_config(gpus=2), ["sp_hybrid"], False)[1] == [
         "--rungs sp_hybrid (Ulysses × a ring of 2) needs an even --gpus of 4 or more."]
     assert "add --gpus 2" in select_rungs(_config(gpus=1), ["sp_ring"], False)[1][0]
+
+
+def test_streamed_data_is_refused_by_bench():
+    options, _ = parse_options({})
+    problems = problems_with(_config(data="a.jsonl", data_streaming=True), options)
+    assert any("drop --data-streaming" in p for p in problems), problems
+    assert not problems_with(_config(data="a.jsonl"), options)

@@ -69,6 +69,15 @@ def test_contradictions_are_errors():
         build_config({}, {"max_steps": "3", "epochs": "1"})
 
 
+@pytest.mark.parametrize("memory", [{"tiled_mlp": "2"}, {"mini_sequence": "true"}])
+def test_metp_mlp_with_mlp_tiles_or_mini_sequence_is_refused(memory):
+    """METP runs each MLP on (s/SP)×(I/SP) itself; explicit MLP tiles or mini-sequence with it are refused."""
+    flags = {"model": "tiny-llama", "data": "x.jsonl", "metp_mlp": "true", **memory}
+    with pytest.raises(ConfigError, match="--metp-mlp runs each MLP itself"):
+        build_config({}, flags)
+    build_config({}, {**flags, **{k: "off" if k == "tiled_mlp" else "false" for k in memory}})
+
+
 def test_recipe_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         read_recipe(tmp_path / "missing.yaml")

@@ -8,6 +8,7 @@ import pytest
 
 from lstune.config.schema import TrainConfig
 from lstune.estimate import estimate, longest_seq_len
+from lstune.estimate.longest import longest_reach
 from lstune.estimate.choice import _memory_options, engine_candidates, placed_settings, resolved
 from lstune.estimate.settings import MIN_SEQ, fits, resolve_sp
 from lstune.estimate.hardware import resolve_hardware
@@ -81,3 +82,47 @@ def test_at_the_reported_longest_the_estimate_fits_and_keeps_its_margin():
 def test_engine_candidates_are_what_the_scan_may_use():
     config, _, hardware, *_ = _setup("qwen3-0.6b", 4, 8, lora_r=16)
     assert engine_candidates(config, hardware)[0] == Engine("torch")
+
+
+def _engine_and_choice_that_fits(config, hardware, shape, params, sp):
+    """By brute force: any engine `--zero-stage auto` may pick (every offload ratio, the 31 fine ones included) with
+    any offload, chunk count and mini-sequence setting `auto` may take with it at this length."""
+    for engine in engine_candidates(config, hardware):
+        if _some_choice_fits(config, hardware, shape, params, sp, engine):
+            return engine
+    return None
+
+
+ENGINE_GRID = [  # (model, device GiB, host GiB, flags) on a CUDA device: engines with offloads are candidates
+    # a fine offload ratio (13/16 between the coarse 0.75 and 1) is the longest
+    ("qwen3-0.6b", 7, 20, {"attn_chunks": "off"}),
+    # nothing fits: 0, and no length does
+    ("qwen3-0.6b", 6, 14, {}),
+    # the tiles' sawtooth: with 3 attention chunks 46,080 fits, 47,104 not, 48,128 again (46,080 was reported)
+    ("llama-3.2-1b", 5, 32, {"lora_r": 16, "mini_sequence": False}),
+]
+
+
+@pytest.mark.parametrize("model, device_gib, host_gib, flat", ENGINE_GRID)
+def test_the_longest_length_over_engines_is_the_longest_a_scan_of_engines_and_lengths_finds(model, device_gib,
+                                                                                            host_gib, flat):
+    config = TrainConfig.from_flat({"model": model, "seq_len": 4096, **flat})
+    model_config = preset_config_facts(model)
+    hardware = resolve_hardware(gpu="h100-80gb", device_mem=int(device_gib * GiB), host_mem=int(host_gib * GiB))
+    assert hardware.on_cuda and len(engine_candidates(config, hardware)) > 30
+    shape, params = ModelShape.from_config(model_config), counts_for(model_config, lora_r=config.model.lora_r,
+                                                                     lora_targets="auto")
+    sp = resolve_sp(config, hardware, model_config)
+    found = longest_reach(config, hardware, shape, params, sp)
+    step = MIN_SEQ * sp
+
+    def fitting_engine(n: int):
+        return _engine_and_choice_that_fits(TrainConfig.from_flat({**config.to_dict(), "seq_len": n}), hardware,
+                                            shape, params, sp)
+
+    assert found == 0 or fitting_engine(found) is not None
+    # Every length just past the one found, then every fourth up to twice it (a full scan takes minutes here).
+    longer = [*range(found + step, found + 5 * step, step), *range(found + 8 * step, max(2 * found, 32 * step) + 1,
+                                                                   4 * step)]
+    fitting = [(n, fitting_engine(n)) for n in longer]
+    assert not [(n, e.describe()) for n, e in fitting if e is not None][:1], found

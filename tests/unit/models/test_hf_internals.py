@@ -37,6 +37,7 @@ def test_registering_routes_a_model_and_unregistering_removes_the_key():
         assert hf_internals.attention_function("lstune_internals_test") is attention
         model.set_attn_implementation("lstune_internals_test")
         assert hf_internals.attention_implementation(model.config) == "lstune_internals_test"
+        assert hf_internals.attention_interface(model.config, None) is attention  # as the model's own code looks it up
         import torch
 
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
@@ -46,6 +47,9 @@ def test_registering_routes_a_model_and_unregistering_removes_the_key():
         hf_internals.unregister_attention("lstune_internals_test")
     assert hf_internals.attention_function("lstune_internals_test") is None
     assert hf_internals.attention_implementation(model.config) == "sdpa"
+    eager = object()
+    model.set_attn_implementation("eager")
+    assert hf_internals.attention_interface(model.config, eager) is eager  # eager: the model's own default
 
 
 def test_causal_lm_configs_are_told_apart():

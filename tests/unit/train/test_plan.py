@@ -137,6 +137,17 @@ def test_the_plan_leaves_no_auto_it_resolves():
     assert run_plan.resolved.memory == run_plan.estimate.memory_choice.memory  # one memory-settings type
 
 
+def test_a_metp_plan_runs_no_mlp_tiles_where_auto_would_tile():
+    """--metp-mlp runs each MLP on (s/SP)×(I/SP) itself: the plan resolves the MLP tiles and mini-sequence off (what
+    train prepares), even at a length where `auto` alone tiles the MLP."""
+    cluster = resolve_hardware(gpu="h100-80gb", gpus=2, host_mem=256 * GiB)
+    flags = {"model": "llama-3.1-8b", "seq_len": 1024 * 1024, "gpus": 2, "sp": 2}
+    tiled = resolved_recipe(plan(TrainConfig.from_flat(flags), cluster, "cuda"))
+    metp = resolved_recipe(plan(TrainConfig.from_flat({**flags, "metp_mlp": True}), cluster, "cuda"))
+    assert tiled["tiled_mlp"] not in ("off", "auto") or tiled["mini_sequence"] is True, tiled
+    assert (metp["tiled_mlp"], metp["mini_sequence"], metp["metp_mlp"]) == ("off", False, True), metp
+
+
 def test_under_a_host_cap_the_defaults_rung_reaches_at_least_as_far_as_every_ladder_rung(monkeypatch):
     """The bench's failure: under `--max-host-mem 3G` the `lstune` rung (lstune's defaults) reached 2K while the
     mini-sequence rung reached 32K, because `auto` sized for the machine's RAM. Each rung's configuration, planned

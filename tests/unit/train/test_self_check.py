@@ -289,3 +289,30 @@ def test_broken_saved_attention_is_named_and_diagnosed_without_checkpointing(mon
     config = TrainConfig(memory=MemorySection(recompute_attention="off"))
     with pytest.raises(ModelError, match="matches with --recompute-attention on"):
         self_check.run_self_check(tiny_model("llama"), config, CPU)
+
+
+def _llama4_as_published():
+    """Llama-4's own chunk (8192) and temperature step (floor_scale 8192, attn_scale 0.1) on the tiny config."""
+    return tiny_model("llama4_text", attention_chunk_size=8192, floor_scale=8192, attn_scale=0.1)
+
+
+def test_llama4_is_probed_across_its_chunks_and_temperature_step():
+    probe, kind = self_check.probe_model(_llama4_as_published())
+    assert kind == "truncated random-init copy"
+    assert probe.config.attention_chunk_size == 16 and probe.config.floor_scale == 16
+    batch = self_check.probe_batch(probe.config, pack=True, sp=2, vocab=320)
+    assert batch["input_ids"].shape[1] > 16 + 16
+    result = self_check.run_self_check(_llama4_as_published(), _config(True), CPU)
+    assert result.ok and result.documents == 2
+
+
+def test_a_llama4_temperature_from_the_token_index_is_caught_with_pack(monkeypatch):
+    """transformers' own rule (the token's index in the row, across packed documents), with lstune's adapter probe
+    off: the 64-token probe crosses the cut temperature step, so the check catches it at Llama-4's attn_scale."""
+    from lstune.models import llama4
+
+    own = llama4.temperature
+    monkeypatch.setattr(llama4, "temperature", lambda positions, *rest: own(None, *rest))
+    monkeypatch.setattr(llama4, "probe_llama4_attention", lambda *args: None)
+    with pytest.raises(ModelError, match=r"self-check failed.*layer 1 \(Llama4TextDecoderLayer"):
+        self_check.run_self_check(_llama4_as_published(), _config(True), CPU)
