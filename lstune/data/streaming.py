@@ -147,7 +147,7 @@ def open_stream(source: str, tokenizer: Any, seq_len: int, *, pack: bool = False
                 split: str | None = None, subset: str | None = None,
                 fields: dict[str, str] | None = None) -> StreamingSamples:
     """`source` as a stream of samples (see the module doc); DataError for anything the user must fix."""
-    from lstune.data.sources import check_source, field_renames, mapped_fields
+    from lstune.data.sources import check_source, field_renames, mapped_fields, record_byte_limit
 
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2, got {seq_len}")
@@ -155,7 +155,8 @@ def open_stream(source: str, tokenizer: Any, seq_len: int, *, pack: bool = False
     if source.startswith("builtin:"):
         raise DataError(f"--data-streaming: {source} is a small file shipped with lstune; drop --data-streaming.")
     path = Path(source).expanduser()
-    records, origin = _local_stream(path, split) if path.exists() else _hub_stream(source, split, subset)
+    records, origin = (_local_stream(path, split, record_byte_limit(seq_len)) if path.exists()
+                       else _hub_stream(source, split, subset))
     columns = _columns(records, source, origin)
     if fields:
         records = records.rename_columns(field_renames(columns, fields, source))
@@ -170,10 +171,15 @@ def open_stream(source: str, tokenizer: Any, seq_len: int, *, pack: bool = False
     return StreamingSamples(records, kind.name, tokenizer, seq_len, pack, seed, shuffle_buffer, vocab_size, info)
 
 
-def _local_stream(path: Path, split: str | None):
+def _local_stream(path: Path, split: str | None, max_record_bytes: int):
+    """A local source as an IterableDataset, after the same per-record size bound as a loaded source
+    (lstune.data.sources: a JSON Lines line, a .json record, a Parquet row group, an Arrow row): one pass that
+    reads a block at a time (memory-mapped for Arrow), so a record no sample can use is refused before the stream
+    parses it at ~20x its size."""
     from datasets import DatasetDict, load_dataset, load_from_disk
 
-    from lstune.data.sources import _builder_for, folder_files
+    from lstune.data.record_size import check_rows
+    from lstune.data.sources import _builder_for, _check_line_lengths, folder_files
 
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         saved = load_from_disk(str(path))
@@ -182,12 +188,14 @@ def _local_stream(path: Path, split: str | None):
                 raise DataError(f"data source {path}: the saved DatasetDict has splits {sorted(saved)} but no "
                                 f"{split or 'train'!r}; pick one with --data-split.")
             saved = saved[split or "train"]
+        check_rows(saved, max_record_bytes, f"save_to_disk folder {path}")
         return saved.to_iterable_dataset(num_shards=max(1, len(saved.cache_files))), f"save_to_disk folder {path}"
     if path.is_dir():
         builder, files = folder_files(path)
         origin = f"folder {path} ({len(files)} {builder} files)"
     else:
         builder, files, origin = _builder_for(path), [path], f"{_builder_for(path)} file {path}"
+    _check_line_lengths(files, max_record_bytes)
     return load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True), origin
 
 

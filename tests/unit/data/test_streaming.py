@@ -191,3 +191,30 @@ def test_what_streaming_refuses_before_anything_loads():
     assert "--eval-data SOURCE" in " ".join(_config(**streaming, eval_split=0.1).problems())
     assert _config(**streaming, eval_data="b.jsonl").problems() == []
     assert "add --data-streaming" in " ".join(_config(source="a.jsonl", data_shuffle_buffer=10).problems())
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "json", "parquet", "saved"])
+def test_a_record_no_sample_can_use_is_refused_before_the_stream_parses_it(tmp_path, word_tok, monkeypatch, layout):
+    """The bound a loaded source gets (lstune.data.sources.record_byte_limit) holds for a streamed one too (issue 37):
+    one record over it is refused with its place before datasets parses it; the same source under it streams."""
+    import datasets
+
+    from lstune.data import sources
+
+    monkeypatch.setattr(sources, "record_byte_limit", lambda seq_len: 10_000)
+    rows = [{"text": "fine thanks"}] * 3 + [{"text": "y" * 20_000}]
+    table = datasets.Dataset.from_list(rows)
+    path = {"jsonl": tmp_path / "d.jsonl", "json": tmp_path / "d.json", "parquet": tmp_path / "d.parquet",
+            "saved": tmp_path / "saved"}[layout]
+    if layout == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif layout == "json":
+        path.write_text(json.dumps(rows))
+    elif layout == "parquet":
+        table.to_parquet(str(path))
+    else:
+        table.save_to_disk(str(path))
+    with pytest.raises(DataError, match="is longer than .*more than a sample of this --seq-len can use"):
+        open_stream(str(path), word_tok, 8)
+    monkeypatch.setattr(sources, "record_byte_limit", lambda seq_len: 40_000)
+    assert next(open_stream(str(path), word_tok, 8).samples())["input_ids"].numel() == 8
