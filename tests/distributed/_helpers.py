@@ -135,6 +135,52 @@ def compare_sp_with_hf(model_types: list[str], samples: dict, variants: dict, bu
     return results
 
 
+def lstune_sp_variant(world: int, seq: int, *, ring: int = 1, memory: dict | None = None):
+    """A `compare_sp_with_hf` variant prepared as `lstune train` composes it: lstune's attention with the block
+    kernel, Ulysses over `world` ranks (its core a ring of `ring` ranks when ring > 1), the memory techniques of
+    `memory` (MemorySection fields; None: none), and the batch sharded as they need (FPDT order when attention is
+    chunked, zigzag under a ring)."""
+    from lstune.config.schema import MemorySection
+    from lstune.memory.apply import apply_memory_techniques
+    from lstune.memory.attention_ring import RingAttention
+    from lstune.memory.block_attention import block_attention
+    from lstune.memory.loss import causal_lm_loss_sum
+    from lstune.models.attention import use_lstune_attention
+    from lstune.parallel.dims import ParallelDims
+    from lstune.parallel.sp_data import shard_batch
+    from lstune.parallel.ulysses import apply_ulysses
+
+    dims = ParallelDims(world, sp=world, ring=ring).build_groups()
+
+    def run(model, batch, data):
+        use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
+        if ring > 1:
+            apply_ulysses(model, dims, core=RingAttention.of(dims), core_name=f"ring of {ring}")
+        else:
+            apply_ulysses(model, dims)
+        step, chunks = causal_lm_loss_sum, None
+        if memory is not None:
+            plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=seq // world)
+            step, chunks = plan.loss_sum, plan.attn_chunking
+        shard = shard_batch(batch, dims.sp, dims.sp_rank, None if ring > 1 else chunks, ring=ring)
+        return step(model, shard)[0], shard
+    return run
+
+
+def assert_sp_matches_hf(results: dict, count: int, *, loss_tol: float, grad_tol: float) -> None:
+    """`count` results of `compare_sp_with_hf`, every one run (none refused) with the same parameters given gradients,
+    its loss within `loss_tol` (relative) and its worst gradient within `grad_tol` of plain HF's."""
+    import pytest
+
+    assert len(results) == count, sorted(results)
+    for key, (outcome, detail) in results.items():
+        assert outcome == "ran", f"{key}: refused: {detail}"
+        loss, ref_loss, diff, same_keys = detail[:4]
+        assert same_keys, key
+        assert loss == pytest.approx(ref_loss, rel=loss_tol), f"{key}: loss {loss} != {ref_loss}"
+        assert diff < grad_tol, f"{key}: gradients differ by {diff:.1e} (relative)"
+
+
 def _relative_grad_diff(grads: dict, ref_grads: dict) -> float:
     """Largest |g - ref| over parameters, each relative to its own max |ref| (floored at 1e-3 of the largest)."""
     scale = max(float(g.abs().max()) for g in ref_grads.values())

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed._helpers import assert_sp_matches_hf
+
 SEQ = 104
 DOCS = [45, 34, 25]
 TOL = 2e-5
@@ -33,33 +35,11 @@ def _llama4_sp_worker(rank: int, world: int, model_types: list[str]) -> dict:
     import logging
     import warnings
 
-    from lstune.config.schema import MemorySection
-    from lstune.memory.apply import apply_memory_techniques
-    from lstune.memory.block_attention import block_attention
-    from lstune.memory.loss import causal_lm_loss_sum
-    from lstune.models.attention import use_lstune_attention
-    from lstune.parallel.dims import ParallelDims
-    from lstune.parallel.sp_data import shard_batch
-    from lstune.parallel.ulysses import apply_ulysses
-    from tests.distributed._helpers import compare_sp_with_hf, reference_samples
+    from tests.distributed._helpers import compare_sp_with_hf, lstune_sp_variant, reference_samples
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    dims = ParallelDims(world, sp=world).build_groups()
-
-    def variant(memory):
-        def run(model, batch, data):
-            use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)  # as lstune train does
-            apply_ulysses(model, dims)
-            step, chunks = causal_lm_loss_sum, None
-            if memory is not None:
-                plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // world)
-                step, chunks = plan.loss_sum, plan.attn_chunking
-            shard = shard_batch(batch, dims.sp, dims.sp_rank, chunks)
-            return step(model, shard)[0], shard
-        return run
-
-    variants = {name: variant(memory) for name, memory in VARIANTS.items()}
+    variants = {name: lstune_sp_variant(world, SEQ, memory=memory) for name, memory in VARIANTS.items()}
     return compare_sp_with_hf(model_types, reference_samples(SEQ, DOCS), variants, build=_build)
 
 
@@ -71,58 +51,24 @@ def _llama4_ring_worker(rank: int, world: int, layouts: list[tuple[int, int]]) -
     import logging
     import warnings
 
-    from lstune.config.schema import MemorySection
-    from lstune.memory.apply import apply_memory_techniques
-    from lstune.memory.attention_ring import RingAttention
-    from lstune.memory.block_attention import block_attention
-    from lstune.memory.loss import causal_lm_loss_sum
-    from lstune.models.attention import use_lstune_attention
-    from lstune.parallel.dims import ParallelDims
-    from lstune.parallel.sp_data import shard_batch
-    from lstune.parallel.ulysses import apply_ulysses
-    from tests.distributed._helpers import compare_sp_with_hf, reference_samples
+    from tests.distributed._helpers import compare_sp_with_hf, lstune_sp_variant, reference_samples
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-
-    def variant(ring: int, memory: dict | None):
-        dims = ParallelDims(world, sp=world, ring=ring).build_groups()
-
-        def run(model, batch, data):
-            use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)  # as lstune train composes it
-            apply_ulysses(model, dims, core=RingAttention.of(dims), core_name=f"ring of {ring}")
-            step = causal_lm_loss_sum
-            if memory is not None:
-                step = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // world).loss_sum
-            shard = shard_batch(batch, dims.sp, dims.sp_rank, ring=ring)
-            return step(model, shard)[0], shard
-        return run
-
-    variants = {f"{u}x{r}": variant(r, None) for u, r in layouts}
-    variants[f"{layouts[0][0]}x{layouts[0][1]}-memory"] = variant(
-        layouts[0][1], dict(tiled_mlp=2, tiled_loss=2, mini_sequence=True, offload_checkpoints=True))
+    variants = {f"{u}x{r}": lstune_sp_variant(world, SEQ, ring=r) for u, r in layouts}
+    variants[f"{layouts[0][0]}x{layouts[0][1]}-memory"] = lstune_sp_variant(
+        world, SEQ, ring=layouts[0][1], memory=dict(tiled_mlp=2, tiled_loss=2, mini_sequence=True,
+                                                    offload_checkpoints=True))
     return compare_sp_with_hf(["llama4_text"], reference_samples(SEQ, DOCS), variants, build=_build)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_llama4_under_sp_matches_hf(pools, world):
     results = pools[world].run(_llama4_sp_worker, ["llama4_text"], timeout=600)
-    assert len(results[0]) == 2 * len(VARIANTS)
-    for key, (outcome, detail) in results[0].items():
-        assert outcome == "ran", f"{key}: refused: {detail}"
-        loss, ref_loss, diff, same_keys = detail
-        assert same_keys, key
-        assert loss == pytest.approx(ref_loss, rel=TOL), f"{key}: loss {loss} != {ref_loss}"
-        assert diff < 1e-4, f"{key}: gradients differ by {diff:.1e} (relative)"
+    assert_sp_matches_hf(results[0], 2 * len(VARIANTS), loss_tol=TOL, grad_tol=1e-4)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_llama4_under_ulysses_and_ring_matches_hf(pools, world):
     results = pools[world].run(_llama4_ring_worker, RING_LAYOUTS[world], timeout=600)
-    assert len(results[0]) == 2 * (len(RING_LAYOUTS[world]) + 1)
-    for key, (outcome, detail) in results[0].items():
-        assert outcome == "ran", f"{key}: refused: {detail}"
-        loss, ref_loss, diff, same_keys = detail
-        assert same_keys, key
-        assert loss == pytest.approx(ref_loss, rel=TOL), f"{key}: loss {loss} != {ref_loss}"
-        assert diff < 1e-4, f"{key}: gradients differ by {diff:.1e} (relative)"
+    assert_sp_matches_hf(results[0], 2 * (len(RING_LAYOUTS[world]) + 1), loss_tol=TOL, grad_tol=1e-4)

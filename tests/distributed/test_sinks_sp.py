@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed._helpers import assert_sp_matches_hf
+
 SEQ = 96
 DOCS = [41, 30, 25]
 TOL = 2e-5
@@ -35,33 +37,11 @@ def _sinks_sp_worker(rank: int, world: int, model_types: list[str]) -> dict:
     import logging
     import warnings
 
-    from lstune.config.schema import MemorySection
-    from lstune.memory.apply import apply_memory_techniques
-    from lstune.memory.block_attention import block_attention
-    from lstune.memory.loss import causal_lm_loss_sum
-    from lstune.models.attention import use_lstune_attention
-    from lstune.parallel.dims import ParallelDims
-    from lstune.parallel.sp_data import shard_batch
-    from lstune.parallel.ulysses import apply_ulysses
-    from tests.distributed._helpers import compare_sp_with_hf, reference_samples
+    from tests.distributed._helpers import compare_sp_with_hf, lstune_sp_variant, reference_samples
 
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    dims = ParallelDims(world, sp=world).build_groups()
-
-    def variant(memory):
-        def run(model, batch, data):
-            use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
-            apply_ulysses(model, dims)
-            step, chunks = causal_lm_loss_sum, None
-            if memory is not None:
-                plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=SEQ // world)
-                step, chunks = plan.loss_sum, plan.attn_chunking
-            shard = shard_batch(batch, dims.sp, dims.sp_rank, chunks)
-            return step(model, shard)[0], shard
-        return run
-
-    variants = {name: variant(memory) for name, memory in VARIANTS.items()}
+    variants = {name: lstune_sp_variant(world, SEQ, memory=memory) for name, memory in VARIANTS.items()}
     return compare_sp_with_hf(model_types, reference_samples(SEQ, DOCS), variants, build=_build)
 
 
@@ -69,10 +49,4 @@ def _sinks_sp_worker(rank: int, world: int, model_types: list[str]) -> dict:
 def test_gpt_oss_under_sp_matches_hf(pools, world):
     model_types = ["gpt_oss", "gpt_oss_6_heads"]
     results = pools[world].run(_sinks_sp_worker, model_types, timeout=600)
-    assert len(results[0]) == len(model_types) * 2 * len(VARIANTS)
-    for key, (outcome, detail) in results[0].items():
-        assert outcome == "ran", f"{key}: refused: {detail}"
-        loss, ref_loss, diff, same_keys = detail
-        assert same_keys, key
-        assert loss == pytest.approx(ref_loss, rel=TOL), f"{key}: loss {loss} != {ref_loss}"
-        assert diff < 1e-4, f"{key}: gradients differ by {diff:.1e} (relative)"
+    assert_sp_matches_hf(results[0], len(model_types) * 2 * len(VARIANTS), loss_tol=TOL, grad_tol=1e-4)
