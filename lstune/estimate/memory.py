@@ -119,6 +119,7 @@ class Settings:
     ring: int = 1  # the ring-attention part of sp (lstune.memory.attention_ring); sp // ring Ulysses ranks
     cuda_context: bool = True  # the CUDA context and allocator reserve counted (on CUDA); the trace sees tensors only
     save_attention: bool = False  # --recompute-attention off, resolved: attention's output kept per layer
+    fla_kernels: bool = False  # flash-linear-attention runs Gated DeltaNet (CUDA, installed); False: the torch kernel
 
     @property
     def local_tokens(self) -> int:
@@ -614,6 +615,7 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
          t * ((0 if fused else upcast + act * h) + grad) + mlp_work + mlp_casts + replay),
         ("the MLP norm's (fp32 temporaries)", 0 if fused else t * (24 * h + grad)),
         (attention[0], attention[1] + replay),
+        *_delta_rule_moment(shape, s, act, res),
     ]
     name, working = max(moments, key=lambda moment: moment[1])
     parts = [
@@ -632,7 +634,30 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     if shape.linear_layers and shape.conv_channels:
         parts.append(("layer backward: a linear mixer's short convolution (its input and output, "
                       f"{shape.conv_channels:,} channels)", shape.linear_conv_bytes(t, act)))
-    return parts
+    return parts + _delta_rule_parts(shape, s, act)
+
+
+def _delta_rule_parts(shape: ModelShape, s: Settings, act: int) -> list[tuple[str, int]]:
+    """Gated DeltaNet on transformers' torch kernel (no flash-linear-attention where the run happens, or a CPU run):
+    what the kernel saves beyond the chunk-edge states, its intra-chunk matrices foremost (ModelShape.
+    delta_rule_saved_bytes) — alive through the layer's whole backward once its recompute has run. With
+    flash-linear-attention's kernel (`Settings.fla_kernels`) the model is the state and conv rows alone: its backward
+    recomputes the intra-chunk matrices per chunk from the saved q, k, v and chunk states (predicted from the
+    tensors that kernel saves, not traced: the trace runs on CPU, where only the torch kernel runs)."""
+    if not shape.delta_heads or s.fla_kernels:
+        return []
+    return [("layer backward: Gated DeltaNet's torch kernel (no flash-linear-attention): its intra-chunk matrices and "
+             "per-chunk tensors (fp32)", shape.delta_rule_saved_bytes(s.local_tokens, act))]
+
+
+def _delta_rule_moment(shape: ModelShape, s: Settings, act: int, res: int) -> list[tuple[str, int]]:
+    """The torch Gated DeltaNet kernel's backward, a moment of its layer's backward beside the MLP's and attention's:
+    the kernel's gradients at their peak (ModelShape.delta_rule_backward_bytes) and the residual stream's gradient."""
+    if not shape.delta_heads or s.fla_kernels:
+        return []
+    t = s.local_tokens
+    return [("Gated DeltaNet's torch kernel's (its fp32 gradients)",
+             shape.delta_rule_backward_bytes(t, act) + t * res * shape.hidden)]
 
 
 def _further_norm_width(shape: ModelShape, p: ParamCounts, fused: bool) -> int:

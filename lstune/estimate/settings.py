@@ -68,7 +68,17 @@ def _q_heads(name: str, trust_remote_code: bool) -> int | None:
 
 # What the trace's step does differently (Cluster.traced): no Liger, no fused norms (a probe needs real weights),
 # offloaded chunks read in place, no CUDA context (the trace counts tensors only).
-TRACED = {"liger": False, "fuse_norms": False, "chunks_fetched": False, "cuda_context": False}
+# The trace runs on CPU, where transformers takes its torch Gated DeltaNet kernel whatever is installed.
+TRACED = {"liger": False, "fuse_norms": False, "chunks_fetched": False, "cuda_context": False, "fla_kernels": False}
+
+
+def fla_installed() -> bool:
+    """Whether flash-linear-attention (`lstune[fla]`) is importable here: transformers then runs its Gated DeltaNet
+    kernels on CUDA (transformers.integrations.hub_kernels: the installed package before its torch fallback). The
+    estimate assumes the run's machine has the packages of the one estimating it; found without importing it."""
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
 
 
 def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, offload: bool | None = None) -> Settings:
@@ -87,7 +97,7 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
         ring=ring,
         # ring attention (Ulysses' core under --sp-ring) never reaches the saver: its layers recompute
         save_attention=m.checkpointing and m.recompute_attention == "off" and ring == 1,
-        **(TRACED if hardware.traced else {}),
+        **({"fla_kernels": hardware.on_cuda and fla_installed()} | (TRACED if hardware.traced else {})),
     )
 
 

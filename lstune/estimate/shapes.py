@@ -52,6 +52,11 @@ class ModelShape:
     conv_channels: int = 0  # one linear layer's short causal convolution: its channels (0: none, MiniMax)
     conv_kernel: int = 0  # and its width in tokens
     sinks: bool = False  # learned attention sinks (gpt-oss): the block kernel, O(S) like SDPA's flash kernel
+    # Gated DeltaNet (Qwen3-Next, Qwen3.5): value heads, key and value head dims (0: no such layers), for the bytes
+    # of transformers' torch kernel (`delta_rule_saved_bytes`, `delta_rule_backward_bytes`)
+    delta_heads: int = 0
+    delta_key_dim: int = 0
+    delta_value_dim: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -74,7 +79,7 @@ class ModelShape:
             vocab=c.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
             gated=getattr(c, "model_type", "") not in _UNGATED_MLP, windows=_windows(c, layers),
             mixers=_mixers(c, layers), chunks=_chunks(c, layers), state_elements=_state_elements(c, hidden),
-            **_conv(c, hidden),
+            **_conv(c, hidden), **_delta(c),
             sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
 
@@ -127,6 +132,38 @@ class ModelShape:
         if not self.conv_channels:
             return 0
         return self.conv_channels * (2 * seq_len + self.conv_kernel - 1) * act_bytes
+
+
+    def delta_rule_saved_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
+        """What transformers' torch Gated DeltaNet kernel (`torch_chunk_gated_delta_rule`: what runs without
+        flash-linear-attention, and what `--trace` runs) keeps for backward over one sequence of one layer, beyond
+        the chunk-edge states (`linear_state_bytes`), all fp32 per value head and token of the sequence padded to
+        whole chunks: five chunk-wide matrices (the pairwise decays, k·β·kᵀ, the UT system it solves, q·kᵀ and the
+        intra-chunk attention), eight key-wide tensors (q and k in fp32, l2-normalised, scaled and decayed, k·β
+        and its UT solve; twelve when the inputs are fp32 already: the copies are then kept as well), three
+        value-wide ones (v·β, its UT solve, each chunk's corrected values) and six scalars (β, the decay and its
+        cumulative sums). Counted from the tensors its forward saves (tests/unit/estimate/test_token_mixers.py)."""
+        if not self.delta_heads:
+            return 0
+        tokens = -(-seq_len // chunk) * chunk
+        key_wide = 8 if act_bytes == 2 else 12
+        return 4 * self.delta_heads * tokens * (5 * chunk + key_wide * self.delta_key_dim
+                                                + 3 * self.delta_value_dim + 6)
+
+    def delta_rule_backward_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
+        """The torch Gated DeltaNet kernel's backward at its peak, beyond what its forward saved, per value head and
+        token of the padded sequence: the larger of its two highest moments, fitted to the live bytes of its backward
+        (`LiveBytes` on fake tensors, key and value head dims 32-256, tests/unit/estimate/test_token_mixers.py) —
+        early on, three fp32 chunk-wide, three key-wide and two value-wide gradients and the value input's gradient
+        in the activation dtype (12·C + 12·dk + (8 + act)·dv bytes); with wide heads, later, five chunk-wide ones,
+        two key-wide, a dk × dk matrix per chunk in 16-bit and (7.5 + act)·dv (20·C + 8·dk + dk²/32 + ...)."""
+        if not self.delta_heads:
+            return 0
+        tokens = -(-seq_len // chunk) * chunk
+        dk, dv = self.delta_key_dim, self.delta_value_dim
+        early = 12 * chunk + 12 * dk + (8 + act_bytes) * dv
+        late = 20 * chunk + 8 * dk + dk * dk // 32 + (15 + 2 * act_bytes) * dv // 2
+        return self.delta_heads * tokens * max(early, late)
 
 
 def _first(config: Any, *names: str) -> int:
@@ -205,6 +242,15 @@ def _state_elements(c: Any, hidden: int) -> int:
         head_dim = get("head_dim") or hidden // c.num_attention_heads
         return c.num_attention_heads * head_dim * head_dim
     return 0
+
+
+def _delta(c: Any) -> dict[str, int]:
+    """Gated DeltaNet's value heads and head dims (`linear_num_value_heads`: Qwen3-Next, Qwen3.5), else none."""
+    get = functools.partial(_get_any, c)
+    if not get("linear_num_value_heads"):
+        return {}
+    return {"delta_heads": get("linear_num_value_heads"), "delta_key_dim": get("linear_key_head_dim"),
+            "delta_value_dim": get("linear_value_head_dim")}
 
 
 def _conv(c: Any, hidden: int) -> dict[str, int]:
