@@ -18,7 +18,8 @@ STATE_PART = "layer backward: a linear-attention / state-space mixer's recurrent
 
 
 @pytest.mark.parametrize("preset,billions", [("qwen3-next-80b-a3b", 79.67), ("gpt-oss-20b", 20.91),
-                                             ("qwen3.5-27b", 26.90)])  # its text decoder: no vision tower, no MTP
+                                             ("qwen3.5-27b", 26.90),  # its text decoder: no vision tower, no MTP
+                                             ("qwen3.5-35b-a3b", 34.66)])  # the same: 256 experts top-8
 def test_the_presets_build_the_published_models(preset, billions):
     """80B / 21B parameters on a meta build, as their model cards say."""
     assert count_parameters(preset_config(preset)).total / 1e9 == pytest.approx(billions, abs=0.01)
