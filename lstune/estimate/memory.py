@@ -120,6 +120,7 @@ class Settings:
     cuda_context: bool = True  # the CUDA context and allocator reserve counted (on CUDA); the trace sees tensors only
     save_attention: bool = False  # --recompute-attention off, resolved: attention's output kept per layer
     fla_kernels: bool = False  # flash-linear-attention runs Gated DeltaNet (CUDA, installed); False: the torch kernel
+    mamba_kernels: bool = False  # mamba-ssm runs Mamba's selective scan (CUDA, installed); False: the torch scan
 
     @property
     def local_tokens(self) -> int:
@@ -634,7 +635,19 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     if shape.linear_layers and shape.conv_channels:
         parts.append(("layer backward: a linear mixer's short convolution (its input and output, "
                       f"{shape.conv_channels:,} channels)", shape.linear_conv_bytes(t, act)))
-    return parts + _delta_rule_parts(shape, s, act)
+    return parts + _delta_rule_parts(shape, s, act) + _mamba1_scan_parts(shape, s)
+
+
+def _mamba1_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
+    """Mamba-1 (Jamba) on transformers' torch selective scan (no mamba-ssm where the run happens, or a CPU run): it
+    keeps the fp32 state after every token, not one per chunk, and the discretised A and B·u over the whole sequence
+    (ModelShape.mamba1_scan_bytes), beyond the chunk-edge states of the state row. mamba-ssm's kernel
+    (`Settings.mamba_kernels`) recomputes them in backward: the state row alone, predicted."""
+    if not shape.mamba1_scan_elements or s.mamba_kernels:
+        return []
+    t = s.local_tokens
+    return [("layer backward: Mamba-1's torch scan (no mamba-ssm): its state at every token, the discretised A and "
+             "B·u (fp32)", shape.mamba1_scan_bytes(t) - shape.linear_state_bytes(t))]
 
 
 def _delta_rule_parts(shape: ModelShape, s: Settings, act: int) -> list[tuple[str, int]]:

@@ -68,17 +68,19 @@ def _q_heads(name: str, trust_remote_code: bool) -> int | None:
 
 # What the trace's step does differently (Cluster.traced): no Liger, no fused norms (a probe needs real weights),
 # offloaded chunks read in place, no CUDA context (the trace counts tensors only).
-# The trace runs on CPU, where transformers takes its torch Gated DeltaNet kernel whatever is installed.
-TRACED = {"liger": False, "fuse_norms": False, "chunks_fetched": False, "cuda_context": False, "fla_kernels": False}
+# The trace runs on CPU, where transformers takes its torch Gated DeltaNet and Mamba kernels whatever is installed.
+TRACED = {"liger": False, "fuse_norms": False, "chunks_fetched": False, "cuda_context": False, "fla_kernels": False,
+          "mamba_kernels": False}
 
 
-def fla_installed() -> bool:
-    """Whether flash-linear-attention (`lstune[fla]`) is importable here: transformers then runs its Gated DeltaNet
-    kernels on CUDA (transformers.integrations.hub_kernels: the installed package before its torch fallback). The
-    estimate assumes the run's machine has the packages of the one estimating it; found without importing it."""
+def installed(package: str) -> bool:
+    """Whether `package` is importable here (found without importing it): transformers then runs its kernels on CUDA
+    — flash-linear-attention (`fla`, `lstune[fla]`) for Gated DeltaNet, `mamba_ssm` for Mamba's selective scan
+    (transformers.integrations.hub_kernels: the installed package before its torch fallback). The estimate assumes
+    the run's machine has the packages of the one estimating it."""
     import importlib.util
 
-    return importlib.util.find_spec("fla") is not None
+    return importlib.util.find_spec(package) is not None
 
 
 def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, offload: bool | None = None) -> Settings:
@@ -97,7 +99,8 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
         ring=ring,
         # ring attention (Ulysses' core under --sp-ring) never reaches the saver: its layers recompute
         save_attention=m.checkpointing and m.recompute_attention == "off" and ring == 1,
-        **({"fla_kernels": hardware.on_cuda and fla_installed()} | (TRACED if hardware.traced else {})),
+        **({"fla_kernels": hardware.on_cuda and installed("fla"),
+            "mamba_kernels": hardware.on_cuda and installed("mamba_ssm")} | (TRACED if hardware.traced else {})),
     )
 
 

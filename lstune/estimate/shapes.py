@@ -57,6 +57,7 @@ class ModelShape:
     delta_heads: int = 0
     delta_key_dim: int = 0
     delta_value_dim: int = 0
+    mamba1_scan_elements: int = 0  # Mamba-1 (Jamba): expanded width · state size, for its torch scan's bytes
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -79,7 +80,7 @@ class ModelShape:
             vocab=c.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
             gated=getattr(c, "model_type", "") not in _UNGATED_MLP, windows=_windows(c, layers),
             mixers=_mixers(c, layers), chunks=_chunks(c, layers), state_elements=_state_elements(c, hidden),
-            **_conv(c, hidden), **_delta(c),
+            **_conv(c, hidden), **_delta(c), mamba1_scan_elements=_mamba1_elements(c, hidden),
             sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
 
@@ -149,6 +150,13 @@ class ModelShape:
         key_wide = 8 if act_bytes == 2 else 12
         return 4 * self.delta_heads * tokens * (5 * chunk + key_wide * self.delta_key_dim
                                                 + 3 * self.delta_value_dim + 6)
+
+    def mamba1_scan_bytes(self, seq_len: int) -> int:
+        """What transformers' torch selective scan of one Mamba-1 layer (Jamba's, without mamba-ssm) keeps for
+        backward over one sequence, fp32: the state after every token (and the zero state it starts from), which
+        its per-token loop saves, and the discretised A and B·u, each expanded width · state size per token
+        (counted from the tensors its forward saves, tests/unit/estimate/test_token_mixers.py)."""
+        return 4 * self.mamba1_scan_elements * (3 * seq_len + 1)
 
     def delta_rule_backward_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
         """The torch Gated DeltaNet kernel's backward at its peak, beyond what its forward saved, per value head and
@@ -242,6 +250,14 @@ def _state_elements(c: Any, hidden: int) -> int:
         head_dim = get("head_dim") or hidden // c.num_attention_heads
         return c.num_attention_heads * head_dim * head_dim
     return 0
+
+
+def _mamba1_elements(c: Any, hidden: int) -> int:
+    """Mamba-1's expanded width · state size (Jamba's `mamba_expand`, `mamba_d_state`); 0 for other families."""
+    get = functools.partial(_get_any, c)
+    if get("mamba_num_heads", "mamba_n_heads") or not (get("mamba_expand") and get("mamba_d_state")):
+        return 0
+    return get("mamba_expand") * hidden * get("mamba_d_state")
 
 
 def _delta(c: Any) -> dict[str, int]:

@@ -252,8 +252,52 @@ def test_the_estimate_takes_the_torch_kernel_unless_fla_runs_on_cuda(monkeypatch
     gpu = resolve_hardware(gpu="h100-80gb", gpus=1, host_mem=1 << 40)
     cpu = resolve_hardware(gpus=1, host_mem=1 << 40, detect=False)
     for installed in (False, True):
-        monkeypatch.setattr(estimate_settings, "fla_installed", lambda: installed)
+        monkeypatch.setattr(estimate_settings, "installed", lambda package: installed)
         assert estimate_settings.settings(config, gpu, 1, E("torch")).fla_kernels is installed
         assert estimate_settings.settings(config, cpu, 1, E("torch")).fla_kernels is False
         traced = replace(gpu, traced=True)  # the trace runs on CPU: the torch kernel whatever is installed
         assert estimate_settings.settings(config, traced, 1, E("torch")).fla_kernels is False
+
+
+def test_kdas_conv_and_state_bytes_are_what_its_forward_saves():
+    """Kimi-Linear's KDA (transformers' torch path): q, k and v each convolved (3 · heads · head dim channels; input
+    and padded output, exact) and one fp32 heads × dim × dim state per 64-token chunk (exact). Its torch kernel's
+    per-dimension intra-chunk decays ([heads, chunks, 64, 64, dim] tensors) are not modelled (docs/estimate.md)."""
+    seq = 128
+    shape, conv, storages = _saved_by_a_linear_mixer("kimi_linear", seq)
+    heads, dim = 6, 8  # tests.support.archs: kimi_linear's tiny config
+    assert shape.conv_channels == 3 * heads * dim and conv == shape.linear_conv_bytes(seq, 4)
+    states = sum(n for dims, n in storages.values() if dims == (heads, dim, dim))
+    assert states == shape.linear_state_bytes(seq) == 4 * heads * dim * dim * (seq // 64)
+
+
+def test_mamba1s_torch_scan_keeps_a_state_per_token_and_its_conv_bytes():
+    """Jamba's Mamba-1 on transformers' torch scan (no mamba-ssm): the state after every token (and the zero one it
+    starts from) and the discretised A and B·u, fp32 — the estimate's scan bytes exactly; its short convolution over
+    the expanded width, its output padded by kernel − 1 (other [1, width, S] tensors there are gates and steps, so the
+    padded output is what pins channels and kernel)."""
+    seq = 128
+    shape, _, storages = _saved_by_a_linear_mixer("jamba", seq)
+    width, state = shape.conv_channels, shape.mamba1_scan_elements // shape.conv_channels
+    assert width == 2 * 32 and state == 8 and shape.state_elements == width * state
+    per_token = sum(n for dims, n in storages.values() if dims == (1, width, state))
+    whole = sum(n for dims, n in storages.values() if dims == (1, width, seq, state))
+    assert per_token + whole == shape.mamba1_scan_bytes(seq) == 4 * width * state * (3 * seq + 1)
+    padded = [dims for dims, n in storages.values() if n == width * (seq + shape.conv_kernel - 1) * 4]
+    assert padded == [(1, width, seq)]
+
+
+def test_mamba1s_scan_row_leaves_with_mamba_ssm():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("jamba", num_hidden_layers=2, hidden_size=64, attn_layer_period=2,
+                                  attn_layer_offset=1, num_experts=1)
+    shape = ModelShape.from_config(config)
+    settings = Settings(seq_len=4096, micro_batch=1, sp=1, world=1, engine=Engine("torch"), lora_r=16, on_cuda=True,
+                        dtype="auto", tiled_mlp="auto", tiled_loss="auto", mini_sequence=False, checkpointing=True,
+                        offload_checkpoints=False, host_mem_budget=None)
+    counts = count_parameters(config, lora_r=16)
+    scan = [v for name, v in _layer_parts(shape, counts, settings, 2, 2) if "Mamba-1's torch scan" in name]
+    assert scan == [shape.mamba1_scan_bytes(4096) - shape.linear_state_bytes(4096)] and scan[0] > 0
+    with_kernels = dict(_layer_parts(shape, counts, replace(settings, mamba_kernels=True), 2, 2))
+    assert not [name for name in with_kernels if "Mamba-1" in name] and STATE_PART in with_kernels
