@@ -630,8 +630,7 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         parts.append(("layer backward: LoRA's merged expert weights and their gradient", _merged_experts(shape, p, act)))
     # Under head-parallel SP a rank runs S tokens of 1/sp of the heads: the same bytes as its t tokens of all.
     if shape.linear_layers and shape.state_elements:
-        parts.append(("layer backward: a linear-attention / state-space mixer's recurrent states (fp32, one per "
-                      "64-token chunk)", shape.linear_state_bytes(t)))
+        parts.append(_state_row(shape, t, act))
     if shape.linear_layers and shape.conv_channels:
         parts.append(("layer backward: a linear mixer's short convolution (its input and output, "
                       f"{shape.conv_channels:,} channels)", shape.linear_conv_bytes(t, act)))
@@ -648,6 +647,16 @@ def _mamba1_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
     t = s.local_tokens
     return [("layer backward: Mamba-1's torch scan (no mamba-ssm): its state at every token, the discretised A and "
              "B·u (fp32)", shape.mamba1_scan_bytes(t) - shape.linear_state_bytes(t))]
+
+
+def _state_row(shape: ModelShape, t: int, act: int) -> tuple[str, int]:
+    """A linear layer's saved recurrent states (ModelShape.saved_state_bytes): fp32, one per 64-token chunk; lightning
+    attention's once per block, in the activation dtype."""
+    if shape.lightning_block:
+        return (f"layer backward: lightning attention's K·V states (one per {shape.lightning_block}-token block)",
+                shape.saved_state_bytes(t, act))
+    return ("layer backward: a linear-attention / state-space mixer's recurrent states (fp32, one per 64-token chunk)",
+            shape.saved_state_bytes(t, act))
 
 
 def _delta_rule_parts(shape: ModelShape, s: Settings, act: int) -> list[tuple[str, int]]:

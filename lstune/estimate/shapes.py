@@ -57,6 +57,7 @@ class ModelShape:
     delta_heads: int = 0
     delta_key_dim: int = 0
     delta_value_dim: int = 0
+    lightning_block: int = 0  # MiniMax's lightning attention: tokens per block (its state is saved once per block)
     mamba1_scan_elements: int = 0  # Mamba-1 (Jamba): expanded width · state size, for its torch scan's bytes
 
     @classmethod
@@ -81,6 +82,7 @@ class ModelShape:
             gated=getattr(c, "model_type", "") not in _UNGATED_MLP, windows=_windows(c, layers),
             mixers=_mixers(c, layers), chunks=_chunks(c, layers), state_elements=_state_elements(c, hidden),
             **_conv(c, hidden), **_delta(c), mamba1_scan_elements=_mamba1_elements(c, hidden),
+            lightning_block=(getattr(c, "block_size", None) or 256) if getattr(c, "model_type", "") == "minimax" else 0,
             sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
 
@@ -125,6 +127,14 @@ class ModelShape:
         """What one linear layer's chunked recurrent kernel keeps for backward over one sequence: the fp32 state at
         every chunk edge (chunk_gated_delta_rule, Mamba-2's chunked scan: 64-token chunks)."""
         return 4 * self.state_elements * -(-seq_len // chunk)
+
+    def saved_state_bytes(self, seq_len: int, act_bytes: int) -> int:
+        """One linear layer's saved recurrent states over one sequence: `linear_state_bytes`, except for lightning
+        attention (MiniMax), whose torch loop keeps its K·V state once per block (`block_size` tokens) in the
+        activation dtype (checked against the tensors its forward saves, tests/unit/estimate/test_token_mixers.py)."""
+        if self.lightning_block:
+            return act_bytes * self.state_elements * -(-seq_len // self.lightning_block)
+        return self.linear_state_bytes(seq_len)
 
     def linear_conv_bytes(self, seq_len: int, act_bytes: int) -> int:
         """What one linear layer's short causal convolution keeps for backward over one sequence, in the activation

@@ -301,3 +301,32 @@ def test_mamba1s_scan_row_leaves_with_mamba_ssm():
     assert scan == [shape.mamba1_scan_bytes(4096) - shape.linear_state_bytes(4096)] and scan[0] > 0
     with_kernels = dict(_layer_parts(shape, counts, replace(settings, mamba_kernels=True), 2, 2))
     assert not [name for name in with_kernels if "Mamba-1" in name] and STATE_PART in with_kernels
+
+
+@pytest.mark.parametrize("dtype_name,act", [("float32", 4), ("bfloat16", 2)])
+def test_lightning_attentions_states_are_what_its_forward_saves(dtype_name, act):
+    """MiniMax's lightning attention (transformers' torch loop): its heads × dim × dim K·V state once per block of
+    `block_size` tokens, in the activation dtype, and no convolution."""
+    import torch
+
+    from lstune.models.introspect import find_parts
+    from lstune.models.mixers import mixer_sites
+    from tests.support.archs import tiny_model
+
+    seq, dtype = 128, getattr(torch, dtype_name)
+    model = tiny_model("minimax")
+    shape = ModelShape.from_config(model.config)
+    _, mixer = mixer_sites(find_parts(model).layers)[0]
+    mixer.to(dtype)
+    heads, dim = 6, 8  # tests.support.archs: minimax's tiny config (block_size 16)
+    assert shape.lightning_block == 16 and shape.state_elements == heads * dim * dim and shape.conv_channels == 0
+    saved = {}
+
+    def pack(t):
+        saved.setdefault(t.untyped_storage().data_ptr(), (tuple(t.shape), t.untyped_storage().nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        mixer(torch.randn(1, seq, model.config.hidden_size, dtype=dtype), None, None)
+    states = sum(n for dims, n in saved.values() if dims == (heads, dim, dim))
+    assert states == shape.saved_state_bytes(seq, act) == act * heads * dim * dim * (seq // 16)
