@@ -631,6 +631,9 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     # Under head-parallel SP a rank runs S tokens of 1/sp of the heads: the same bytes as its t tokens of all.
     if shape.linear_layers and shape.state_elements:
         parts.append(_state_row(shape, t, act))
+    if shape.linear_layers and shape.lightning_block:
+        parts.append((f"layer backward: lightning attention's intra-block scores ({shape.lightning_block}-token "
+                      "blocks)", shape.lightning_scores_bytes(t, act)))
     if shape.linear_layers and shape.conv_channels:
         parts.append(("layer backward: a linear mixer's short convolution (its input and output, "
                       f"{shape.conv_channels:,} channels)", shape.linear_conv_bytes(t, act)))

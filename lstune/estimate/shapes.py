@@ -136,6 +136,15 @@ class ModelShape:
             return act_bytes * self.state_elements * -(-seq_len // self.lightning_block)
         return self.linear_state_bytes(seq_len)
 
+    def lightning_scores_bytes(self, seq_len: int, act_bytes: int) -> int:
+        """Lightning attention's (MiniMax) decayed intra-block scores, which its torch loop keeps for backward: one
+        heads × block × block matrix per block (the last one as long as the rest of the sequence), in the activation
+        dtype (checked against the tensors its forward saves)."""
+        if not self.lightning_block:
+            return 0
+        full, rest = divmod(seq_len, self.lightning_block)
+        return act_bytes * self.heads * (full * self.lightning_block ** 2 + rest ** 2)
+
     def linear_conv_bytes(self, seq_len: int, act_bytes: int) -> int:
         """What one linear layer's short causal convolution keeps for backward over one sequence, in the activation
         dtype: its input (the projected channels) and its output before the activation, which the convolution

@@ -305,8 +305,9 @@ def test_mamba1s_scan_row_leaves_with_mamba_ssm():
 
 @pytest.mark.parametrize("dtype_name,act", [("float32", 4), ("bfloat16", 2)])
 def test_lightning_attentions_states_are_what_its_forward_saves(dtype_name, act):
-    """MiniMax's lightning attention (transformers' torch loop): its heads × dim × dim K·V state once per block of
-    `block_size` tokens, in the activation dtype, and no convolution."""
+    """MiniMax's lightning attention (transformers' torch loop): its heads × dim × dim K·V state and its decayed
+    heads × block × block intra-block scores once per block of `block_size` tokens, in the activation dtype; no
+    convolution."""
     import torch
 
     from lstune.models.introspect import find_parts
@@ -330,3 +331,5 @@ def test_lightning_attentions_states_are_what_its_forward_saves(dtype_name, act)
         mixer(torch.randn(1, seq, model.config.hidden_size, dtype=dtype), None, None)
     states = sum(n for dims, n in saved.values() if dims == (heads, dim, dim))
     assert states == shape.saved_state_bytes(seq, act) == act * heads * dim * dim * (seq // 16)
+    scores = sum(n for dims, n in saved.values() if dims == (heads, 16, 16))
+    assert scores == shape.lightning_scores_bytes(seq, act) == act * heads * 16 * 16 * (seq // 16)
