@@ -43,7 +43,7 @@ import torch
 from lstune.errors import DataError, ModelError
 from lstune.memory.rotation import Ring, wait
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
-from lstune.models.attention import in_chunked_attention, window_from_mask
+from lstune.models.attention import chunk_positions, in_chunked_attention, window_from_mask
 from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import SequenceLayout
 
@@ -98,6 +98,8 @@ class RingAttention:
                              "come from them); this model does not pass them to attention: use --sp-ring 1.")
         window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
         self._check_zigzag(position_ids)
+        if getattr(attention_mask, "chunk", None):  # the model's chunked attention (Llama-4): each chunk a document
+            position_ids = chunk_positions(position_ids, attention_mask.chunk)
         batch, heads, n, dim = query.shape
         kv_heads = key.shape[1]
         layout = SequenceLayout(n * self.ring.size, self.ring.size, 1, self.ring.size)
