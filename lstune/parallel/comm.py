@@ -19,7 +19,11 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+from lstune.errors import PeerFailed, UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,26 @@ class Communicator:
     def any(self, flag: bool) -> bool:
         """True on every rank when `flag` is true on any of them."""
         return self.sum([1.0 if flag else 0.0])[0] > 0
+
+    def agreed(self, check: Callable[[], T]) -> T:
+        """`check()` on every rank of the group, all of them ending alike: its result where no rank's check raised a
+        UserError, else a UserError on every rank — the lowest refusing rank's own (its message, printed), a quiet
+        PeerFailed with the same message on the others. For a check that sees only this rank's share (its sequence
+        shard, its batch) before a collective that would otherwise wait for a rank that left. Every rank of the
+        group must call it at the same point; one flag (an all-reduce) when all pass, the messages only when not."""
+        error = None
+        try:
+            result = check()
+        except UserError as exc:
+            error = exc
+        if not self.any(error is not None):
+            return result
+        reports = self.gather(None if error is None else (str(error), error.problems))
+        first = next(rank for rank, report in enumerate(reports) if report is not None)
+        if first == self.rank:
+            raise error
+        message, problems = reports[first]
+        raise PeerFailed(message, problems=problems) from error
 
     def barrier(self) -> None:
         if self.size > 1:
