@@ -1,6 +1,6 @@
 """A refusal that one rank of an SP group makes on its own share (its shard's mask check, its batch) stops every rank
-of the group alike before the next collective: the refusing rank raises its own UserError, the others a quiet
-PeerFailed with the same message (the CLI prints it once, exit 2), and no rank is left waiting in a collective.
+of the group alike before the next collective: the refusing rank raises its own UserError, the others a quiet one of
+the same kind and message (the CLI prints it once, exit 2), and no rank is left waiting in a collective.
 (A refusal during the steps, through lstune's launcher and CLI: tests/distributed/test_launch.py.)"""
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ def test_one_ranks_refusal_is_every_ranks_with_its_message_printed_by_it_alone(p
     ranks = pools[2].run(_agreement_worker)
     assert [r[0] for r in ranks] == [("ok", 0, None), ("ok", 1, None)]  # all passed: each its own result
     message = "rank {}'s shard is refused: fix the data."
-    assert [r[1] for r in ranks] == [("DataError", message.format(0), False), ("PeerFailed", message.format(0), True)]
-    assert [r[2] for r in ranks] == [("PeerFailed", message.format(1), True), ("DataError", message.format(1), False)]
+    assert [r[1] for r in ranks] == [("DataError", message.format(0), False), ("DataError", message.format(0), True)]
+    assert [r[2] for r in ranks] == [("DataError", message.format(1), True), ("DataError", message.format(1), False)]
     # Both refuse: the lowest rank's message is reported (once), the other stops quietly.
-    assert [r[3] for r in ranks] == [("DataError", message.format(0), False), ("PeerFailed", message.format(0), True)]
+    assert [r[3] for r in ranks] == [("DataError", message.format(0), False), ("DataError", message.format(0), True)]
     assert [r[4] for r in ranks] == [2.0, 2.0]
 
 
@@ -80,7 +80,7 @@ def test_a_mask_check_one_sp_rank_refuses_stops_both_ranks_with_its_message(pool
     ranks = pools[2].run(_mask_check_worker, timeout=120)
     (rank0, rank1), reached = zip(*ranks)
     assert rank0[0] == "ModelError" and not rank0[2] and "not causal per document" in rank0[1], rank0
-    assert rank1 == ("PeerFailed", rank0[1], True)
+    assert rank1 == ("ModelError", rank0[1], True)
     assert reached == (2.0, 2.0)
 
 
@@ -104,5 +104,5 @@ def test_a_batch_one_sp_rank_refuses_stops_both_ranks_with_its_message(pools):
     ranks = pools[2].run(_sp_batch_worker, timeout=120)
     (rank0, rank1), reached = zip(*ranks)
     assert rank1[0] == "DataError" and "missing shift_labels" in rank1[1] and not rank1[2], rank1
-    assert rank0 == ("PeerFailed", rank1[1], True)
+    assert rank0 == ("DataError", rank1[1], True)
     assert reached == (2.0, 2.0)
