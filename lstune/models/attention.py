@@ -856,27 +856,16 @@ def _text_model_type(model: Any) -> str:
 
 
 def pass_positions_to_layers(model: Any) -> list[Callable[[], None]]:
-    """Hand the body's `position_ids` to every decoder layer that is not given them (two forward pre-hooks: the body
-    records them, each layer adds them to its keyword arguments, which its attention passes on to lstune's attention
-    function). An activation-checkpoint recompute calls the layer's forward with the keywords recorded at its first
-    call. Returns the hooks' removers."""
+    """Hand the body's `position_ids` to every decoder layer that is not given them (`models.position_hooks`), whose
+    attention passes them on to lstune's attention function. Returns the hooks' removers."""
     from lstune.models.introspect import decoder_body, decoder_layers
+    from lstune.models.position_hooks import hand_on_positions
 
-    current: dict[str, Any] = {}
-
-    def record(module, args, kwargs):
-        current["position_ids"] = kwargs.get("position_ids")
-
-    def add(module, args, kwargs):
-        if kwargs.get("position_ids") is None and current.get("position_ids") is not None:
-            return args, {**kwargs, "position_ids": current["position_ids"]}
-        return None
-
-    hooks = [decoder_body(model).register_forward_pre_hook(record, with_kwargs=True)]
-    hooks += [layer.register_forward_pre_hook(add, with_kwargs=True) for layer in decoder_layers(model)]
+    layers = decoder_layers(model)
+    removers = hand_on_positions(decoder_body(model), layers)
     logger.info("lstune attention: position_ids handed to the %d decoder layers of %s (its layers drop them)",
-                len(hooks) - 1, type(model).__name__)
-    return [hook.remove for hook in hooks]
+                len(layers), type(model).__name__)
+    return removers
 
 
 def sinks_module(model: Any) -> str | None:
