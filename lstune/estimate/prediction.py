@@ -195,7 +195,8 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
     chunks = attn_chunk_count(s.attn_chunks, shape, math.ceil(s.seq_len / sp))
     flops = step_flops(model_config, config.data.seq_len, lora=bool(config.model.lora_r),
                        checkpointing=config.memory.checkpointing, lora_r=config.model.lora_r or 16,
-                       tiled_mlp=config.memory.tiled_mlp != "off", tiled_loss=loss_backend(s) not in ("off",),
+                       # METP's backward re-runs each rotation step's forward, as an MLP tile does
+                       tiled_mlp=config.memory.tiled_mlp != "off" or s.metp_mlp, tiled_loss=loss_backend(s) not in ("off",),
                        extra_layer_forwards=extra_layer_forwards(b.placement),  # issue 14: recomputed checkpoints
                        attn_chunked=chunks > 1, attention_saved_layers=b.attention_saved_layers)
     flops = _scaled(flops, config.optim.micro_batch_size)
@@ -287,6 +288,7 @@ def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | No
     if config.parallel.metp_mlp:
         tiles = config.memory.tiled_mlp if isinstance(config.memory.tiled_mlp, int) else max(
             1, -(-config.data.seq_len // sp // shape.hidden))
-        report["mlp"] = mlp_comparison(shape, world=hardware.world_size, tiles=tiles, param_bytes=2, act_bytes=act,
-                                       **common).to_dict()
+        report["mlp"] = mlp_comparison(shape, world=hardware.world_size, tiles=tiles, param_bytes=act, act_bytes=act,
+                                       trainable=not config.model.lora_r,
+                                       checkpointing=config.memory.checkpointing, **common).to_dict()
     return report
