@@ -13,7 +13,9 @@ Static terms are bytes per parameter, by where the run keeps them (lstune.train.
   optimizer sub-group that CPU Adam reads (`zero3_host_gradient_bytes`) — and the weights in one flat buffer per
   parameter group; on CUDA all three are pinned, each rounded up to a power of two by torch's caching host
   allocator. Measured on an H200 (docs/benchmarks/2026-11-26-h200): Llama-3.2-3B full fine-tune, host RSS
-  74.6 GiB at the step; this model says 74.9 GiB (the 18 B per parameter of before said 55.9 GiB).
+  74.6 GiB at the step; this model says 74.9 GiB (the 18 B per parameter of before said 55.9 GiB);
+- under --metp-mlp (lstune.memory.metp_mlp) the engine holds the model less the MLP weights, and each rank 1/SP of
+  every MLP beside it (`_metp_static`: fp32 masters, gradients and AdamW's moments; lstune.estimate.sequence_parallel).
 
 Activation terms are bytes per token of the rank's local sequence (seq_len / SP), in the run's dtypes: `act`
 = 2 in a bf16 run (4 in fp32), `res` = the residual stream's bytes (the dtype of the weights). Under
@@ -25,8 +27,9 @@ four moments of the step (`Phase`), each with what is alive then:
   the whole normed output Liger reads), the gradient of the head's input and the larger of one tile's log-softmax
   backward (12 B per logit) and a trainable head's weight gradient for one tile — or Liger's buffers on CUDA
   (`_liger_parts`); the head's gradient;
-- the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's, the
-  MLP norm's (HF's RMSNorm backward in fp32) and attention's moments (`_layer_parts`); one layer's gradients;
+- the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's (METP's
+  rotation step under --metp-mlp, `_metp_moment`), the MLP norm's (HF's RMSNorm backward in fp32) and attention's
+  moments (`_layer_parts`); one layer's gradients;
   LoRA dropout saves nothing more (its cast + dropout are recomputed), only its replay joins the MLP's and
   attention's moments (`_lora_dropout_replay`);
 - the first layer's backward: the same with one checkpoint and every layer's gradients;
