@@ -283,7 +283,7 @@ def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | No
     traffic = sp_traffic(shape, ring=ring, act_bytes=act, metp_mlp=bool(config.parallel.metp_mlp),
                          checkpointing=config.memory.checkpointing, micro_batches=config.optim.grad_accum * sp,
                          attention_flops_per_s=hardware.device.attention_tflops * 1e12, node_size=hardware.gpus,
-                         **common)
+                         metp_trainable=not config.model.lora_r, **common)
     report = {"label": "predicted", "traffic": traffic.to_dict()}
     if config.parallel.metp_mlp:
         tiles = config.memory.tiled_mlp if isinstance(config.memory.tiled_mlp, int) else max(

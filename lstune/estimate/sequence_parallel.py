@@ -57,9 +57,10 @@ def ring_hop_count(ring: int) -> int:
 
 def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int, act_bytes: int = 2,
                metp_mlp: bool = False, checkpointing: bool = True, micro_batches: int = 1,
-               attention_flops_per_s: float = 500e12, node_size: int = 8) -> SPTraffic:
+               attention_flops_per_s: float = 500e12, node_size: int = 8, metp_trainable: bool = True) -> SPTraffic:
     """The bytes one rank moves per step (`micro_batches` forward+backward passes) and their time (module doc). An
-    SP group wider than a node (`node_size` GPUs) puts the ring's and METP's sends on the network."""
+    SP group wider than a node (`node_size` GPUs) puts the ring's and METP's sends on the network. METP's gradient
+    sums travel only when its shards train (`metp_trainable`; LoRA leaves them frozen)."""
     ulysses = sp // ring
     forward_runs = 2 if checkpointing else 1
     t = micro_batch * seq_len // sp
@@ -70,7 +71,8 @@ def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int
     hops = ring_hop_count(ring)
     per_layer_ring = hops * block * (act_bytes * (forward_runs + 1) + 4) if ring > 1 else 0
     mlp_weights = (3 if shape.gated else 2) * shape.hidden * shape.intermediate
-    per_layer_metp = (sp - 1) / sp * mlp_weights * (act_bytes * (forward_runs + 1) + 4) if metp_mlp and sp > 1 else 0
+    sums = 4 if metp_trainable else 0
+    per_layer_metp = (sp - 1) / sp * mlp_weights * (act_bytes * (forward_runs + 1) + sums) if metp_mlp and sp > 1 else 0
     layers = shape.layers * micro_batches
     u_bytes, r_bytes, m_bytes = (int(x * layers) for x in (per_layer_ulysses, per_layer_ring, per_layer_metp))
     ring_rate = NETWORK_BYTES_PER_S if sp > node_size else NVLINK_BYTES_PER_S

@@ -77,9 +77,9 @@ LLAMA_8B = preset_config("llama-3.1-8b")
 
 
 def _settings(sp: int, metp: bool, **kw) -> Settings:
-    base = dict(seq_len=1 << 21, micro_batch=1, sp=sp, world=sp, engine=Engine("deepspeed", 1), lora_r=0, on_cuda=True,
-                dtype="auto", tiled_mlp="off", tiled_loss="auto", mini_sequence=False, checkpointing=True,
-                offload_checkpoints=True, host_mem_budget=None, metp_mlp=metp)
+    base = {"seq_len": 1 << 21, "micro_batch": 1, "sp": sp, "world": sp, "engine": Engine("deepspeed", 1), "lora_r": 0,
+            "on_cuda": True, "dtype": "auto", "tiled_mlp": "off", "tiled_loss": "auto", "mini_sequence": False,
+            "checkpointing": True, "offload_checkpoints": True, "host_mem_budget": None, "metp_mlp": metp}
     return Settings(**{**base, **kw})
 
 

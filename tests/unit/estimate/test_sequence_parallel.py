@@ -59,3 +59,8 @@ def test_metp_holds_one_over_p_of_the_mlp_and_moves_what_zero_moves():
     assert c.zero3_peak == t * (5 * 64 * 2 + 2 * 2 * 16)
     frozen = mlp_comparison(shape, seq_len=1024, micro_batch=1, sp=4, world=4, tiles=1, trainable=False)
     assert frozen.metp_weights == weights // 4 * 2 and frozen.zero3_weights == weights // 4 * 2 + 2 * weights * 2
+    # the step's traffic says the same; frozen shards (LoRA) send no gradient sums
+    moved = [sp_traffic(shape, seq_len=1024, micro_batch=1, sp=4, ring=1, metp_mlp=True, metp_trainable=trained)
+             for trained in (True, False)]
+    assert [t.metp_bytes for t in moved] == [c.metp_moved, frozen.metp_moved] == [int(3 / 4 * weights * 10),
+                                                                               int(3 / 4 * weights * 6)]
