@@ -4,8 +4,9 @@ and the exported model (loaded with transformers: the full MLP weights gathered 
 weight) equals the single-process run's.
 
 ZeRO-1 on SP 2, ZeRO-2 on SP 2 × DP 2 (the shards' gradients summed over their DP replicas only), ZeRO-3 on Ulysses 2
-× ring 2 (the shards never partitioned), ZeRO-2 with the optimizer on the host; and a resume under the same layout
-equals the uninterrupted run.
+× ring 2 (the shards never partitioned), ZeRO-2 with the optimizer on the host, ZeRO-3 with the optimizer and the
+weights on the host (--offload-params: the shards stay on the device); and a resume under the same layout equals the
+uninterrupted run.
 """
 
 from __future__ import annotations
