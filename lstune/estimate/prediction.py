@@ -266,7 +266,8 @@ def _notes(config: TrainConfig, shape: ModelShape, sp: int, world: int = 1) -> l
 def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | None:
     """The split of `config`'s SP degree on `hardware`, one rank's traffic per step and its time (`sp_traffic`), and
     with --metp-mlp METP's MLP against ZeRO-3 + tiled MLP (`mlp_comparison`) — all PREDICTED; None without SP."""
-    from lstune.estimate.sequence_parallel import mlp_comparison, sp_traffic
+    from lstune.estimate.metp_table import mlp_comparison
+    from lstune.estimate.sequence_parallel import sp_traffic
     from lstune.estimate.settings import model_config_of, resolve_ring, resolve_sp
     from lstune.estimate.shapes import ModelShape
 

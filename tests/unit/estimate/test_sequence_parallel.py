@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from lstune.estimate.metp_table import mlp_comparison
 from lstune.estimate.sequence_parallel import (
     NETWORK_BYTES_PER_S,
     NVLINK_BYTES_PER_S,
-    mlp_comparison,
     ring_buffer_bytes,
     sp_traffic,
 )
