@@ -43,7 +43,7 @@ import torch
 from lstune.errors import DataError, ModelError
 from lstune.memory.rotation import Ring, wait
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
-from lstune.models.attention import in_chunked_attention, window_from_mask
+from lstune.models.attention import chunk_sink, record_attention_module, window_from_mask
 from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import SequenceLayout
 
@@ -84,10 +84,7 @@ class RingAttention:
 
     def __call__(self, module, query, key, value, attention_mask, *, position_ids=None, scaling=None,
                  sliding_window=None, softcap=None, dropout=0.0, s_aux=None, is_causal=None, **_unused):
-        if in_chunked_attention():
-            raise ModelError("chunked attention (--attn-chunks) does not run under ring attention: its chunks read the "
-                             "earlier chunks' K/V from the rank's own store, which a ring spreads over its positions; "
-                             "use --attn-chunks off, or --sp-ring 1.")
+        record_attention_module(module)
         if dropout:
             raise ModelError(f"ring attention has no attention dropout (got {dropout}); set attention_dropout=0 in "
                              "the model config or use --sp-ring 1.")
@@ -97,6 +94,11 @@ class RingAttention:
             raise ModelError("ring attention needs position_ids at every attention call (documents and positions "
                              "come from them); this model does not pass them to attention: use --sp-ring 1.")
         window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
+        sink = chunk_sink()
+        if sink is not None:  # chunked attention (FPDT) runs this module on one chunk: its sink gathers the chunk
+            out_BnHD = sink(query, key, value, position_ids=position_ids, scaling=scaling, sliding_window=window,
+                            softcap=softcap, dropout=dropout, sinks=s_aux, ring=self.ring)
+            return out_BnHD, None
         self._check_zigzag(position_ids)
         batch, heads, n, dim = query.shape
         kv_heads = key.shape[1]

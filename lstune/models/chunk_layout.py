@@ -68,9 +68,10 @@ class SequenceLayout:
     ring: int = 1
 
     def __post_init__(self) -> None:
-        if self.ring > 1 and (self.chunks > 1 or self.sp % self.ring):
-            raise ValueError(f"a ring of {self.ring} needs one chunk and an SP degree it divides (sp {self.sp})")
-        multiple = 2 * self.sp if self.ring > 1 else self.sp * (self.chunks if self.sp > 1 else 1)
+        if self.ring > 1 and self.sp % self.ring:
+            raise ValueError(f"a ring of {self.ring} needs an SP degree it divides (sp {self.sp})")
+        per_chunk = 2 * self.sp if self.ring > 1 else self.sp if self.sp > 1 else 1
+        multiple = per_chunk * (self.chunks if self.sp > 1 else 1)
         if self.length % multiple:
             raise ValueError(f"{self.length} tokens do not cut into {self.sp} × {self.chunks} equal pieces")
 
@@ -103,9 +104,9 @@ class SequenceLayout:
         """Rank `rank`'s tokens of `x_BS` ([B, length], global order), in local order."""
         if self.ring > 1:
             ring_rank, u = divmod(rank, self.ulysses)
-            pieces = x_BS.unflatten(1, (2 * self.ring, -1))
-            mine = pieces[:, list(self.ring_pieces(ring_rank))].flatten(1)
-            return mine.unflatten(1, (self.ulysses, -1))[:, u]
+            pieces = x_BS.unflatten(1, (self.chunks, 2 * self.ring, -1))
+            mine = pieces[:, :, list(self.ring_pieces(ring_rank))].flatten(2)
+            return mine.unflatten(2, (self.ulysses, -1))[:, :, u].flatten(1)
         groups = self.chunks if self.reordered else 1
         return x_BS.unflatten(1, (groups, self.sp, -1))[:, :, rank].flatten(1)
 
@@ -114,11 +115,16 @@ class SequenceLayout:
         import torch
 
         if self.ring > 1:
-            order = [0] * (2 * self.ring)
-            for ring_rank in range(self.ring):
-                own = torch.cat(shards[ring_rank * self.ulysses:(ring_rank + 1) * self.ulysses], dim=dim)
-                first, second = own.chunk(2, dim=dim)
-                order[ring_rank], order[2 * self.ring - 1 - ring_rank] = first, second
+            per_rank = [shard.chunk(self.chunks, dim=dim) for shard in shards]
+            order = []
+            for m in range(self.chunks):
+                pieces = [None] * (2 * self.ring)
+                for ring_rank in range(self.ring):
+                    ranks = range(ring_rank * self.ulysses, (ring_rank + 1) * self.ulysses)
+                    own = torch.cat([per_rank[rank][m] for rank in ranks], dim=dim)
+                    first, second = self.ring_pieces(ring_rank)
+                    pieces[first], pieces[second] = own.chunk(2, dim=dim)
+                order += pieces
             return torch.cat(order, dim=dim)
         groups = self.chunks if self.reordered else 1
         pieces = [piece for shard in shards for piece in shard.chunk(groups, dim=dim)]
@@ -135,17 +141,16 @@ class SequenceLayout:
 
 def sequence_layout(seq_len: int, sp: int, chunks: AttentionChunks | None, ring: int = 1) -> SequenceLayout:
     """The layout of a sample of `seq_len` tokens on `sp` ranks with `chunks` (None: unchunked), `ring` of them ring
-    positions (zigzag; no chunks), padded as the module doc says. `seq_len` may already be padded: an already laid-out
-    length maps to itself."""
-    if ring > 1:
-        if chunks is not None and chunks.count(math.ceil(seq_len / sp)) > 1:
-            raise ValueError("chunked attention does not combine with ring attention")
-        return SequenceLayout(math.ceil(seq_len / (2 * sp)) * 2 * sp, sp, 1, ring)
+    positions (zigzag, inside each chunk), padded as the module doc says. `seq_len` may already be padded: an already
+    laid-out length maps to itself."""
     local = math.ceil(seq_len / sp)
     count = chunks.count(local) if chunks is not None and sp > 1 else 1
-    multiple = sp * count
-    layout = SequenceLayout(math.ceil(seq_len / multiple) * multiple, sp, count)
-    # Padding never changes the chunk count (local <= M·c keeps ceil(local / M) <= c), so the attention side, which
-    # sees only the padded local length, finds the same M.
-    assert count == 1 or chunks.count(layout.local) == count, (seq_len, sp, chunks)
+    multiple = count * (2 * sp if ring > 1 else sp)
+    layout = SequenceLayout(math.ceil(seq_len / multiple) * multiple, sp, count, ring)
+    # Padding never changes the chunk count (local <= M·c keeps ceil(local / M) <= c; under a ring c is rounded up to
+    # an even count, which an even `auto_tokens` bounds alike), so the attention side, which sees only the padded
+    # local length, finds the same M.
+    if count > 1 and chunks.count(layout.local) != count:
+        raise ValueError(f"{seq_len} tokens on {sp} ranks (ring {ring}) pad to {layout.local} per rank, which "
+                         f"{chunks.describe()} cuts into {chunks.count(layout.local)} chunks, not {count}")
     return layout

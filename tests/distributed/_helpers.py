@@ -139,7 +139,7 @@ def lstune_sp_variant(world: int, seq: int, *, ring: int = 1, memory: dict | Non
     """A `compare_sp_with_hf` variant prepared as `lstune train` composes it: lstune's attention with the block
     kernel, Ulysses over `world` ranks (its core a ring of `ring` ranks when ring > 1), the memory techniques of
     `memory` (MemorySection fields; None: none), and the batch sharded as they need (FPDT order when attention is
-    chunked, zigzag under a ring)."""
+    chunked, zigzag under a ring — inside each chunk when both). Its extra result: the attention chunks run."""
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.attention_ring import RingAttention
@@ -158,12 +158,12 @@ def lstune_sp_variant(world: int, seq: int, *, ring: int = 1, memory: dict | Non
             apply_ulysses(model, dims, core=RingAttention.of(dims), core_name=f"ring of {ring}")
         else:
             apply_ulysses(model, dims)
-        step, chunks = causal_lm_loss_sum, None
+        step, chunks, count = causal_lm_loss_sum, None, 1
         if memory is not None:
             plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=seq // world)
-            step, chunks = plan.loss_sum, plan.attn_chunking
-        shard = shard_batch(batch, dims.sp, dims.sp_rank, None if ring > 1 else chunks, ring=ring)
-        return step(model, shard)[0], shard
+            step, chunks, count = plan.loss_sum, plan.attn_chunking, plan.attn_chunks_at_seq_len
+        shard = shard_batch(batch, dims.sp, dims.sp_rank, chunks, ring=ring)
+        return step(model, shard)[0], shard, count
     return run
 
 
