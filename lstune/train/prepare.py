@@ -146,10 +146,6 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
         memory = apply_memory_techniques(model, memory_section, seq_len=seq_len, parts=parts)
         if mixers is not None:
             _check_mixer_layout(mixers, memory, runtime.sp)
-        if ulysses is not None and runtime.dims.ring > 1 and memory.attn_chunks_at_seq_len > 1:
-            memory.undo()
-            raise ConfigError([f"chunked attention ({memory.attn_chunks_at_seq_len} chunks) does not combine with ring "
-                               f"attention (--sp-ring {runtime.dims.ring}): use --attn-chunks off, or --sp-ring 1."])
         if config.parallel.metp_mlp:
             metp = _install_metp(parts, runtime, memory)
     except BaseException:
