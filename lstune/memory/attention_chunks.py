@@ -54,6 +54,17 @@ the layout with the adapter's function (`sequence_layout`), so both cut the same
 shards (an adapter not given the chunk setting) is refused — by its chunk length when it does not cut into equal
 chunks, else by its gathered position_ids, which then jump mid-document (a packing whose documents exactly fill
 pieces could slip through: give the adapter `chunks=MemoryPlan.attn_chunking`). Attention dropout is refused.
+
+Under Ulysses × ring (`--sp-ring` R > 1; docs/parallel.md): the layout is chunk-major (the ring's zigzag inside each
+chunk, `chunk_layout`), and ring attention hands each chunk's call to the sink with its ring group. The sink's queries
+are then the ring position's two zigzag pieces of chunk m; it all-gathers chunk m's K/V and position_ids over the
+ring once, in global order (`_ChunkSink._ring_chunk`), and stores them — the keys of chunk m are the whole chunk,
+with their own token ids beside the queries' ("q_idx", "q_doc"). Chunks < m lie wholly before the queries (FPDT's
+blocks unchanged); the diagonal block (pieces against their whole chunk) runs the PyTorch kernel with its mask. In
+backward, key chunk i's fp32 dk/dv (the whole chunk's) are summed over the ring and sent home
+(`ring_reduce_scatter`) before phase (c). Memory: the store holds the K/V of the whole sequence for the rank's heads
+(R times the above per rank, on the host with offload); one gathered chunk's fp32 dk/dv. Traffic: each chunk's K/V
+once per pass (the ring's hops' bytes), its fp32 dk/dv once in backward; synchronous (not overlapped).
 """
 
 from __future__ import annotations

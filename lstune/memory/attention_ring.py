@@ -28,9 +28,10 @@ pairs — O(S/R), never the whole sequence. Score tiles are those of the block k
 step: forward (H−1)·S/R·2·h_kv elements per rank; backward as much again plus the same in fp32 gradients.
 Composes with: Ulysses (inside the ring, over each position's heads), activation checkpointing (the recompute
 rotates again, in the same order on every rank), tiled MLP / loss (per token), LoRA and ZeRO (weights are outside).
-Not with chunked attention (refused where the run is configured, and by this kernel when called in a chunk): FPDT's
-chunks attend the earlier chunks' K/V from the rank's own store, and under a ring those live on the other positions
-(docs/parallel.md: what an exact version needs). Attention dropout is refused.
+Chunked attention (FPDT, `--attn-chunks`) under a ring: called inside a chunk, this kernel runs no hops — it hands
+the call to the chunk sink with its ring group, which all-gathers the chunk's K/V over the ring
+(lstune.memory.attention_chunks, the chunk-major zigzag layout of lstune.models.chunk_layout; docs/parallel.md).
+Attention dropout is refused.
 """
 
 from __future__ import annotations

@@ -20,8 +20,13 @@ every ring position then holds an early and a late stretch, so under causality e
 Those 2 pieces are the ring position's own sequence, cut into U contiguous shards for its Ulysses ranks (SP rank
 r·U + u holds shard u), so the Ulysses all-to-all of the U ranks gathers exactly the ring position's two pieces.
 Padding: to a multiple of 2·P (at most 2·P − 1 pad tokens, at the end: in piece 2R−1, on ring position 0's second
-piece, where no real token attends to them). Chunked attention does not combine with the ring layout (refused
-where the run is configured).
+piece, where no real token attends to them).
+
+Chunked attention under a ring (chunk-major): the padded sample (a multiple of M·2·P) is cut into M chunks and the
+zigzag applies inside each — ring position r holds pieces r and 2R−1−r of every chunk, cut among its U Ulysses
+ranks; a rank's local chunk m is its share of chunk m, so the Ulysses all-to-all of local chunk m gathers the ring
+position's two pieces of chunk m, and the chunk sink all-gathers the rest of chunk m over the ring
+(lstune.memory.attention_chunks). M is taken for the unpadded local length, as without a ring.
 """
 
 from __future__ import annotations
@@ -60,7 +65,8 @@ class AttentionChunks:
 @dataclass(frozen=True)
 class SequenceLayout:
     """Where the tokens of one padded sample of `length` tokens sit on `sp` ranks, each holding `chunks` attention
-    chunks: FPDT's pieces when `reordered` (sp > 1 and chunks > 1), contiguous shards otherwise (module doc)."""
+    chunks: FPDT's pieces when `reordered` (sp > 1 and chunks > 1), contiguous shards otherwise; under a `ring` the
+    zigzag inside each chunk (module doc)."""
 
     length: int
     sp: int

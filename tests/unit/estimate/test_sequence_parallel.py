@@ -49,3 +49,13 @@ def test_metp_holds_one_over_p_of_the_mlp_and_moves_what_zero_moves():
     assert c.zero3_weights == (weights // 4 + weights) * 2  # its partition and the gathered layer
     assert c.metp_moved == c.zero3_moved == int(3 * 3 / 4 * weights * 2)  # METP Table 1: the same volume
     assert c.metp_peak * 4 == c.zero3_peak  # intermediates (s/p)·(I/p) vs (s/p)·I
+
+
+def test_chunked_attention_under_a_ring_moves_the_same_bytes_but_does_not_overlap_them():
+    """Issue 35: with attention chunks under a ring each chunk's K/V is all-gathered over the ring (and its fp32
+    dK/dV reduce-scattered home) — the hops' bytes, but synchronous: never counted as hidden."""
+    hops = sp_traffic(SHAPE, seq_len=1 << 20, micro_batch=1, sp=8, ring=2, attention_flops_per_s=1e9)
+    gathered = sp_traffic(SHAPE, seq_len=1 << 20, micro_batch=1, sp=8, ring=2, attention_flops_per_s=1e9,
+                          ring_gathered=True)
+    assert gathered.ring_bytes == hops.ring_bytes > 0 and gathered.ring_s == hops.ring_s
+    assert hops.ring_overlap and not gathered.ring_overlap and gathered.ring_gathered
