@@ -46,6 +46,7 @@ class AttentionChunks:
 
     setting: str | int = "off"
     auto_tokens: int | None = None
+    ring: int = 1  # the run's ring part (--sp-ring): where set up (probes), its chunks hold the zigzag inside each
 
     def __post_init__(self) -> None:
         if self.setting == "auto" and not self.auto_tokens:

@@ -143,7 +143,8 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
         memory_section = config.memory
         if config.parallel.metp_mlp:  # explicit tiles / mini-sequence are refused with it (TrainConfig.problems)
             memory_section = replace(memory_section, tiled_mlp="off", mini_sequence=False)
-        memory = apply_memory_techniques(model, memory_section, seq_len=seq_len, parts=parts)
+        ring = runtime.dims.ring if ulysses is not None else 1
+        memory = apply_memory_techniques(model, memory_section, seq_len=seq_len, parts=parts, ring=ring)
         if mixers is not None:
             _check_mixer_layout(mixers, memory, runtime.sp)
         if config.parallel.metp_mlp:

@@ -160,7 +160,7 @@ def lstune_sp_variant(world: int, seq: int, *, ring: int = 1, memory: dict | Non
             apply_ulysses(model, dims)
         step, chunks, count = causal_lm_loss_sum, None, 1
         if memory is not None:
-            plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=seq // world)
+            plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=seq // world, ring=ring)
             step, chunks, count = plan.loss_sum, plan.attn_chunking, plan.attn_chunks_at_seq_len
         shard = shard_batch(batch, dims.sp, dims.sp_rank, chunks, ring=ring)
         return step(model, shard)[0], shard, count
