@@ -77,7 +77,7 @@ class SequenceLayout:
     def __post_init__(self) -> None:
         if self.ring > 1 and self.sp % self.ring:
             raise ValueError(f"a ring of {self.ring} needs an SP degree it divides (sp {self.sp})")
-        per_chunk = 2 * self.sp if self.ring > 1 else self.sp if self.sp > 1 else 1
+        per_chunk = 2 * self.sp if self.ring > 1 else max(1, self.sp)
         multiple = per_chunk * (self.chunks if self.sp > 1 else 1)
         if self.length % multiple:
             raise ValueError(f"{self.length} tokens do not cut into {self.sp} × {self.chunks} equal pieces")
