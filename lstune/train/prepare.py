@@ -144,12 +144,12 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
         if config.parallel.metp_mlp:  # explicit tiles / mini-sequence are refused with it (TrainConfig.problems)
             memory_section = replace(memory_section, tiled_mlp="off", mini_sequence=False)
         memory = apply_memory_techniques(model, memory_section, seq_len=seq_len, parts=parts)
-        if mixers is not None:
-            _check_mixer_layout(mixers, memory, runtime.sp)
         if ulysses is not None and runtime.dims.ring > 1 and memory.attn_chunks_at_seq_len > 1:
             memory.undo()
             raise ConfigError([f"chunked attention ({memory.attn_chunks_at_seq_len} chunks) does not combine with ring "
                                f"attention (--sp-ring {runtime.dims.ring}): use --attn-chunks off, or --sp-ring 1."])
+        if mixers is not None:
+            _follow_attention_layout(mixers, memory)
         if config.parallel.metp_mlp:
             metp = _install_metp(parts, runtime, memory)
     except BaseException:
@@ -180,30 +180,23 @@ def _install_metp(parts, runtime, memory):
 
 
 def _install_mixers(parts, config: TrainConfig, runtime):
-    """Step 4's token mixers: per packed document, and head-parallel over the SP group (lstune.train.mixers)."""
+    """Step 4's token mixers: per packed document, and head-parallel over the whole SP group (its ring part
+    included: a ring's zigzag pieces are put in order on each head's whole timeline) (lstune.train.mixers)."""
     from lstune.train.mixers import install_mixers
 
     exchange = None
     if runtime.sp > 1:
         from lstune.parallel.ulysses import SequenceExchange
 
-        if runtime.dims.ring > 1:
-            from lstune.models.mixers import mixer_sites
-
-            if mixer_sites(parts.layers):
-                raise ConfigError([f"ring attention (--sp-ring {runtime.dims.ring}) lays the sequence out in zigzag "
-                                   "pieces, which this model's token mixers (convolutions, linear attention, state-space "
-                                   "scans) do not take in order; use --sp-ring 1."])
         exchange = SequenceExchange(runtime.dims)
     return install_mixers(parts.body, parts.layers, pack=config.data.pack, exchange=exchange)
 
 
-def _check_mixer_layout(mixers, memory, sp: int) -> None:
-    """The head-parallel mixers read contiguous shards; chunked attention under SP lays them out in FPDT's pieces."""
-    from lstune.errors import ModelError
-
-    if sp > 1 and memory.attn_chunking.setting != "off":
+def _follow_attention_layout(mixers, memory) -> None:
+    """The head-parallel mixers take the shards as chunked attention lays them out (FPDT's pieces under SP), probed
+    again on that layout; the memory techniques are undone if the probe refuses."""
+    try:
+        mixers.follow(memory.attn_chunking)
+    except BaseException:
         memory.undo()
-        raise ModelError(f"chunked attention (--attn-chunks) under sequence parallelism lays each rank's tokens out "
-                         f"in FPDT's pieces, which lstune's head-parallel token mixers ({', '.join(mixers.names[:3])}) "
-                         "do not take; use --attn-chunks off, or --sp 1.")
+        raise
