@@ -21,6 +21,13 @@ Such a mixer is found structurally (the module that owns a convolution inside a 
   exchanged channels, its output projection left out; an all-to-all brings the output back to the shard, where the
   norms that mix heads and the output projection run. Memory per rank: the mixer's activations for S·(its heads)/sp
   channels; cost: two all-to-alls per mixer layer of the projected channels.
+* **every SP layout the attention imposes** (`ShardOrder`): the shards need not be contiguous — chunked attention
+  lays them out in FPDT's pieces, a ring (`--sp-ring`) in zigzag pieces (lstune.models.chunk_layout). After the
+  all-to-all the gathered timeline (every rank's shard, in rank order) is put in global time order by a permutation
+  taken from the layout object itself (`SequenceLayout.shard` of the global token indices), the conv / recurrence
+  runs there, per document from the gathered positions in the same order, and the output is permuted back before the
+  all-to-all home. Under a ring the head-parallel group is the whole SP group (Ulysses × ring), so the mixer's heads
+  are split over all its ranks (refused, naming the fix, when it has fewer heads than the SP degree).
 
 Each installed wrapper is checked at once by a probe (`probe_mixer`): on a few tokens holding a document boundary
 and, under SP, every rank's shard boundary, its output must equal the module's own forward on each document alone.

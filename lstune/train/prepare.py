@@ -8,9 +8,11 @@ Order (each step sees the result of the previous one):
    (lstune.memory.attention_ring) when the SP group has a ring part (--sp-ring) — and LongRoPE's factors chosen
    from the whole sample, not each shard (lstune.parallel.rope_sp); token mixers that are not
    attention (short convolutions, linear attention, state-space scans) run per packed document and head-parallel
-   under SP (lstune.models.mixers, installed by lstune.train.mixers), or are refused naming the fix;
+   under SP over the whole SP group, ring part included (lstune.models.mixers, installed by lstune.train.mixers), or
+   are refused naming the fix;
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
-   sized for the per-rank sequence length; then, with --metp-mlp, METP's MLP (lstune.memory.metp_mlp: the MLP
+   sized for the per-rank sequence length (the token mixers then follow the chunked attention's shard layout, FPDT's
+   pieces under SP); then, with --metp-mlp, METP's MLP (lstune.memory.metp_mlp: the MLP
    weights sharded over the SP group and rotated; it replaces the tiled MLP and mini-sequence, which stay off).
 The engine (optimizer, ZeRO) is built last, over the parameters that remain trainable.
 
