@@ -33,10 +33,11 @@ class MixersHandle:
 
 
 def install_mixers(body: "nn.Module", layers: "nn.ModuleList", *, pack: bool, exchange: Any = None,
-                   probe: bool = True) -> MixersHandle | None:
+                   probe: bool = True, lm: "nn.Module | None" = None) -> MixersHandle | None:
     """Make every convolution-owning mixer in `layers` exact with packed documents (`pack`) and under SP (`exchange`,
     lstune.parallel.ulysses.SequenceExchange, sp > 1); None when neither applies or there are none. Each installed
-    wrapper is probed against the module's own forward (`probe_mixer`); a mismatch raises ModelError."""
+    wrapper is probed against the module's own forward (`probe_mixer`); a mismatch raises ModelError. `lm`: the
+    causal LM around `body`, whose position_ids reach the mixers when it does not pass them on (Mamba's)."""
     from lstune.memory.patching import patch_forward
 
     sp = exchange.sp if exchange is not None else 1
@@ -46,6 +47,8 @@ def install_mixers(body: "nn.Module", layers: "nn.ModuleList", *, pack: bool, ex
     check_token_mixers(layers, pack=pack, sp=sp)
     positions = DocumentPositions(exchange if sp > 1 else None)
     handle = MixersHandle([], [body.register_forward_pre_hook(positions.hook, with_kwargs=True).remove])
+    if lm is not None and lm is not body:
+        handle.undos.append(lm.register_forward_pre_hook(positions.outer_hook, with_kwargs=True).remove)
     try:
         for name, module in sites:
             wrapper = DocumentMixer(module, name, module.forward, positions, family_of(module), exchange)

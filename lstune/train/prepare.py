@@ -195,7 +195,7 @@ def _install_mixers(parts, config: TrainConfig, runtime):
                                    "pieces, which this model's token mixers (convolutions, linear attention, state-space "
                                    "scans) do not take in order; use --sp-ring 1."])
         exchange = SequenceExchange(runtime.dims)
-    return install_mixers(parts.body, parts.layers, pack=config.data.pack, exchange=exchange)
+    return install_mixers(parts.body, parts.layers, pack=config.data.pack, exchange=exchange, lm=parts.lm)
 
 
 def _check_mixer_layout(mixers, memory, sp: int) -> None:

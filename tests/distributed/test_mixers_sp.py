@@ -48,7 +48,8 @@ def _mixers_worker(rank: int, world: int, model_types: list[str], lora: bool) ->
     def variant(memory: bool):
         def run(model, batch, data):
             parts = find_parts(model)
-            install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims))
+            install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims),
+                           lm=parts.lm)
             use_lstune_attention(model, backend="sdpa")
             apply_ulysses(model, dims)
             step = causal_lm_loss_sum
