@@ -217,11 +217,14 @@ def mlp_names(layers: "nn.ModuleList") -> tuple[str | None, ...]:
 
 
 def _mixer_children(layer: "nn.Module") -> set[str]:
-    """Names of the layer's children that hold a token mixer (lstune.models.mixers: a convolution's owner, a linear
-    attention or state-space module): they mix tokens, so they are never the layer's per-token block."""
-    from lstune.models.mixers import mixer_sites
+    """Names of the layer's children that hold a token mixer — a convolution, as `lstune.models.mixers.mixer_sites`
+    finds them (the one family it knows without a convolution, MiniMax's lightning attention, is named attention):
+    they mix tokens, so they are never the layer's per-token block. (Not `mixer_sites` itself: mixers imports the
+    attention module, which imports this one.)"""
+    from torch import nn
 
-    return {name.split(".")[2] for name, _ in mixer_sites([layer]) if name.count(".") >= 2}
+    return {name for name, child in layer.named_children()
+            if any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in child.modules())}
 
 
 def final_norm(model: "nn.Module") -> "nn.Module":
