@@ -1,3 +1,3 @@
-from lstune.cli.app import main
+from lstune.cli.app import entry
 
-main()
+entry()

@@ -134,6 +134,24 @@ def main(argv: list[str] | None = None) -> None:
         raise
 
 
+def entry() -> None:
+    """The program's entry (the `lstune` script, `python -m lstune`): `main`, then, in a process that loaded torch,
+    lstune.parallel.lifetime.quick_exit instead of the interpreter's teardown (2-20 s there, after the last line).
+    `main` itself returns normally, for callers in-process."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    if "torch" not in sys.modules:
+        sys.exit(code)
+    from lstune.parallel.lifetime import quick_exit
+
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    quick_exit(code if isinstance(code, int) else (0 if code is None else 1))
+
+
 def _lost_peer_exit(exc: BaseException) -> None:
     """A rank whose collective failed because another process went away leaves quietly (LOST_PEER_EXIT): the
     launcher reports the process that went away in one line (lstune.parallel.agent). `--debug` keeps its trace."""

@@ -122,10 +122,11 @@ def _render_sequence_parallel(report: dict) -> None:
         lines[0] += f", METP MLP shards {human_bytes(t['metp_bytes'])} (~{t['metp_s']:.0f} s)"
     mlp = report.get("mlp")
     if mlp:
-        lines.append(f"MLP per layer and rank (predicted), METP vs ZeRO-3 + tiled MLP: weights held "
-                     f"{human_bytes(mlp['metp_weights'])} vs {human_bytes(mlp['zero3_weights'])}; peak intermediate "
-                     f"{human_bytes(mlp['metp_peak'])} vs {human_bytes(mlp['zero3_peak'])}; moved per step "
-                     f"{human_bytes(mlp['metp_moved'])} vs {human_bytes(mlp['zero3_moved'])} (METP Table 1)")
+        lines.append(f"MLP per layer and rank (predicted), METP vs ZeRO-3 + tiled MLP: training state held "
+                     f"{human_bytes(mlp['metp_weights'])} vs {human_bytes(mlp['zero3_weights'])}; working set at the "
+                     f"layer's backward peak {human_bytes(mlp['metp_peak'])} vs {human_bytes(mlp['zero3_peak'])}; moved "
+                     f"per micro-batch {human_bytes(mlp['metp_moved'])} vs {human_bytes(mlp['zero3_moved'])} "
+                     "(METP Table 1)")
     for line in lines:
         console().print(line)
 

@@ -11,7 +11,8 @@ it. The modules, each named for what it does:
 - settings.py: a configuration's byte-model settings, the SP degree, the device's and host's room;
 - choice.py: the `auto` memory settings (`choose_memory` → `MemoryChoice`) and the engines `auto` may take;
 - longest.py: the longest sequence that fits; suggestions.py: the cheapest changes that would fit;
-- memory.py (the analytic byte model, per rank), flops.py, copies.py, placement.py, shapes.py, hardware.py.
+- memory.py (the analytic byte model, per rank), flops.py, copies.py, placement.py, shapes.py, hardware.py;
+- sequence_parallel.py (Ulysses × ring and METP's per-rank terms), metp_table.py (METP vs ZeRO-3 + tiled MLP).
 
 `lstune estimate --trace` measures the same step on fake tensors (lstune.train.trace). docs/estimate.md explains
 each term and how close it comes to measurements.

@@ -291,7 +291,7 @@ def _choose_tiles(config: TrainConfig, hardware: Cluster, shape: ModelShape, par
                   base: Settings) -> tuple[str | int, str | int, bool]:
     """(MLP tiles, loss tiles, whether the peak is within the headroom) as choose_memory says."""
     m = config.memory
-    mlp_auto = m.tiled_mlp == "auto" and m.mini_sequence is not True
+    mlp_auto = m.tiled_mlp == "auto" and m.mini_sequence is not True and not base.metp_mlp
     loss_auto = m.tiled_loss == "auto" and loss_backend(base) == "alst"
     def peak(mlp, loss) -> int:
         return breakdown(shape, params, replace(base, tiled_mlp=mlp, tiled_loss=loss)).device_peak

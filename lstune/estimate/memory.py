@@ -13,7 +13,9 @@ Static terms are bytes per parameter, by where the run keeps them (lstune.train.
   optimizer sub-group that CPU Adam reads (`zero3_host_gradient_bytes`) — and the weights in one flat buffer per
   parameter group; on CUDA all three are pinned, each rounded up to a power of two by torch's caching host
   allocator. Measured on an H200 (docs/benchmarks/2026-11-26-h200): Llama-3.2-3B full fine-tune, host RSS
-  74.6 GiB at the step; this model says 74.9 GiB (the 18 B per parameter of before said 55.9 GiB).
+  74.6 GiB at the step; this model says 74.9 GiB (the 18 B per parameter of before said 55.9 GiB);
+- under --metp-mlp (lstune.memory.metp_mlp) the engine holds the model less the MLP weights, and each rank 1/SP of
+  every MLP beside it (`_metp_static`: fp32 masters, gradients and AdamW's moments; lstune.estimate.sequence_parallel).
 
 Activation terms are bytes per token of the rank's local sequence (seq_len / SP), in the run's dtypes: `act`
 = 2 in a bf16 run (4 in fp32), `res` = the residual stream's bytes (the dtype of the weights). Under
@@ -25,8 +27,9 @@ four moments of the step (`Phase`), each with what is alive then:
   the whole normed output Liger reads), the gradient of the head's input and the larger of one tile's log-softmax
   backward (12 B per logit) and a trainable head's weight gradient for one tile — or Liger's buffers on CUDA
   (`_liger_parts`); the head's gradient;
-- the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's, the
-  MLP norm's (HF's RMSNorm backward in fp32) and attention's moments (`_layer_parts`); one layer's gradients;
+- the last layer's backward: what the recomputed attention block saves, plus the largest of the MLP's (METP's
+  rotation step under --metp-mlp, `_metp_moment`), the MLP norm's (HF's RMSNorm backward in fp32) and attention's
+  moments (`_layer_parts`); one layer's gradients;
   LoRA dropout saves nothing more (its cast + dropout are recomputed), only its replay joins the MLP's and
   attention's moments (`_lora_dropout_replay`);
 - the first layer's backward: the same with one checkpoint and every layer's gradients;
@@ -119,6 +122,7 @@ class Settings:
     ring: int = 1  # the ring-attention part of sp (lstune.memory.attention_ring); sp // ring Ulysses ranks
     cuda_context: bool = True  # the CUDA context and allocator reserve counted (on CUDA); the trace sees tensors only
     save_attention: bool = False  # --recompute-attention off, resolved: attention's output kept per layer
+    metp_mlp: bool = False  # --metp-mlp under SP: every MLP sharded over the SP group and rotated (`_metp`)
 
     @property
     def local_tokens(self) -> int:
@@ -242,7 +246,7 @@ def _breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown
     chunks = 1 if s.ring > 1 else attn_chunk_count(s.attn_chunks, shape, ceil_div(s.seq_len, s.sp))
     s = replace(s, attn_chunk_count=chunks)
     b = Breakdown(dtypes=dtypes(s), attn_chunks=s.attn_chunk_count)
-    _static(b, params, s)
+    _static(b, shape, params, s)
     _activations(b, shape, params, s)
     b.add("CUDA context and allocator reserve" if s.on_cuda and s.cuda_context else "process", *_overheads(s))
     return b
@@ -264,7 +268,59 @@ def host_reserve_bytes(host_bytes: int) -> int:
     return min(HOST_RESERVE_BYTES + int(host_bytes * HOST_RESERVE_FRACTION), host_bytes // 2)
 
 
-def _static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
+def _static(b: Breakdown, shape: ModelShape, p: ParamCounts, s: Settings) -> None:
+    """The engine's training state per rank; under --metp-mlp the engine holds everything but the MLP weights, and
+    METP's shards are counted on their own (`_metp_static`)."""
+    if not _metp(shape, s):
+        _engine_static(b, p, s)
+        return
+    _engine_static(b, without_metp_mlp(p, shape, trainable=not s.lora_r), s)
+    _metp_static(b, shape, s)
+
+
+def _metp(shape: ModelShape, s: Settings) -> bool:
+    """METP's MLP runs (lstune.memory.metp_mlp: a dense gated MLP under SP; other MLPs are refused by the run)."""
+    from lstune.estimate.sequence_parallel import metp_applies
+
+    return s.metp_mlp and s.sp > 1 and metp_applies(shape)
+
+
+def without_metp_mlp(p: ParamCounts, shape: ModelShape, *, trainable: bool) -> ParamCounts:
+    """The parameters the engine sees under METP: the model less every layer's MLP weights, which METP keeps as
+    shards the model does not register (lstune.memory.metp_mlp) — out of ZeRO's shares and ZeRO-3's gathered layer.
+    `trainable`: the MLP trains (a full fine-tune; LoRA leaves it frozen: METP refuses adapters on it)."""
+    one = shape.hidden * shape.intermediate
+    per_layer = shape.mlp_matrices * one
+    mlp = per_layer * shape.layers
+    tensors = list(p.trainable_tensors)
+    if trainable:  # the MLP's tensors out of DeepSpeed's sub-groups (`ds_sub_groups`), as many as it has
+        for _ in range(shape.mlp_matrices * shape.layers):
+            if one in tensors:
+                tensors.remove(one)
+    return replace(p, total=p.total - mlp, trainable=p.trainable - (mlp if trainable else 0),
+                   largest_layer=max(0, p.largest_layer - per_layer), trainable_tensors=tuple(tensors))
+
+
+def _metp_static(b: Breakdown, shape: ModelShape, s: Settings) -> None:
+    """METP's shards on every rank (lstune.estimate.sequence_parallel.metp_state_bytes): 1/SP of each layer's MLP,
+    trained beside the engine (lstune.parallel.local_params) — fp32 masters, fp32 gradients and their own AdamW —
+    on the device whatever the engine offloads; frozen under LoRA, in the base weights' dtype."""
+    from lstune.estimate.sequence_parallel import metp_shard_elements, metp_state_bytes
+
+    trainable = not s.lora_r
+    frozen = b.dtypes["trainable" if s.engine.kind == "deepspeed" else "frozen"]
+    weights, grads, adam = (shape.layers * n for n in metp_state_bytes(shape, s.sp, trainable=trainable,
+                                                                       frozen_bytes=frozen))
+    elements = shape.layers * metp_shard_elements(shape, s.sp)
+    kind = "fp32 masters" if trainable else f"frozen, {_dt(frozen)}"
+    b.add("parameters: METP's MLP shards", weights,
+          detail=f"{elements:,} × {kind}: 1/{s.sp} of every layer's MLP, beside the engine (not ZeRO-partitioned)")
+    if trainable:
+        b.add("gradients: METP's MLP shards", grads, detail="fp32, reduced over data parallelism only, on the device")
+        b.add("optimizer state: METP's MLP shards", adam, detail="their own AdamW: m, v in fp32, on the device")
+
+
+def _engine_static(b: Breakdown, p: ParamCounts, s: Settings) -> None:
     d, e, world = b.dtypes, s.engine, s.world
     if e.kind == "torch":
         _frozen(b, p, s, d["frozen"])
@@ -590,7 +646,9 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     fused = s.mini_sequence and s.fuse_norms and s.tiled_mlp != "off"
     further = _further_norm_width(shape, p, fused)
     grad = res * h
-    if s.tiled_mlp == "off":
+    if _metp(shape, s):
+        mlp_name, mlp_work = _metp_moment(shape, s, act)
+    elif s.tiled_mlp == "off":
         mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=_lora_on_tokens(s, p))
     else:
         mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act, p)
@@ -657,7 +715,8 @@ def _lora_dropout_replay(shape: ModelShape, s: Settings, act: int) -> int:
     if not (s.lora_r and s.lora_dropout):
         return 0
     t = s.local_tokens
-    return (4 + act + 4) * max(t * max(shape.hidden, shape.q_width), _mlp_tile_tokens(shape, s) * shape.intermediate)
+    mlp = 0 if _metp(shape, s) else _mlp_tile_tokens(shape, s) * shape.intermediate  # METP: no adapters on the MLP
+    return (4 + act + 4) * max(t * max(shape.hidden, shape.q_width), mlp)
 
 
 def _chunks_saved_per_token(shape: ModelShape, act: int, res: int) -> int:
@@ -815,11 +874,28 @@ def _lora_on_tokens(s: Settings, p: ParamCounts) -> bool:
     return bool(s.lora_r) and not p.lora_wrapped
 
 
+def _metp_moment(shape: ModelShape, s: Settings, act: int) -> tuple[str, int]:
+    """METP's MLP in a layer's backward (lstune.estimate.sequence_parallel.metp_moment_bytes), its parts named."""
+    from lstune.estimate.sequence_parallel import metp_moment_bytes
+
+    parts = metp_moment_bytes(shape, tokens=s.local_tokens, sp=s.sp, act_bytes=act)
+    width = shape.intermediate // s.sp
+    name = (f"METP's MLP at a rotation step ({s.local_tokens:,} × {width:,} intermediates "
+            f"{size_text(parts['intermediates'])}; output, input gradient {size_text(parts['tokens'])}; "
+            f"shards and gradient sums in flight {size_text(parts['rotating'])})")
+    return name, sum(parts.values())
+
+
+def mlp_tile_working_bytes(shape: ModelShape, *, tokens: int, act_bytes: int, lora: bool = False) -> int:
+    """One MLP tile's working set over `tokens` tokens (`lora`: adapters on its projections)."""
+    return tokens * (_mlp_per_token(shape, act_bytes, lora=lora) + 2 * act_bytes * shape.hidden)
+
+
 def _mlp_tile(shape: ModelShape, s: Settings, act: int, p: ParamCounts) -> int:
     """One MLP tile's working set (constant in the sequence length once tiled)."""
     if s.tiled_mlp == "off":
         return 0
-    return _mlp_tile_tokens(shape, s) * (_mlp_per_token(shape, act, lora=_lora_on_tokens(s, p)) + 2 * act * shape.hidden)
+    return mlp_tile_working_bytes(shape, tokens=_mlp_tile_tokens(shape, s), act_bytes=act, lora=_lora_on_tokens(s, p))
 
 
 def _mlp_tile_tokens(shape: ModelShape, s: Settings) -> int:
@@ -842,7 +918,8 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)
     if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
         attention = _chunks_saved_per_token(shape, act, res) + 16
-    mlp = 0 if s.tiled_mlp != "off" else act * 4 * shape.active_intermediate
+    # METP saves only the MLP's input (the norm's output): its steps are recomputed in backward
+    mlp = 0 if s.tiled_mlp != "off" or _metp(shape, s) else act * 4 * shape.active_intermediate
     return norms + attention + mlp
 
 

@@ -195,7 +195,8 @@ def _evaluate(config, hardware, shape, params, sp, engine, model_config) -> Esti
     chunks = attn_chunk_count(s.attn_chunks, shape, math.ceil(s.seq_len / sp))
     flops = step_flops(model_config, config.data.seq_len, lora=bool(config.model.lora_r),
                        checkpointing=config.memory.checkpointing, lora_r=config.model.lora_r or 16,
-                       tiled_mlp=config.memory.tiled_mlp != "off", tiled_loss=loss_backend(s) not in ("off",),
+                       # METP's backward re-runs each rotation step's forward, as an MLP tile does
+                       tiled_mlp=config.memory.tiled_mlp != "off" or s.metp_mlp, tiled_loss=loss_backend(s) not in ("off",),
                        extra_layer_forwards=extra_layer_forwards(b.placement),  # issue 14: recomputed checkpoints
                        attn_chunked=chunks > 1, attention_saved_layers=b.attention_saved_layers)
     flops = _scaled(flops, config.optim.micro_batch_size)
@@ -265,7 +266,8 @@ def _notes(config: TrainConfig, shape: ModelShape, sp: int, world: int = 1) -> l
 def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | None:
     """The split of `config`'s SP degree on `hardware`, one rank's traffic per step and its time (`sp_traffic`), and
     with --metp-mlp METP's MLP against ZeRO-3 + tiled MLP (`mlp_comparison`) — all PREDICTED; None without SP."""
-    from lstune.estimate.sequence_parallel import mlp_comparison, sp_traffic
+    from lstune.estimate.metp_table import mlp_comparison
+    from lstune.estimate.sequence_parallel import sp_traffic
     from lstune.estimate.settings import model_config_of, resolve_ring, resolve_sp
     from lstune.estimate.shapes import ModelShape
 
@@ -282,11 +284,12 @@ def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | No
     traffic = sp_traffic(shape, ring=ring, act_bytes=act, metp_mlp=bool(config.parallel.metp_mlp),
                          checkpointing=config.memory.checkpointing, micro_batches=config.optim.grad_accum * sp,
                          attention_flops_per_s=hardware.device.attention_tflops * 1e12, node_size=hardware.gpus,
-                         **common)
+                         metp_trainable=not config.model.lora_r, **common)
     report = {"label": "predicted", "traffic": traffic.to_dict()}
     if config.parallel.metp_mlp:
         tiles = config.memory.tiled_mlp if isinstance(config.memory.tiled_mlp, int) else max(
             1, -(-config.data.seq_len // sp // shape.hidden))
-        report["mlp"] = mlp_comparison(shape, world=hardware.world_size, tiles=tiles, param_bytes=2, act_bytes=act,
-                                       **common).to_dict()
+        report["mlp"] = mlp_comparison(shape, world=hardware.world_size, tiles=tiles, param_bytes=act, act_bytes=act,
+                                       trainable=not config.model.lora_r,
+                                       checkpointing=config.memory.checkpointing, **common).to_dict()
     return report

@@ -57,9 +57,10 @@ def ring_hop_count(ring: int) -> int:
 
 def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int, act_bytes: int = 2,
                metp_mlp: bool = False, checkpointing: bool = True, micro_batches: int = 1,
-               attention_flops_per_s: float = 500e12, node_size: int = 8) -> SPTraffic:
+               attention_flops_per_s: float = 500e12, node_size: int = 8, metp_trainable: bool = True) -> SPTraffic:
     """The bytes one rank moves per step (`micro_batches` forward+backward passes) and their time (module doc). An
-    SP group wider than a node (`node_size` GPUs) puts the ring's and METP's sends on the network."""
+    SP group wider than a node (`node_size` GPUs) puts the ring's and METP's sends on the network. METP's gradient
+    sums travel only when its shards train (`metp_trainable`; LoRA leaves them frozen)."""
     ulysses = sp // ring
     forward_runs = 2 if checkpointing else 1
     t = micro_batch * seq_len // sp
@@ -70,7 +71,8 @@ def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int
     hops = ring_hop_count(ring)
     per_layer_ring = hops * block * (act_bytes * (forward_runs + 1) + 4) if ring > 1 else 0
     mlp_weights = (3 if shape.gated else 2) * shape.hidden * shape.intermediate
-    per_layer_metp = (sp - 1) / sp * mlp_weights * (act_bytes * (forward_runs + 1) + 4) if metp_mlp and sp > 1 else 0
+    sums = 4 if metp_trainable else 0
+    per_layer_metp = (sp - 1) / sp * mlp_weights * (act_bytes * (forward_runs + 1) + sums) if metp_mlp and sp > 1 else 0
     layers = shape.layers * micro_batches
     u_bytes, r_bytes, m_bytes = (int(x * layers) for x in (per_layer_ulysses, per_layer_ring, per_layer_metp))
     ring_rate = NETWORK_BYTES_PER_S if sp > node_size else NVLINK_BYTES_PER_S
@@ -114,38 +116,47 @@ def _score_tiles(batch: int, heads: int, piece: int) -> int:
     return (6 if row_tiles > 1 else 5) * tile + batch * piece * piece
 
 
-@dataclass(frozen=True)
-class MlpComparison:
-    """One layer's MLP on one rank, METP's MLP vs ZeRO-3 + tiled MLP (PREDICTED): weight bytes held, the peak
-    intermediate, and bytes moved per step — METP Table 1's rows with lstune's numbers."""
+# ---- METP's MLP on one rank (lstune.memory.metp_mlp): what the byte model (lstune.estimate.memory) counts ----------
 
-    metp_weights: int
-    metp_peak: int
-    metp_moved: int
-    zero3_weights: int
-    zero3_peak: int
-    zero3_moved: int
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+METP_MASTER_BYTES, METP_GRAD_BYTES, METP_ADAM_BYTES = 4, 4, 8  # fp32 shard masters, fp32 gradients, AdamW's m and v
 
 
-def mlp_comparison(shape: Any, *, seq_len: int, micro_batch: int, sp: int, world: int, tiles: int,
-                   param_bytes: int = 2, act_bytes: int = 2) -> MlpComparison:
-    """Per layer and rank. METP: its shard (3·H·I/p) plus the arriving one, intermediates (s/p)·(I/p)·3 (gate, up,
-    product) at a time; moves 3·(p−1)/p of the weights (forward, backward, gradient sums). ZeRO-3 + tiled MLP: its
-    1/world partition, the whole gathered layer (3·H·I) while it runs, intermediates (s/p/tiles)·I·3; moves the
-    all-gather twice (forward, backward) and a reduce-scatter of the gradients: 3·(world−1)/world of the weights."""
-    h, i = shape.hidden, shape.intermediate
-    weights = (3 if shape.gated else 2) * h * i
-    t = micro_batch * seq_len // sp
-    metp = MlpComparison(
-        metp_weights=2 * weights // sp * param_bytes,
-        metp_peak=3 * t * (i // sp) * act_bytes,
-        metp_moved=int(3 * (sp - 1) / sp * weights * param_bytes),
-        zero3_weights=(weights // world + weights) * param_bytes,
-        zero3_peak=3 * -(-t // max(1, tiles)) * i * act_bytes,
-        zero3_moved=int(3 * (world - 1) / world * weights * param_bytes),
-    )
-    return metp
+def metp_applies(shape: Any) -> bool:
+    """METP shards dense gated MLPs only (lstune.memory.metp_mlp.check_metp_mlp refuses the others)."""
+    return bool(shape.gated and not getattr(shape, "experts", 0))
 
+
+def metp_shard_elements(shape: Any, sp: int) -> int:
+    """One layer's MLP shard on one rank: gate and up column shards and the down row shard, 3·H·I/p elements."""
+    return (3 if shape.gated else 2) * shape.hidden * (shape.intermediate // sp)
+
+
+def metp_state_bytes(shape: Any, sp: int, *, trainable: bool, frozen_bytes: int) -> tuple[int, int, int]:
+    """(weights, gradients, AdamW state) of one layer's shard on one rank: the shards train beside the engine
+    (lstune.parallel.local_params), never ZeRO-partitioned — trained, fp32 masters with fp32 gradients and their own
+    AdamW's two fp32 moments (on the device, also when DeepSpeed offloads its optimizer or its weights); frozen (LoRA on
+    attention), the base weights' dtype (`frozen_bytes`) and nothing else."""
+    elements = metp_shard_elements(shape, sp)
+    if not trainable:
+        return elements * frozen_bytes, 0, 0
+    return elements * METP_MASTER_BYTES, elements * METP_GRAD_BYTES, elements * METP_ADAM_BYTES
+
+
+def metp_moment_bytes(shape: Any, *, tokens: int, sp: int, act_bytes: int) -> dict[str, int]:
+    """METP's MLP at the peak of one layer's backward on one rank (`_MetpFunction.backward` at a middle step of the
+    rotation), by part, beyond what the layer's moment counts anyway (the MLP's input, which METP saves, and the
+    incoming gradient):
+
+    - `intermediates`: the step's recomputed (s/p)×(I/p) tensors — gate, activation, up and product saved by the
+      step's graph, and their gradients as autograd makes them: 6 of them at the peak;
+    - `tokens`: the step's output term, the input gradient's running sum and the step's share: 3 × (s/p)×H;
+    - `rotating`: the shard computed and the one arriving (both cast to the tokens' dtype), the fp32 gradient sum on
+      its way to the next rank and the one arriving from the previous, and the step's own weight gradients in the
+      tokens' dtype as autograd makes them (4/3 of a shard at the peak): (10·b/3 + 8) bytes per shard element. At
+      SP 2 a step has either a shard arriving or a sum, not both: an upper bound there.
+
+    The coefficients are the live tensors of the module itself, metered (tests/unit/estimate/test_metp_estimate.py)."""
+    width = shape.intermediate // sp
+    return {"intermediates": 6 * tokens * width * act_bytes,
+            "tokens": 3 * tokens * shape.hidden * act_bytes,
+            "rotating": metp_shard_elements(shape, sp) * (10 * act_bytes + 24) // 3}

@@ -77,10 +77,12 @@ def settings(config: TrainConfig, hardware: Cluster, sp: int, engine: Engine, of
     m = config.memory
     offload = m.offload_checkpoints is True if offload is None else offload
     ring = resolve_ring(config, hardware, sp) if sp > 1 else 1
+    metp = bool(config.parallel.metp_mlp) and sp > 1  # METP runs each MLP itself: no MLP tiles, no mini-sequence
     return Settings(
         seq_len=config.data.seq_len, micro_batch=config.optim.micro_batch_size, sp=sp, world=hardware.world_size,
         engine=engine, lora_r=config.model.lora_r, lora_dropout=config.model.lora_dropout, on_cuda=hardware.on_cuda,
-        dtype=config.model.dtype, tiled_mlp=m.tiled_mlp, tiled_loss=m.tiled_loss, mini_sequence=m.mini_sequence is True,
+        dtype=config.model.dtype, tiled_mlp="off" if metp else m.tiled_mlp, tiled_loss=m.tiled_loss,
+        mini_sequence=m.mini_sequence is True and not metp, metp_mlp=metp,
         checkpointing=m.checkpointing, offload_checkpoints=offload, host_mem_budget=m.host_mem_budget,
         grad_accum=config.optim.grad_accum, load_in_4bit=config.model.load_in_4bit,
         checkpoint_device_budget=m.checkpoint_device_budget, attn_chunks=m.attn_chunks,

@@ -85,6 +85,11 @@ class MetpHandle:
         default_factory=list)
     undos: list[Undo] = field(default_factory=list)
 
+    def released_bytes(self) -> int:
+        """Bytes of the full weights whose storage METP released (each rank keeps its shards instead)."""
+        return sum(shard[name].numel() * self.ring.size * full[name].element_size()
+                   for _, shard, full in self.shards for name in _PROJECTIONS)
+
     def shard_parameters(self) -> list[torch.nn.Parameter]:
         """The sharded parameters (gradients per owner: reduce them over data parallelism only, never SP)."""
         return [shard[name] for _, shard, _ in self.shards for name in _PROJECTIONS]

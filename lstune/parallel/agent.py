@@ -104,4 +104,6 @@ def _quiet_launcher_logs() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from lstune.parallel.lifetime import quick_exit
+
+    quick_exit(main())  # torchrun loaded torch: its teardown would only delay lstune's own exit

@@ -17,6 +17,11 @@ Per-rank modelling: the trace runs one rank's share — the local sequence seq_l
 holds the same bytes (S/SP tokens × all heads before the all-to-all, S tokens × heads/SP after) — with the
 single-device engine; for a ZeRO engine the traced weights, gradients and Adam state are replaced by the
 analytic per-rank shard of the same state (lstune.estimate.memory), which DeepSpeed's partitioning fixes exactly.
+With --metp-mlp the rank is SP rank 0 of its group on the fake process group: METP shards the MLP as in training (its
+rank's 1/SP shards, the full weights' storage released), the shards step in the traced AdamW (`_prepare`), and each
+layer's rotation runs its point-to-point sends on the fake group (buffers of the real shapes, no data), so the
+rotating shards and gradient sums are in the traced peak; under ZeRO the shards' state, which the analytic model
+counts outside ZeRO's shares, is replaced like the rest.
 Three things differ from the GPU run and are modelled the same way by the analytic estimate the trace is compared
 with (`lstune.estimate.traced_settings_estimate`): the loss head runs the ALST tiles (Liger is CUDA-only),
 mini-sequence tiles the MLP without fusing its norms (finding them needs a probe on real weights), and attention
@@ -86,6 +91,8 @@ def trace_step(config: TrainConfig, *, model_config: Any, target_cuda: bool, sp:
         with live, no_packed_sequence_detection(), traceable_grouped_mm():
             prepared, optimizer = _prepare(model, whole, runtime)  # apply_techniques takes its rank's share
             holder["plan"] = prepared.memory
+            if prepared.metp is not None:  # METP released the full MLP weights, allocated before the meter started
+                base_bytes -= prepared.metp.released_bytes()
             parameter_bytes = base_bytes + live.current
             layer_input = _watch_layer_input(prepared)
             _create_optimizer_state(optimizer)
@@ -207,12 +214,16 @@ def _storage_bytes(model) -> int:
 
 
 def _prepare(model, config: TrainConfig, runtime):
-    """lstune's techniques (attention, memory) and the single-device engine's AdamW; LoRA is on already."""
+    """lstune's techniques (attention, memory) and the single-device engine's AdamW; LoRA is on already. METP's shards
+    (--metp-mlp), which the model does not register, step in the same AdamW: the run trains them with an AdamW of their
+    own beside the engine (lstune.parallel.local_params) — the same fp32 gradients and moments."""
     from lstune.optim import OptimConfig, make_adamw
     from lstune.train.prepare import apply_techniques
 
     prepared = apply_techniques(model, config, runtime)
     params = [p for p in prepared.model.parameters() if p.requires_grad]
+    if prepared.metp is not None:
+        params += [p for p in prepared.metp.shard_parameters() if p.requires_grad]
     return prepared, make_adamw(params, OptimConfig.from_section(config.optim, 10), fused=runtime.fused_adamw)
 
 
@@ -303,12 +314,6 @@ def trace_estimate(config: TrainConfig, hardware):
 def trace_plan(run_plan) -> TraceResult:
     """The trace of one rank's step of `run_plan` (its resolved memory settings, its engine, its SP degree)."""
     analytic = run_plan.estimate
-    if run_plan.resolved.parallel.metp_mlp:
-        # The trace would meter the full MLP weights it materialises before METP shards them, and its single-device
-        # AdamW would leave out the shards (which train beside the engine, lstune.parallel.local_params); the analytic
-        # breakdown counts the MLP whole too and prints METP's own bytes beside it.
-        raise ConfigError(["--trace does not model --metp-mlp yet (its shards live outside the engine it traces); "
-                           "drop --trace for the analytic estimate, which prints METP's MLP bytes beside ZeRO-3's."])
     static = None
     if analytic.engine.kind == "deepspeed":
         static = sum(i.device for i in analytic.breakdown.items if i.name.startswith(("param", "grad", "optim")))

@@ -4,8 +4,9 @@ and the exported model (loaded with transformers: the full MLP weights gathered 
 weight) equals the single-process run's.
 
 ZeRO-1 on SP 2, ZeRO-2 on SP 2 × DP 2 (the shards' gradients summed over their DP replicas only), ZeRO-3 on Ulysses 2
-× ring 2 (the shards never partitioned), ZeRO-2 with the optimizer on the host; and a resume under the same layout
-equals the uninterrupted run.
+× ring 2 (the shards never partitioned), ZeRO-2 with the optimizer on the host, ZeRO-3 with the optimizer and the
+weights on the host (--offload-params: the shards stay on the device); and a resume under the same layout equals the
+uninterrupted run.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def _reference(model, samples: list[dict], per_step: int) -> list[tuple[float, f
 
 
 def _metp_train_worker(rank: int, world: int, sp: int, stage: int, ring: int, out: str,
-                       resume_at: int | None = None, offload: bool = False, memory: dict | None = None) -> dict:
+                       resume_at: int | None = None, offload: bool = False, memory: dict | None = None,
+                       offload_params: bool = False) -> dict:
     import copy
     from pathlib import Path
 
@@ -55,7 +57,7 @@ def _metp_train_worker(rank: int, world: int, sp: int, stage: int, ring: int, ou
         metp = install_metp_mlp(find_parts(model).layers,
                                 Ring(dims.sp, dims.sp_rank, tuple(dims.sp_group_ranks(dims.dp_rank)), dims.sp_group))
         local = LocalParams(metp.shard_parameters(), dims, OPTIM, full_weights=metp.full_weights)
-        engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, offload, False, 0, "test"),
+        engine = DeepSpeedEngine(model, dims=dims, optim=OPTIM, zero=ZeroPlan(stage, offload, offload_params, 0, "test"),
                                  bf16=False, local=local)
         return model, handle, metp, engine
 
@@ -100,10 +102,13 @@ def test_metp_zero_run_matches_single_process(pools, tmp_path, world, sp, stage,
     _check_weights(result["weight_diffs"])
 
 
-def test_metp_with_the_optimizer_offloaded_matches_single_process(pools, tmp_path):
-    """ZeRO-2 with DeepSpeedCPUAdam on the host (its norm then comes from the offload path): the shards, stepped by
-    their own AdamW on the device, still give the one-process numbers."""
-    result = pools[2].run(_metp_train_worker, 2, 2, 1, str(tmp_path), None, True, timeout=600)[0]
+@pytest.mark.parametrize(("stage", "offload_params"), [(2, False), (3, True)], ids=["zero2", "zero3-params-too"])
+def test_metp_with_the_optimizer_offloaded_matches_single_process(pools, tmp_path, stage, offload_params):
+    """ZeRO-2 with DeepSpeedCPUAdam on the host (its norm then comes from the offload path), and ZeRO-3 with its
+    weights on the host as well (--offload-params): the shards, outside DeepSpeed and stepped by their own AdamW on the
+    device, still give the one-process numbers."""
+    result = pools[2].run(_metp_train_worker, 2, stage, 1, str(tmp_path), None, True, None, offload_params,
+                          timeout=600)[0]
     _check(result)
     _check_weights(result["weight_diffs"])
 

@@ -139,21 +139,6 @@ def test_trace_of_a_model_that_cannot_run_on_cpu_says_so(monkeypatch):
     assert "--trace runs the step on this CPU" in text and "cannot run here" in text and "Drop --trace" in text
 
 
-def test_trace_of_metp_mlp_is_refused_with_the_way_out(monkeypatch):
-    """--metp-mlp trains now, but the trace does not model its shards (they live outside the engine it traces): exit 2
-    naming the analytic estimate, never a traced number that leaves them out."""
-    import lstune.train.trace as trace
-    from lstune.config.schema import TrainConfig
-    from lstune.errors import ConfigError
-    from lstune.estimate.hardware import resolve_hardware
-
-    monkeypatch.setattr(trace, "trace_step", lambda *a, **k: pytest.fail("traced a METP run"))
-    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 1024, "gpus": 2, "sp": 2, "metp_mlp": True})
-    with pytest.raises(ConfigError) as caught:
-        trace.trace_estimate(config, resolve_hardware(gpu="h100-80gb", host_mem=128 * 2**30, gpus=2))
-    assert "--trace does not model --metp-mlp" in " ".join(caught.value.problems)
-
-
 def test_trace_that_fake_tensors_cannot_run_is_a_config_error(monkeypatch):
     """A kernel that fails on fake tensors (as torch's bf16-only meta `_grouped_mm` did for fp32 experts) is a
     ConfigError (exit 2) with the way out, not a traceback."""

@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
+from lstune.estimate.metp_table import mlp_comparison
 from lstune.estimate.sequence_parallel import (
     NETWORK_BYTES_PER_S,
     NVLINK_BYTES_PER_S,
-    mlp_comparison,
     ring_buffer_bytes,
     sp_traffic,
 )
@@ -43,9 +43,24 @@ def test_ring_buffers_shrink_with_the_ring_and_vanish_without_it():
 
 
 def test_metp_holds_one_over_p_of_the_mlp_and_moves_what_zero_moves():
-    c = mlp_comparison(SHAPE, seq_len=1024, micro_batch=1, sp=4, world=4, tiles=1)
+    """Per layer and rank. METP's shard trains beside ZeRO: fp32 master, gradient and AdamW's m, v (16 B) for 1/p of the
+    MLP; ZeRO-3's partition (bf16 weight, fp32 gradient, master + m + v) plus the gathered layer and the one prefetched.
+    Each moves (p−1)/p of the MLP per weight pass (forward, re-run, backward) and once for the gradients — METP Table
+    1's 3·(p−1)/p in elements; METP's gradient sums travel in fp32."""
+    shape = SimpleNamespace(**vars(SHAPE), experts=0, active_intermediate=64)
+    c = mlp_comparison(shape, seq_len=1024, micro_batch=1, sp=4, world=4, tiles=1)
     weights = 3 * 16 * 64
-    assert c.metp_weights == 2 * weights // 4 * 2  # its shard and the arriving one, bf16
-    assert c.zero3_weights == (weights // 4 + weights) * 2  # its partition and the gathered layer
-    assert c.metp_moved == c.zero3_moved == int(3 * 3 / 4 * weights * 2)  # METP Table 1: the same volume
-    assert c.metp_peak * 4 == c.zero3_peak  # intermediates (s/p)·(I/p) vs (s/p)·I
+    assert c.metp_weights == weights // 4 * (4 + 4 + 8)
+    assert c.zero3_weights == weights // 4 * (2 + 4 + 12) + 2 * weights * 2
+    assert c.metp_moved == int(3 / 4 * weights * (3 * 2 + 4)) and c.zero3_moved == int(3 / 4 * weights * 2 * 4)
+    # working sets: METP's (s/p)·(I/p) step against one tile of (s/p)·I (metp_moment_bytes, the tiled-MLP terms)
+    t = 1024 // 4
+    assert c.metp_peak == 6 * t * 16 * 2 + 3 * t * 16 * 2 + weights // 4 * (10 * 2 + 24) // 3
+    assert c.zero3_peak == t * (5 * 64 * 2 + 2 * 2 * 16)
+    frozen = mlp_comparison(shape, seq_len=1024, micro_batch=1, sp=4, world=4, tiles=1, trainable=False)
+    assert frozen.metp_weights == weights // 4 * 2 and frozen.zero3_weights == weights // 4 * 2 + 2 * weights * 2
+    # the step's traffic says the same; frozen shards (LoRA) send no gradient sums
+    moved = [sp_traffic(shape, seq_len=1024, micro_batch=1, sp=4, ring=1, metp_mlp=True, metp_trainable=trained)
+             for trained in (True, False)]
+    assert [t.metp_bytes for t in moved] == [c.metp_moved, frozen.metp_moved] == [int(3 / 4 * weights * 10),
+                                                                               int(3 / 4 * weights * 6)]

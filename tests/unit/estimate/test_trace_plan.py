@@ -55,3 +55,26 @@ def test_the_estimate_of_a_ring_run_is_within_10_percent_of_its_trace(ring):
     planned, traced = report.estimate, report.trace
     error = (planned.device_peak_bytes - traced.device_peak_bytes) / traced.device_peak_bytes
     assert abs(error) < 0.10, (planned.device_peak_bytes, traced.device_peak_bytes)
+
+
+def test_a_metp_run_is_traced_as_one_rank_holds_it_and_the_estimate_is_within_3_percent():
+    """--metp-mlp on SP rank 0 of a 2-rank fake process group: METP shards the MLP as training does (the full
+    weights' storage released, the rank's fp32 shard masters in the traced AdamW), its rotation's point-to-point
+    sends run on the fake group; the estimate's METP terms (lstune.estimate.memory) against the traced peak. Before,
+    `--trace --metp-mlp` was refused and the estimate counted an untiled MLP at full weight."""
+    from lstune.estimate.shapes import count_parameters
+    from lstune.models.presets import preset_config
+
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 2048, "gpus": 2, "sp": 2, "metp_mlp": True})
+    report = trace_estimate(config, resolve_hardware(gpu="h100-80gb", host_mem=256 * GiB, gpus=2))
+    planned, traced = report.estimate, report.trace
+    assert planned.engine.kind == "deepspeed" and "METP's MLP at a rotation step" in " ".join(
+        i.name for i in planned.breakdown.items)
+    counts, mlp = count_parameters(preset_config("tiny-llama")), 3 * 128 * 352 * 4
+    weights = 2 * (counts.total - mlp) + 4 * mlp // 2  # bf16 weights under ZeRO, the shards' fp32 masters
+    assert weights <= traced.parameter_bytes < weights + 64 * 1024  # + buffers (rotary tables)
+    # AdamW's m and v in each weight's dtype: bf16 for the engine's (ZeRO's fp32 state is the analytic shard's),
+    # fp32 for the shards
+    assert traced.optimizer_bytes == 4 * (counts.trainable - mlp) + 8 * mlp // 2
+    error = (planned.device_peak_bytes - traced.device_peak_bytes) / traced.device_peak_bytes
+    assert abs(error) < 0.03, (planned.device_peak_bytes, traced.device_peak_bytes)
