@@ -199,6 +199,10 @@ def _main(argv: list[str] | None) -> None:
         interrupted = _user_error_under(exc)
         if interrupted is not None:
             _report(interrupted, debug)
+        if _launched_group_alive():
+            # The launcher's SIGTERM to the ranks left after one failed, while this one's collective was failing for
+            # the same reason: the failed rank's message is the one the user reads, not "SIGTERM received".
+            _lost_peer_exit(exc)
         typer.echo(f"lstune: {exc.args[0] if exc.args else 'SIGTERM'} received {_terminated_when()}", err=True)
         sys.exit(130)
     except (_click_classes("Abort") + (KeyboardInterrupt,)):

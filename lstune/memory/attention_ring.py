@@ -43,7 +43,7 @@ import torch
 from lstune.errors import DataError, ModelError
 from lstune.memory.rotation import Ring, wait
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
-from lstune.models.attention import in_chunked_attention, window_from_mask
+from lstune.models.attention import chunk_positions, in_chunked_attention, window_from_mask
 from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import SequenceLayout
 
@@ -74,13 +74,16 @@ class RingAttention:
     and peers (lstune.memory.rotation)."""
 
     ring: Ring
+    # Runs a check of this rank's tokens so that every rank of the SP group ends alike, the refusing rank's message on
+    # all (lstune.parallel.comm.Communicator.agreed); None: the check alone (one process, tests).
+    agreed: Any = None
     _checked: Any = field(default=None, repr=False)  # the position_ids last found in zigzag order (once per forward)
 
     @classmethod
     def of(cls, dims: Any) -> "RingAttention":
         """From a ParallelDims with groups built (lstune.parallel.dims)."""
         peers = tuple(dims.ring_group_ranks(dims.dp_rank, dims.ulysses_rank))
-        return cls(Ring(dims.ring, dims.ring_rank, peers, dims.ring_group))
+        return cls(Ring(dims.ring, dims.ring_rank, peers, dims.ring_group), dims.sp_comm.agreed)
 
     def __call__(self, module, query, key, value, attention_mask, *, position_ids=None, scaling=None,
                  sliding_window=None, softcap=None, dropout=0.0, s_aux=None, is_causal=None, **_unused):
@@ -96,8 +99,11 @@ class RingAttention:
         if position_ids is None:
             raise ModelError("ring attention needs position_ids at every attention call (documents and positions "
                              "come from them); this model does not pass them to attention: use --sp-ring 1.")
-        window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
+        window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device,
+                                  self.agreed)
         self._check_zigzag(position_ids)
+        if getattr(attention_mask, "chunk", None):  # the model's chunked attention (Llama-4): each chunk a document
+            position_ids = chunk_positions(position_ids, attention_mask.chunk)
         batch, heads, n, dim = query.shape
         kv_heads = key.shape[1]
         layout = SequenceLayout(n * self.ring.size, self.ring.size, 1, self.ring.size)
@@ -137,10 +143,17 @@ class RingAttention:
             by_piece[r], by_piece[2 * self.ring.size - 1 - r] = e[:, 0], e[:, 1]
         for before, piece in zip(by_piece, by_piece[1:]):
             bad = bad or bool(((piece[:, 0] != 0) & (piece[:, 0] != before[:, 1] + 1)).any())
-        if bad:
-            raise DataError("ring attention got position_ids out of its zigzag order (or a packed document not "
-                            "starting at position 0): shard batches with SPDataAdapter / shard_batch given the ring "
-                            "(ParallelDims.ring), and restart each document's positions at 0.")
+
+        def check() -> None:  # `bad` from the gathered ends is alike on every rank; from this rank's pieces, not
+            if bad:
+                raise DataError("ring attention got position_ids out of its zigzag order (or a packed document not "
+                                "starting at position 0): shard batches with SPDataAdapter / shard_batch given the "
+                                "ring (ParallelDims.ring), and restart each document's positions at 0.")
+
+        if self.agreed is not None:
+            self.agreed(check)
+        else:
+            check()
         self._checked = positions_Bn
 
 

@@ -583,23 +583,29 @@ class ModelMask:
     def __getitem__(self, index: Any) -> Any:
         raise MaskTensorUse(_MASK_TENSOR_MESSAGE.format(what="slices the mask"))
 
-    def window_for(self, position_ids_BS: Tensor | None, seq: int, device: Any = None) -> int | None:
+    def window_for(self, position_ids_BS: Tensor | None, seq: int, device: Any = None,
+                   agreed: Callable[[Callable[[], None]], None] | None = None) -> int | None:
+        """`agreed`: under sequence parallelism, runs the check so that every rank of the group ends alike (each
+        checks its own shard, and one may refuse what another accepts: lstune.parallel.comm.Communicator.agreed)."""
         if self._checked is not None and self._checked[0] is position_ids_BS and self._checked[1] == seq:
             return None if self.chunk else self.local_size
         from torch._subclasses.fake_tensor import is_fake
 
+        agreed = agreed or (lambda check: check())
         if position_ids_BS is None:
             # The model does not hand position_ids to its attention: lstune sees one document per row, which is
             # right only if the model's own mask agrees (it separates packed documents when it detects them).
-            positions_BS = torch.arange(seq, device=device)[None]
-            try:
-                self._check(positions_BS)
-            except ModelError:
-                raise ModelError(_NO_POSITIONS_MESSAGE) from None
+            agreed(functools.partial(self._check_without_positions, torch.arange(seq, device=device)[None]))
         elif not is_fake(position_ids_BS) and position_ids_BS.shape[-1] == seq:
-            self._check(position_ids_BS)
+            agreed(functools.partial(self._check, position_ids_BS))
         self._checked = (position_ids_BS, seq)
         return None if self.chunk else self.local_size
+
+    def _check_without_positions(self, positions_BS: Tensor) -> None:
+        try:
+            self._check(positions_BS)
+        except ModelError:
+            raise ModelError(_NO_POSITIONS_MESSAGE) from None
 
     def _check(self, position_ids_BS: Tensor) -> None:
         """The mask is causal per document with the named window — or, failing that, chunked attention in chunks
@@ -716,11 +722,13 @@ def _sample_rows(doc_BS: Tensor, window: int | None) -> Tensor:
 
 
 def window_from_mask(
-    mask: Any, position_ids_BS: Tensor | None, sliding_window: int | None, seq: int, device: Any = None
+    mask: Any, position_ids_BS: Tensor | None, sliding_window: int | None, seq: int, device: Any = None,
+    agreed: Callable[[Callable[[], None]], None] | None = None,
 ) -> int | None:
     """The sliding window an attention call must apply: the one in the model's mask (`ModelMask`, checked), which
     must agree with the `sliding_window` the model passed to the attention call, if any (within the sequence).
-    Inside chunked attention the call sees one chunk; the mask is checked on the whole sequence the module got."""
+    Inside chunked attention the call sees one chunk; the mask is checked on the whole sequence the module got.
+    `agreed`: see `ModelMask.window_for` (a sequence-parallel caller's, which checks one shard per rank)."""
     sink = _CHUNK_SINK.get()
     if sink is not None:
         position_ids_BS, seq = sink.mask_positions, sink.mask_seq
@@ -731,7 +739,7 @@ def window_from_mask(
             "lstune attention got an explicit attention mask; it builds none itself. Mark documents with position_ids "
             "resets and ignored tokens with -100 labels instead of passing attention_mask."
         )
-    window = mask.window_for(position_ids_BS, seq, device)
+    window = mask.window_for(position_ids_BS, seq, device, agreed)
     effective = [w if w is not None and w < seq else None for w in (window, sliding_window)]
     if sliding_window is not None and effective[0] != effective[1]:
         raise ModelError(
@@ -848,27 +856,16 @@ def _text_model_type(model: Any) -> str:
 
 
 def pass_positions_to_layers(model: Any) -> list[Callable[[], None]]:
-    """Hand the body's `position_ids` to every decoder layer that is not given them (two forward pre-hooks: the body
-    records them, each layer adds them to its keyword arguments, which its attention passes on to lstune's attention
-    function). An activation-checkpoint recompute calls the layer's forward with the keywords recorded at its first
-    call. Returns the hooks' removers."""
+    """Hand the body's `position_ids` to every decoder layer that is not given them (`models.position_hooks`), whose
+    attention passes them on to lstune's attention function. Returns the hooks' removers."""
     from lstune.models.introspect import decoder_body, decoder_layers
+    from lstune.models.position_hooks import hand_on_positions
 
-    current: dict[str, Any] = {}
-
-    def record(module, args, kwargs):
-        current["position_ids"] = kwargs.get("position_ids")
-
-    def add(module, args, kwargs):
-        if kwargs.get("position_ids") is None and current.get("position_ids") is not None:
-            return args, {**kwargs, "position_ids": current["position_ids"]}
-        return None
-
-    hooks = [decoder_body(model).register_forward_pre_hook(record, with_kwargs=True)]
-    hooks += [layer.register_forward_pre_hook(add, with_kwargs=True) for layer in decoder_layers(model)]
+    layers = decoder_layers(model)
+    removers = hand_on_positions(decoder_body(model), layers)
     logger.info("lstune attention: position_ids handed to the %d decoder layers of %s (its layers drop them)",
-                len(hooks) - 1, type(model).__name__)
-    return [hook.remove for hook in hooks]
+                len(layers), type(model).__name__)
+    return removers
 
 
 def sinks_module(model: Any) -> str | None:

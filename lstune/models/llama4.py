@@ -14,8 +14,9 @@ What (instance-level, undone by `Llama4Handle.undo`), for every `Llama4TextAtten
 its structure; the multimodal model's text layers are the same class):
 
 1. a pre-hook on its decoder layer records the layer's `position_ids`; a pre-hook on the attention module hands them
-   on as the `position_ids` keyword, so they reach the attention function as in every other HF model (documents,
-   Ulysses' gathered positions, FPDT's per-chunk cut — chunked attention narrows per-token keywords);
+   on as the `position_ids` keyword (`models.position_hooks`, as for GraniteMoeHybrid's layers), so
+   they reach the attention function as in every other HF model (documents, Ulysses' gathered positions, FPDT's
+   per-chunk cut — chunked attention narrows per-token keywords);
 2. its forward is replaced by `Llama4Attention`: the module's own parts in transformers' order (q/k/v projections,
    its modeling module's `apply_rotary_emb` on the rotary layers, the L2 qk-norm, the config's attention function,
    `o_proj`) with the temperature computed from `position_ids` — each packed document's own positions, global
@@ -87,22 +88,6 @@ def llama4_attention_sites(model: nn.Module) -> list[tuple[str, nn.Module, nn.Mo
     return sites
 
 
-class _Positions:
-    """The `position_ids` of the decoder layer in flight, handed on to its attention module. An activation
-    checkpoint's recompute calls the layer again with the same keywords."""
-
-    def __init__(self) -> None:
-        self.current: Tensor | None = None
-
-    def record(self, layer: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.current = kwargs.get("position_ids", args[2] if len(args) > 2 else None)
-
-    def hand_on(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if kwargs.get("position_ids") is not None or self.current is None:
-            return None
-        return args, {**kwargs, "position_ids": self.current}
-
-
 class Llama4Attention:
     """The replaced forward of one `Llama4TextAttention`: its own parts, the temperature from `position_ids`."""
 
@@ -153,6 +138,8 @@ def install_llama4_attention(model: nn.Module, *, probe: bool = True) -> Llama4H
     """Install the position hooks and the replaced forward on every Llama-4 text attention of `model` (module doc);
     None when it has none. Each distinct kind of layer is probed against its own forward (ModelError on a
     difference, after undoing everything)."""
+    from lstune.models import position_hooks
+
     sites = llama4_attention_sites(model)
     if not sites:
         return None
@@ -160,9 +147,7 @@ def install_llama4_attention(model: nn.Module, *, probe: bool = True) -> Llama4H
     probed: set[tuple] = set()
     try:
         for name, layer, module in sites:
-            positions = _Positions()
-            handle.undos.append(layer.register_forward_pre_hook(positions.record, with_kwargs=True).remove)
-            handle.undos.append(module.register_forward_pre_hook(positions.hand_on, with_kwargs=True).remove)
+            handle.undos.extend(position_hooks.hand_on_positions(layer, [module]))
             wrapper = Llama4Attention(module, module.forward)
             handle.undos.append(_patch_forward(module, wrapper))
             handle.names.append(name)

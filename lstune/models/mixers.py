@@ -687,10 +687,15 @@ def probe_mixer(wrapper: DocumentMixer) -> None:
         got = _first(wrapper.run(x[:, shard], spans, extra), [])
     tolerance = _PROBE_RTOL.get(str(param.dtype).removeprefix("torch."), _PROBE_RTOL_LOW)
     error = float((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-12))
-    ok = error <= tolerance
-    if sp > 1:
-        ok = wrapper.exchange.all_agree(ok)
-    if not ok:
-        raise ModelError(f"lstune's per-document{' head-parallel' if sp > 1 else ''} run of {wrapper.name} "
-                         f"({type(module).__name__}) differs from its own forward on each document alone (relative "
-                         f"error {error:.1e} on this rank); train without --pack and with --sp 1.")
+
+    def check() -> None:
+        if not error <= tolerance:
+            raise ModelError(f"lstune's per-document{' head-parallel' if sp > 1 else ''} run of {wrapper.name} "
+                             f"({type(module).__name__}) differs from its own forward on each document alone "
+                             f"(relative error {error:.1e}{f' on SP rank {rank}' if sp > 1 else ''}); train without "
+                             "--pack and with --sp 1.")
+
+    if sp > 1:  # each rank compared its own shard: all refuse alike, before the next collective
+        wrapper.exchange.agreed(check)
+    else:
+        check()

@@ -19,7 +19,11 @@ import os
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+from lstune.errors import UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,26 @@ class Communicator:
         """True on every rank when `flag` is true on any of them."""
         return self.sum([1.0 if flag else 0.0])[0] > 0
 
+    def agreed(self, check: Callable[[], T]) -> T:
+        """`check()` on every rank of the group, all of them ending alike: its result where no rank's check raised a
+        UserError, else a UserError on every rank — the lowest refusing rank's own (its message, printed), a quiet
+        one of the same kind and message on the others (callers that catch it by kind see it alike). For a check
+        that sees only this rank's share (its sequence shard, its batch) before a collective that would otherwise
+        wait for a rank that left. Every rank of the group must call it at the same point; one flag (an all-reduce)
+        when all pass, the messages only when not."""
+        error = None
+        try:
+            result = check()
+        except UserError as exc:
+            error = exc
+        if not self.any(error is not None):
+            return result
+        reports = self.gather(None if error is None else (type(error), str(error), error.problems))
+        first = next(rank for rank, report in enumerate(reports) if report is not None)
+        if first == self.rank:
+            raise error
+        raise _quiet(*reports[first]) from error
+
     def barrier(self) -> None:
         if self.size > 1:
             import torch.distributed as dist
@@ -83,6 +107,15 @@ class Communicator:
         source = 0 if self.group is None else dist.get_global_rank(self.group, 0)
         dist.broadcast_object_list(box, src=source, group=self.group)
         return box[0]
+
+
+def _quiet(kind: type, message: str, problems: list[str]) -> UserError:
+    """Another rank's user error as this rank raises it: the same kind, message and problems, and quiet (the CLI
+    exits with its code without printing it again)."""
+    error = kind.__new__(kind)  # not kind(...): a kind's own constructor may build the message (ConfigError)
+    UserError.__init__(error, message, problems=problems)
+    error.quiet = True
+    return error
 
 
 # The environment variables init_process_group set for a one-process group (close_process_group removes them).

@@ -24,7 +24,6 @@ of the unpadded sample.
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from lstune.data.batch import IGNORE_INDEX
@@ -134,16 +133,25 @@ class SPDataAdapter:
         if self.dims.sp == 1:
             yield from self.loader
             return
-        for batch in itertools.chain(self.loader, [None]):
-            if batch is not None:
-                check_batch(batch)
-                batch, _ = lay_out({k: v.to(self.device) for k, v in batch.items()}, self.dims.sp, self.chunks,
-                                   self.dims.ring)
+        batches, group = iter(self.loader), self.dims.sp_comm
+        while True:
+            # Each rank reads and checks its own batch: a refusal on one is every rank's (its message), before the
+            # gather below would wait for it.
+            batch = group.agreed(lambda: self._next_laid_out(batches))
             shapes = self._gather_shapes(batch)
             if any(b == 0 for b, _ in shapes):
                 return
             for src, shape in enumerate(shapes):
                 yield self._receive(batch if src == self.dims.sp_rank else None, src, shape)
+
+    def _next_laid_out(self, batches: Iterator) -> dict[str, "torch.Tensor"] | None:
+        """This rank's next batch, checked and laid out on this rank's device; None when its loader has ended."""
+        batch = next(batches, None)
+        if batch is None:
+            return None
+        check_batch(batch)
+        batch, _ = lay_out({k: v.to(self.device) for k, v in batch.items()}, self.dims.sp, self.chunks, self.dims.ring)
+        return batch
 
     def _gather_shapes(self, batch) -> list[tuple[int, int]]:
         """(batch size, padded length) of each SP rank's batch; (0, 0) for a rank whose loader ended."""

@@ -153,6 +153,8 @@ class SequenceExchange:
         self.sp = dims.ulysses
         self.sp_rank = dims.ulysses_rank
         self.group = dims.ulysses_group
+        # The whole SP group (Ulysses × ring), whose ranks attend in step: where a check of one shard must agree.
+        self.sp_group, self.sp_whole = dims.sp_group, dims.sp
         self._positions_in: Any = None
         self._positions_out: Any = None
 
@@ -180,11 +182,13 @@ class SequenceExchange:
             warnings.simplefilter("ignore", FutureWarning)
             return all_reduce(x, group=self.group)
 
-    def all_agree(self, ok: bool) -> bool:
-        """True when `ok` holds on every rank of the SP group."""
+    def agreed(self, check):
+        """`check()` on every rank of the SP group, all ending alike (lstune.parallel.comm.Communicator.agreed): a
+        check of this rank's own shard refuses on every rank, with the refusing rank's message, before the next
+        all-to-all or ring exchange would wait for it."""
         from lstune.parallel.comm import Communicator
 
-        return not Communicator.of(self.group).any(not ok)
+        return Communicator.of(self.sp_group).agreed(check)
 
     def seq_to_heads(self, x_BHsD, counts, my_count, send_index=None):
         """`[B, H, S/sp, D]` (all heads, my shard) → `[B, h, S, D]` (my heads, whole sequence)."""
@@ -262,7 +266,7 @@ class UlyssesAttention(SequenceExchange):
             kwargs["s_aux"] = head_sinks(kwargs["s_aux"], plan.q_starts[self.sp_rank], plan.q_counts[self.sp_rank])
         # The window a model names only in its mask is read (and the mask checked) on this rank's shard.
         window = window_from_mask(attention_mask, kwargs.get("position_ids"), kwargs.get("sliding_window"),
-                                  query.shape[2], query.device)
+                                  query.shape[2], query.device, self.agreed if self.sp_whole > 1 else None)
         kwargs["sliding_window"] = window
         positions = self.full_positions(kwargs.get("position_ids"))
         if getattr(attention_mask, "chunk", None):  # chunked attention (Llama-4): each chunk a document

@@ -206,7 +206,8 @@ def load_checkpoint(
 
 
 # The train state's fields and their types: a crafted or edited trainer_state.json is refused, not a traceback.
-_TRAIN_STATE_FIELDS = {"step": int, "consumed_samples": int, "tokens_seen": int, "config": dict}
+_TRAIN_STATE_FIELDS = {"step": int, "consumed_samples": int, "tokens_seen": int, "config": dict,
+                       "stream_order": dict}
 
 
 def read_train_state(path: Path) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import partial
 from pathlib import Path
 
-from lstune.config.schema import TrainConfig
+from lstune.config.schema import DEFAULT_SHUFFLE_BUFFER, TrainConfig
 from lstune.errors import ConfigError, UserError
 
 
@@ -73,7 +73,8 @@ def check_resume_compatible(config: TrainConfig, checkpoint: Path, world_size: i
     from lstune.train.checkpoint import read_train_state, validate_checkpoint
 
     manifest = validate_checkpoint(checkpoint, verify_hashes=False)  # the hashes are checked as it loads
-    saved = read_train_state(checkpoint).get("config") or {}
+    state = read_train_state(checkpoint)
+    saved = state.get("config") or {}
     current = config.to_dict()
     problems = [
         f"--{key.replace('_', '-')} is {current.get(key)!r} but {checkpoint} was trained with {saved[key]!r} "
@@ -87,8 +88,39 @@ def check_resume_compatible(config: TrainConfig, checkpoint: Path, world_size: i
             f"{world_size}; resume with --gpus {manifest['world_size']} (DeepSpeed's shards are per process)."
         )
     problems += _zero_stage_problems(config, checkpoint)
+    problems += _stream_order_problems(config, checkpoint, state)
     if problems:
         raise ConfigError(problems)
+
+
+def stream_order(config: TrainConfig) -> dict | None:
+    """What fixes --data-streaming's sample order besides the data (a checkpoint records it: `stream_order` in its
+    train state); None for map-style data (a change of its seed on resume is allowed and said)."""
+    if not config.data.data_streaming:
+        return None
+    return {"seed": config.optim.seed, "shuffle_buffer": config.data.shuffle_buffer()}
+
+
+def _stream_order_problems(config: TrainConfig, checkpoint: Path, state: dict) -> list[str]:
+    """A streamed run resumes by replaying the stream and dropping the samples it consumed (docs/data.md): under
+    another seed or shuffle buffer the replay is another order, and the resumed run would silently train on other
+    samples than the interrupted one would have. Checkpoints from before the order was recorded: from their config."""
+    current = stream_order(config)
+    saved_config = state.get("config") or {}
+    if current is None or not saved_config.get("data_streaming"):
+        return []  # map-style data, or a change of --data-streaming (refused above)
+    saved = state.get("stream_order")
+    if not isinstance(saved, dict):
+        buffer = saved_config.get("data_shuffle_buffer")
+        buffer = DEFAULT_SHUFFLE_BUFFER if buffer is None else buffer
+        saved = {"seed": saved_config.get("seed"), "shuffle_buffer": buffer}
+    flags = {"seed": "--seed", "shuffle_buffer": "--data-shuffle-buffer"}
+    return [
+        f"{flags[key]} is {current[key]} but {checkpoint} read its --data-streaming stream with {flags[key]} "
+        f"{saved[key]}: the resumed stream would be in another order than the interrupted run's, not its "
+        f"continuation; resume with {flags[key]} {saved[key]}, or start a new run without --resume."
+        for key in flags if saved.get(key) is not None and saved.get(key) != current[key]
+    ]
 
 
 def check_resume_layout(checkpoint: Path, layout: dict) -> None:

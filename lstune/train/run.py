@@ -623,6 +623,7 @@ def _save(config, engine, state: RunState, result: TrainResult, reporter, folder
     from lstune.train.checkpoint import save_checkpoint
     from lstune.train.guard import DivergedError
     from lstune.train.outputs import write_errors
+    from lstune.train.preflight import stream_order
 
     if hasattr(engine, "weights_finite") and not engine.weights_finite():
         raise DivergedError(
@@ -638,6 +639,9 @@ def _save(config, engine, state: RunState, result: TrainResult, reporter, folder
         "layout": runtime.layout(config.parallel.metp_mlp),
         "lstune_version": __version__,
     }
+    order = stream_order(config)
+    if order is not None:  # checked against the resuming run's (lstune.train.preflight)
+        train_state["stream_order"] = order
     name = f"checkpoint-{state.step}"
     if folder is not None:
         folder.claim(name)

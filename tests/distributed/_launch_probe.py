@@ -20,4 +20,4 @@ if __name__ == "__main__":
     out.write_text(json.dumps({"rank": env.rank, "world": env.world_size, "launcher": env.launcher,
                                "backend": dist.get_backend(), "sum": total.item(), "argv": sys.argv[2:]}))
     dist.destroy_process_group()
-    sys.exit(3 if "--fail" in sys.argv else 0)
+    sys.exit(0)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 from lstune.parallel.launch import relaunch
 
@@ -16,8 +19,20 @@ def test_relaunch_runs_every_rank_with_the_same_argv(tmp_path):
                           "argv": ["train", "--gpus", "2"]}
 
 
-def test_relaunch_returns_the_failing_exit_code(tmp_path):
-    assert relaunch([str(tmp_path), "--fail"], 2, module="tests.distributed._launch_probe") != 0
+def test_a_refusal_on_one_rank_during_the_steps_stops_both_with_its_exit_code_and_one_message(tmp_path):
+    """Rank 0 refuses (exit 2, through the CLI's ending) while rank 1 waits in a collective: the launcher returns the
+    refusal's exit code with its message once, rank 1 stops at once and quietly (no traceback, no "SIGTERM
+    received"), well before the time limit."""
+    code = f"import sys; from lstune.parallel.launch import relaunch; sys.exit(relaunch([], 2, module={_PROBE!r}))"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("lstune: rank 0's sample is refused: fix the data.") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("lstune:") == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
+_PROBE = "tests.distributed._refusal_probe"
 
 
 def test_a_folder_named_lstune_in_the_working_directory_is_not_imported(tmp_path, monkeypatch):

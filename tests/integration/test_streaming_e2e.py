@@ -30,6 +30,9 @@ def test_a_streamed_run_resumes_as_if_uninterrupted(cli, tmp_path, text_data):
     losses = [m["loss"] for m in read_metrics(full)]
     assert len(losses) == 6 and len(set(losses)) > 1
     assert [m["loss"] for m in read_metrics(part)] == pytest.approx(losses, rel=1e-6)
+    # The checkpoint records the stream's order: a resume under another seed would read another stream, refused.
+    reseeded = cli("train", *common[:-1], "4", "--output-dir", part, "--resume")
+    assert reseeded.code == 2 and "--seed is 4 but" in reseeded.err and "resume with --seed 3" in reseeded.err
     # Its count of consumed samples is a position in the stream: resuming without streaming is refused.
     switched = cli("train", *TINY_MODEL, "--data", text_data, "--max-steps", "8", "--output-dir", part, "--resume")
     assert switched.code == 2 and "resume with --data-streaming, or start a new run" in switched.err

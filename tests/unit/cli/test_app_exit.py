@@ -89,3 +89,23 @@ def test_a_sigterm_while_an_error_is_reported_is_ignored(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         app.main(["train"])
     assert exc.value.code == 2 and "no token to train on" in capsys.readouterr().err
+
+
+def test_a_sigterm_while_a_lost_peer_propagates_leaves_quietly(monkeypatch, hard_exits, capsys):
+    """A rank whose collective failed because the refusing rank left, then got the launcher's SIGTERM on the way out:
+    it exits quietly as a lost peer (the refusing rank's message is the one the user reads), not with "SIGTERM
+    received before training started" and exit 130."""
+    from lstune.parallel.agent import LOST_PEER_EXIT
+    from lstune.train.signals import Terminated
+
+    def interrupted(*args, **kwargs):
+        try:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+        finally:
+            raise Terminated("SIGTERM")
+
+    monkeypatch.setattr(app, "_launched_group_alive", lambda: True)
+    monkeypatch.setattr(app, "app", interrupted)
+    with pytest.raises(_Exited):
+        app.main(["train"])
+    assert hard_exits[0] == LOST_PEER_EXIT and capsys.readouterr().err == ""  # the first os._exit ends it

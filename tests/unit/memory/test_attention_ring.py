@@ -70,3 +70,32 @@ def test_a_ring_called_by_chunked_attention_refuses_rather_than_attend_one_chunk
     with chunked_attention_calls(object()), pytest.raises(ModelError, match="does not run under ring attention"):
         RingAttention(Ring(1, 0, (0,)))(types.SimpleNamespace(is_causal=True), q, k, v, None,
                                         position_ids=torch.arange(4)[None])
+
+
+def test_a_ring_of_one_keeps_the_models_chunked_attention_mask():
+    """Ring attention registered alone (library use) with Llama-4's chunked mask attends within chunks, as lstune's
+    attention function does: each document cut every 4 positions (a mask that ignored them would differ)."""
+    import types
+
+    import torch
+
+    from lstune.memory.attention_ring import RingAttention
+    from lstune.memory.rotation import Ring
+    from lstune.models.attention import ModelMask, lstune_attention_forward
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 24, 8, generator=g) for h in (4, 2, 2))
+    positions = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    key_S = torch.arange(24) - positions[0] % 4  # one value per chunk of a document
+
+    def chunked(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (key_S[q_idx] == key_S[kv_idx])
+
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    ring, _ = RingAttention(Ring(1, 0, (0,)))(module, q, k, v, ModelMask(chunked, 4, chunk_first=True),
+                                              position_ids=positions)
+    chunks, whole_documents = (
+        lstune_attention_forward(module, q, k, v, mask, position_ids=positions, backend="sdpa")[0]
+        for mask in (ModelMask(chunked, 4, chunk_first=True), None))
+    torch.testing.assert_close(ring, chunks, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(chunks, whole_documents, atol=1e-3)

@@ -124,7 +124,9 @@ def test_a_temperature_from_the_token_index_would_fail(monkeypatch):
 
 def test_positions_not_handed_to_attention_would_fail(monkeypatch):
     """Mutation: without the hooks the attention sees no position_ids, so packed documents are refused as before."""
-    monkeypatch.setattr(llama4._Positions, "hand_on", lambda self, module, args, kwargs: None)
+    from lstune.models import position_hooks
+
+    monkeypatch.setattr(position_hooks, "hand_on_positions", lambda source, targets: [])
     with pytest.raises(ModelError, match="does not pass position_ids"):
         _lstune(_model(), "packed", None)
 

@@ -148,6 +148,38 @@ def test_a_deepspeed_checkpoint_of_another_zero_stage_is_refused_up_front(tmp_pa
     check_resume_compatible(build_config(flags={"zero_stage": "3", "data": ["builtin:passkey"]}), checkpoint, 1)
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["stream-order", "older-checkpoint-config"])
+def test_a_streamed_resume_under_another_seed_or_shuffle_buffer_is_refused_up_front(tmp_path, recorded):
+    """--data-streaming resumes by replaying the stream: another --seed or --data-shuffle-buffer would replay another
+    order (not the interrupted run's continuation), so it is refused naming both values and the fix. A checkpoint
+    written before the order was recorded is checked against its config (a None buffer: the default)."""
+    from lstune.config.load import build_config
+    from lstune.config.schema import DEFAULT_SHUFFLE_BUFFER
+    from lstune.errors import ConfigError
+    from lstune.train.preflight import check_resume_compatible, stream_order
+
+    def config(**flags):
+        return build_config(flags={"data": ["a.jsonl"], "data_streaming": True, "max_steps": 4, **flags})
+
+    saved = config(seed=42)
+    train_state = {"config": {**saved.to_dict(), "data_shuffle_buffer": None}}
+    if recorded:
+        train_state["stream_order"] = stream_order(saved)
+    checkpoint = save_checkpoint(tmp_path, 2, write_state=lambda folder: None, train_state=train_state)
+    check_resume_compatible(config(seed=42), checkpoint, 1)
+    check_resume_compatible(config(seed=42, data_shuffle_buffer=DEFAULT_SHUFFLE_BUFFER), checkpoint, 1)
+    with pytest.raises(ConfigError, match=r"--seed is 7 but .* with --seed 42: .* resume with --seed 42") as seed:
+        check_resume_compatible(config(seed=7), checkpoint, 1)
+    assert "--data-shuffle-buffer" not in str(seed.value)
+    with pytest.raises(ConfigError, match=rf"--data-shuffle-buffer is 0 but .* --data-shuffle-buffer "
+                                          rf"{DEFAULT_SHUFFLE_BUFFER}: .*resume with --data-shuffle-buffer"):
+        check_resume_compatible(config(seed=42, data_shuffle_buffer=0), checkpoint, 1)
+    # Map-style data replays no stream: a changed seed is allowed there (and said, lstune.train.run.config_changes).
+    map_style = save_checkpoint(tmp_path / "map", 2, write_state=lambda folder: None,
+                                train_state={"config": build_config(flags={"data": ["a.jsonl"], "seed": 42}).to_dict()})
+    check_resume_compatible(build_config(flags={"data": ["a.jsonl"], "seed": 7}), map_style, 1)
+
+
 def test_a_train_state_without_consumed_samples_is_refused_on_resume(tmp_path):
     """The resume's data position comes from consumed_samples: a state without it is a CheckpointError (exit 2)
     naming the file and field, not a KeyError traceback."""
