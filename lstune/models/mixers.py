@@ -96,23 +96,15 @@ def _is_peft_wrapper(module: Any) -> bool:
 class DocumentPositions:
     """The `position_ids` of the forward in flight, read by a pre-hook on the decoder body (the mixers are not
     passed them), gathered across the SP group by `exchange` (global documents), and cut into document spans once
-    per forward. An activation-checkpoint recompute runs before the next forward, so it reads the same positions.
-    `outer_hook`, on the causal LM around the body, covers the LMs that do not hand position_ids to their body
-    (MambaForCausalLM, Mamba2ForCausalLM): the body's call that follows takes the LM's."""
+    per forward. An activation-checkpoint recompute runs before the next forward, so it reads the same positions."""
 
     def __init__(self, exchange: Any = None):
         self.exchange = exchange
         self.current: Any = None
-        self._outer: Any = None
         self._cache: tuple[Any, Any] = (None, None)
 
-    def outer_hook(self, module, args, kwargs):
-        self._outer = kwargs.get("position_ids")
-
     def hook(self, module, args, kwargs):
-        positions = kwargs.get("position_ids")
-        self.current = positions if positions is not None else self._outer
-        self._outer = None
+        self.current = kwargs.get("position_ids")
 
     def spans(self, batch: int, local_seq: int) -> list[list[tuple[int, int]]]:
         """Per row, the (start, end) of each document over the whole (gathered) sequence."""

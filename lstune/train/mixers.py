@@ -37,8 +37,11 @@ def install_mixers(body: "nn.Module", layers: "nn.ModuleList", *, pack: bool, ex
     """Make every convolution-owning mixer in `layers` exact with packed documents (`pack`) and under SP (`exchange`,
     lstune.parallel.ulysses.SequenceExchange, sp > 1); None when neither applies or there are none. Each installed
     wrapper is probed against the module's own forward (`probe_mixer`); a mismatch raises ModelError. `lm`: the
-    causal LM around `body`, whose position_ids reach the mixers when it does not pass them on (Mamba's)."""
+    causal LM around `body`, whose position_ids are handed on to the body where it drops them (MambaForCausalLM,
+    Mamba2ForCausalLM: `models.position_hooks`), so an LM-level call (the loss head's check, the self-check) sees
+    the documents too."""
     from lstune.memory.patching import patch_forward
+    from lstune.models.position_hooks import hand_on_positions
 
     sp = exchange.sp if exchange is not None else 1
     sites = mixer_sites(layers)
@@ -46,9 +49,10 @@ def install_mixers(body: "nn.Module", layers: "nn.ModuleList", *, pack: bool, ex
         return None
     check_token_mixers(layers, pack=pack, sp=sp)
     positions = DocumentPositions(exchange if sp > 1 else None)
-    handle = MixersHandle([], [body.register_forward_pre_hook(positions.hook, with_kwargs=True).remove])
-    if lm is not None and lm is not body:
-        handle.undos.append(lm.register_forward_pre_hook(positions.outer_hook, with_kwargs=True).remove)
+    handle = MixersHandle([], [])
+    if lm is not None and lm is not body:  # before the body's hook below, which then reads what the LM was given
+        handle.undos.extend(hand_on_positions(lm, [body]))
+    handle.undos.append(body.register_forward_pre_hook(positions.hook, with_kwargs=True).remove)
     try:
         for name, module in sites:
             wrapper = DocumentMixer(module, name, module.forward, positions, family_of(module), exchange)
