@@ -106,6 +106,38 @@ def test_mixers_with_lora_are_exact_under_sp2(pools):
     _assert_exact(results)
 
 
+# The layouts attention imposes on the shards (lstune.models.chunk_layout), which the mixers put back in time order on
+# each head's gathered timeline: FPDT's pieces (chunked attention, 2 chunks per rank at SP 2: pieces of 16 tokens
+# interleaved over the ranks) and Ulysses × ring's zigzag ((1, 2) at SP 2, (2, 2) at SP 4: 4 pieces of 16, ring
+# position r holding pieces r and 3 − r); a Gated DeltaNet, a Mamba-2 and a Mamba-1 model (its x_proj summed over the
+# whole SP group), long and packed.
+CHUNKED = dict(attn_chunks=2, tiled_mlp="off", tiled_loss="off", checkpointing=False)
+LAYOUTS = {2: {"chunks-2": (1, CHUNKED), "ring-1x2": (2, None)}, 4: {"ring-2x2": (2, None)}}
+LAYOUT_TYPES = ["qwen3_next", "bamba", "jamba"]
+
+
+def _layouts_worker(rank: int, world: int, model_types: list[str]) -> dict:
+    import logging
+    import warnings
+
+    from tests.distributed._helpers import compare_sp_with_hf, lstune_sp_variant, reference_samples
+    from tests.support.archs import tiny_model
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    variants = {name: lstune_sp_variant(world, SEQ, ring=ring, memory=memory)
+                for name, (ring, memory) in LAYOUTS[world].items()}
+    return compare_sp_with_hf(model_types, reference_samples(SEQ, DOCS), variants,
+                              build=lambda model_type: tiny_model(model_type, attn="eager"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_mixers_are_exact_under_fpdt_and_ring_layouts(pools, world):
+    results = pools[world].run(_layouts_worker, LAYOUT_TYPES, timeout=600)[0]
+    assert len(results) == len(LAYOUT_TYPES) * 2 * len(LAYOUTS[world])
+    _assert_exact(results)
+
+
 def _broken_view_worker(rank: int, world: int) -> str:
     """A view that reads the wrong heads' channels: the probe at install time refuses it, naming the module."""
     from lstune.errors import ModelError

@@ -426,8 +426,6 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
             from lstune.memory.block_attention import block_attention
             from lstune.models.attention import use_lstune_attention
 
-            from lstune.train.prepare import _check_mixer_layout
-
             parts = find_parts(model)
             mixers = install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims),
                                     lm=parts.lm)
@@ -436,8 +434,8 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
             step, chunks = causal_lm_loss_sum, None
             if TECHNIQUES[technique] is not None:
                 plan = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SP_SEQ // world)
-                if mixers is not None:  # as train's prepare: FPDT's pieces under SP refused beside the mixers
-                    _check_mixer_layout(mixers, plan, world)
+                if mixers is not None:  # as train's prepare: the mixers take the shards in FPDT's pieces
+                    mixers.follow(plan.attn_chunking)
                 step, chunks = plan.loss_sum, plan.attn_chunking  # chunks: the shards are FPDT's pieces
             shard = shard_batch(batch, dims.sp, dims.sp_rank, chunks)
             return step(model, shard)[0], shard

@@ -160,22 +160,67 @@ def test_a_meta_model_gets_its_mixers_without_a_probe():
     assert install_mixers(parts.body, parts.layers, pack=True).names == ["layers.0.linear_attn"]
 
 
-def test_chunked_attention_under_sp_is_refused_on_a_model_with_mixers():
-    """FPDT's layout gives each rank non-contiguous pieces, which the head-parallel mixers cannot take."""
+# Gathered shards (every rank's, in rank order): 8 tokens on 2 ranks as FPDT's pieces of 2 tokens with 2 chunks per rank
+# (rank r holds pieces r and r + 2) and as a ring of 2's zigzag (ring position r holds pieces r and 3 − r); 16 tokens
+# on 2 Ulysses × 2 ring ranks (SP rank 2·r + u holds half u of ring position r's two pieces of 4).
+GATHERED = {"fpdt": (2, 1, 2, [0, 1, 4, 5, 2, 3, 6, 7]), "ring": (2, 2, None, [0, 1, 6, 7, 2, 3, 4, 5]),
+            "contiguous": (2, 1, None, list(range(8))),
+            "ring-2x2": (4, 2, None, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])}
+
+
+@pytest.mark.parametrize("layout", list(GATHERED))
+def test_the_shard_order_puts_the_gathered_shards_in_time_order(layout):
+    """What the head-parallel mixers do after the all-to-all: the gathered tokens in global order, and back."""
+    from lstune.models.chunk_layout import AttentionChunks
+
+    sp, ring, chunks, gathered = GATHERED[layout]
+    order = mixers.ShardOrder(sp, ring, AttentionChunks(chunks) if chunks else None)
+    if layout == "contiguous":
+        assert order.gathered_index(len(gathered) // sp, "cpu") is None
+    x = torch.tensor([gathered]).unsqueeze(-1) * 10
+    assert order.to_global(x)[0, :, 0].tolist() == [10 * i for i in range(len(gathered))]
+    assert torch.equal(order.to_gathered(order.to_global(x)), x)
+
+
+def test_a_shard_not_laid_out_for_the_ring_is_refused():
+    from lstune.errors import DataError
+
+    with pytest.raises(DataError, match=r"3-token shard on 2 ranks is not laid out for ring attention.s zigzag"
+                                        r".*SPDataAdapter"):
+        mixers.ShardOrder(2, 2).layout(3)
+
+
+def test_the_mixers_follow_chunked_attentions_layout_under_sp():
+    """prepare hands the memory plan's chunking to the mixers (their order follows it); nothing in one process."""
     from types import SimpleNamespace
 
     from lstune.models.chunk_layout import AttentionChunks
     from lstune.train.mixers import MixersHandle
-    from lstune.train.prepare import _check_mixer_layout
+    from lstune.train.prepare import _follow_attention_layout
 
-    undone = []
-    memory = SimpleNamespace(attn_chunking=AttentionChunks(setting=3), undo=lambda: undone.append(True))
-    handle = MixersHandle(["layers.0.linear_attn"], [])
-    _check_mixer_layout(handle, memory, sp=1)
-    _check_mixer_layout(handle, SimpleNamespace(attn_chunking=AttentionChunks()), sp=2)
-    with pytest.raises(ModelError, match=r"layers\.0\.linear_attn.*--attn-chunks off, or --sp 1"):
-        _check_mixer_layout(handle, memory, sp=2)
-    assert undone == [True]
+    chunks = AttentionChunks(setting=2)
+    handle = MixersHandle(["layers.0.linear_attn"], [], [], mixers.ShardOrder(2), probe=False)
+    _follow_attention_layout(handle, SimpleNamespace(attn_chunking=chunks))
+    assert handle.order.chunks is chunks and handle.order.describe() == "chunked attention's pieces (2 chunks)"
+    alone = MixersHandle(["layers.0.linear_attn"], [], [], mixers.ShardOrder(1), probe=False)
+    _follow_attention_layout(alone, SimpleNamespace(attn_chunking=chunks))
+    assert alone.order.chunks is None
+
+
+def test_too_few_mixer_heads_for_the_whole_sp_group_of_a_ring_are_refused():
+    """Under a ring the mixers split their heads over the whole SP group (Ulysses × ring), which may exceed them."""
+    from types import SimpleNamespace
+
+    from lstune.parallel.ulysses import SequenceExchange
+
+    dims = SimpleNamespace(sp=8, sp_rank=0, sp_group=None, ring=2, ulysses=4, ulysses_rank=0, ulysses_group=None)
+    exchange = SequenceExchange(dims)
+    assert (exchange.sp, exchange.ring) == (8, 2)
+    assert SequenceExchange(dims, ulysses_only=True).sp == 4
+    layers = find_parts(tiny_model("qwen3_next")).layers  # 6 key heads
+    with pytest.raises(ModelError, match=r"SP degree 8 is larger than the 6 heads of layers\.0\.linear_attn "
+                                         r"\(Qwen3NextGatedDeltaNet\).*--sp-ring 2.*use --sp 6 or less"):
+        mixers.check_token_mixers(layers, pack=False, sp=8, exchange=exchange)
 
 
 def test_granitemoehybrid_layers_get_position_ids_and_the_hooks_undo():
