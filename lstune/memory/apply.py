@@ -312,6 +312,9 @@ def _apply_mlp(plan: MemoryPlan, probing: bool) -> None:
     installed = _install_verified(plan.parts, policy, fused, plan.attn_chunking)
     plan.fused_norms = {t.layer_index: _names(t, layers) for t in installed if t.pre_norm or t.post_norm}
     plan._undos.append(lambda: tiled_mlp_mod.undo_tiled_blocks(installed))
+    if not installed:  # every block holds a token mixer alone (Mamba): nothing to tile
+        logger.info("tiled MLP: no layer has an MLP (its blocks hold a token mixer alone); nothing to tile")
+        return
     block = installed[0].block
     plan.mlp_tiles = policy.tiles(plan.seq_len, width=tiled_mlp_mod.widest_row(block))
     logger.info("tiled MLP: %s on %d layers (%d tiles at %d tokens)",

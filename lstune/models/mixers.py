@@ -31,10 +31,11 @@ Such a mixer is found structurally (the module that owns a convolution inside a 
 
 Each installed wrapper is checked at once by a probe (`probe_mixer`): on a few tokens holding a document boundary
 and, under SP, every rank's shard boundary, its output must equal the module's own forward on each document alone.
-MiniMax's lightning attention owns no convolution and is recognised by its structure (`LIGHTNING`). Mamba-1 (Jamba)
-splits by channel, its `x_proj` (which reads every channel of a token) summed over the ranks. A convolution-owning
-module of no known family (Mamba's and FalconMamba's mixers, which have no attention heads and stay at SP 1 anyway) is
-refused under SP with its name; with packing alone any such module runs per document (the probe still checks it).
+MiniMax's lightning attention owns no convolution and is recognised by its structure (`LIGHTNING`). Mamba-1 (Jamba,
+Mamba, FalconMamba) splits by channel, its `x_proj` (which reads every channel of a token) summed over the ranks; a
+model with no attention heads (Mamba, FalconMamba, Mamba2) takes its SP degree from its mixers' units
+(`lstune.models.introspect.mixer_units`). A convolution-owning module of no known family is refused under SP with its
+name; with packing alone any such module runs per document (the probe still checks it).
 """
 
 from __future__ import annotations
@@ -514,13 +515,14 @@ KDA = MixerFamily("KDA", _kda_matches, lambda m: m.num_heads, _kda_streams, _kda
                   ("kimi_linear",))
 
 
-# Mamba-1 (Jamba): unit = one channel; per unit x | gate. Its x_proj reads every channel of a token, so the view's
-# x_proj is the rank's channels' share, summed over the SP group (an all-reduce on the rank's whole timeline, small:
-# dt_rank + 2·N per token); dt_proj's rows, A_log, D and the conv are sliced per channel.
+# Mamba-1 (Jamba, Mamba, FalconMamba): unit = one channel; per unit x | gate. Its x_proj reads every channel of a
+# token, so the view's x_proj is the rank's channels' share, summed over the SP group (an all-reduce on the rank's
+# whole timeline, small: dt_rank + 2·N per token); dt_proj's rows, A_log, D and the conv are sliced per channel. The
+# norms Jamba and FalconMamba apply to dt, B and C (per token, over those summed features) stay the module's own.
 
 def _mamba1_matches(m: Any) -> bool:
-    return (_has(m, "in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "dt_layernorm", "b_layernorm",
-                 "c_layernorm", "intermediate_size", "time_step_rank", "ssm_state_size") and _plain_conv(m.conv1d)
+    return (_has(m, "in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "intermediate_size",
+                 "time_step_rank", "ssm_state_size") and _plain_conv(m.conv1d)
             and m.conv1d.in_channels == m.intermediate_size and getattr(m.x_proj, "bias", 0) is None
             and getattr(m.in_proj, "out_features", None) == 2 * m.intermediate_size)
 
@@ -557,7 +559,7 @@ def _mamba1_view(module, start, count, like, exchange):
 
 
 MAMBA1 = MixerFamily("Mamba-1", _mamba1_matches, lambda m: m.intermediate_size, _mamba1_streams, _mamba1_view,
-                     _out_proj_finish, ("jamba",), reduces=True)
+                     _out_proj_finish, ("jamba", "mamba", "falcon_mamba"), reduces=True)
 
 
 # Lightning attention (MiniMax): unit = one head; per unit its q | k | v before the activation. The per-head decays
@@ -701,8 +703,8 @@ def check_token_mixers(layers: "nn.ModuleList", *, pack: bool, sp: int, exchange
     if unknown:
         where = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         problem = (f"this model mixes tokens with convolutions or a recurrent state in {where}, whose structure "
-                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, KDA, Mamba-2, Jamba's "
-                   "Mamba-1, ShortConv and lightning attention), so "
+                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, KDA, Mamba-2, Mamba-1, "
+                   "ShortConv and lightning attention), so "
                    "under sequence parallelism it would miss the other ranks' tokens; use --sp 1 (or --gpus 1).")
         raise ModelError(problem, problems=[problem])
     if exchange is not None:

@@ -47,14 +47,17 @@ class MixersHandle:
 
 
 def install_mixers(body: "nn.Module", layers: "nn.ModuleList", *, pack: bool, exchange: Any = None,
-                   probe: bool = True, chunks: Any = None) -> MixersHandle | None:
+                   probe: bool = True, chunks: Any = None, lm: "nn.Module | None" = None) -> MixersHandle | None:
     """Make every convolution-owning mixer in `layers` exact with packed documents (`pack`) and under SP (`exchange`,
     lstune.parallel.ulysses.SequenceExchange over the whole SP group, sp > 1, its ring part included); None when
     neither applies or there are none. Under SP the shards may be laid out in pieces (a ring's zigzag; FPDT's with
     chunked attention `chunks`, or later through `MixersHandle.follow`): the mixers put each head's gathered timeline
     in global order (`ShardOrder`). Each installed wrapper is probed against the module's own forward
-    (`probe_mixer`); a mismatch raises ModelError."""
+    (`probe_mixer`); a mismatch raises ModelError. `lm`: the causal LM around `body`, whose position_ids are handed
+    on to the body where it drops them (MambaForCausalLM, Mamba2ForCausalLM: `models.position_hooks`), so an
+    LM-level call (the loss head's check, the self-check) sees the documents too."""
     from lstune.memory.patching import patch_forward
+    from lstune.models.position_hooks import hand_on_positions
 
     sp = exchange.sp if exchange is not None else 1
     sites = mixer_sites(layers)
@@ -63,8 +66,10 @@ def install_mixers(body: "nn.Module", layers: "nn.ModuleList", *, pack: bool, ex
     check_token_mixers(layers, pack=pack, sp=sp, exchange=exchange)
     order = ShardOrder(sp, exchange.ring if sp > 1 else 1, chunks)
     positions = DocumentPositions(exchange if sp > 1 else None, order)
-    handle = MixersHandle([], [body.register_forward_pre_hook(positions.hook, with_kwargs=True).remove], [], order,
-                          probe)
+    handle = MixersHandle([], [], [], order, probe)
+    if lm is not None and lm is not body:  # before the body's hook below, which then reads what the LM was given
+        handle.undos.extend(hand_on_positions(lm, [body]))
+    handle.undos.append(body.register_forward_pre_hook(positions.hook, with_kwargs=True).remove)
     try:
         for name, module in sites:
             wrapper = DocumentMixer(module, name, module.forward, positions, family_of(module), exchange)

@@ -188,7 +188,7 @@ def _install_mixers(parts, config: TrainConfig, runtime):
         from lstune.parallel.ulysses import SequenceExchange
 
         exchange = SequenceExchange(runtime.dims)
-    return install_mixers(parts.body, parts.layers, pack=config.data.pack, exchange=exchange)
+    return install_mixers(parts.body, parts.layers, pack=config.data.pack, exchange=exchange, lm=parts.lm)
 
 
 def _follow_attention_layout(mixers, memory) -> None:

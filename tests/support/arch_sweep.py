@@ -315,7 +315,7 @@ def _lstune(model: Any, technique: str, data: str, batch: dict, training: bool =
 
     check_attention_support(model.config, pack=data == "packed", seq_len=SEQ, backend="sdpa", device="cpu")
     parts = find_parts(model)
-    install_mixers(parts.body, parts.layers, pack=data == "packed")
+    install_mixers(parts.body, parts.layers, pack=data == "packed", lm=parts.lm)
     use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
     step = causal_lm_loss_sum
     if TECHNIQUES[technique] is not None:
@@ -427,7 +427,8 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
             from lstune.models.attention import use_lstune_attention
 
             parts = find_parts(model)
-            mixers = install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims))
+            mixers = install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims),
+                                    lm=parts.lm)
             use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
             apply_ulysses(model, dims)
             step, chunks = causal_lm_loss_sum, None

@@ -135,3 +135,13 @@ def test_the_conv_and_state_rows_are_separate_in_a_hybrids_layer_backward():
                               settings, 2, 2))
     conv = [value for name, value in parts.items() if "short convolution" in name]
     assert conv == [10240 * (2 * S + 3) * 2] and parts[STATE_PART] == 4 * 48 * 128 * 128 * (S // 64)
+
+
+def test_an_attention_free_model_is_refused_by_the_estimate_with_a_user_error():
+    """No byte model of a pure state-space model yet: a clear refusal (exit 2), not a ValueError traceback."""
+    from transformers import MambaConfig
+
+    from lstune.errors import ModelError
+
+    with pytest.raises(ModelError, match="no byte model of a model without attention heads \\(mamba"):
+        ModelShape.from_config(MambaConfig(hidden_size=32, num_hidden_layers=2))
