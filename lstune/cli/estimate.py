@@ -116,7 +116,8 @@ def _render_sequence_parallel(report: dict) -> None:
             "not overlapped)")
     if t["ring"] > 1:
         line += (f", ring K/V {human_bytes(t['ring_bytes'])} (~{t['ring_s']:.0f} s, "
-                 + ("hidden under the hops' attention)" if t["ring_overlap"] else "longer than the hops' attention)"))
+                 + ("all-gathered per attention chunk, not overlapped)" if t.get("ring_gathered") else
+                    "hidden under the hops' attention)" if t["ring_overlap"] else "longer than the hops' attention)"))
     lines = [line]
     if t["metp_bytes"]:
         lines[0] += f", METP MLP shards {human_bytes(t['metp_bytes'])} (~{t['metp_s']:.0f} s)"

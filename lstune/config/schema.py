@@ -672,11 +672,6 @@ class TrainConfig:
                 f"--save-every {save_every} is more than --max-steps {max_steps}: no checkpoint would be saved "
                 "before the end; lower it."
             )
-        if parallel.sp_ring != 1 and self.memory.attn_chunks not in ("auto", "off"):
-            problems.append(f"--attn-chunks {self.memory.attn_chunks} does not combine with ring attention (--sp-ring "
-                            f"{parallel.sp_ring}) yet: its chunks read the earlier chunks' K/V from the rank's own "
-                            "store, which a ring spreads over its positions (docs/parallel.md). Use --attn-chunks off, "
-                            "or --sp-ring 1.")
         if self.run.eval_every is not None and not self.data.has_eval():
             problems.append("--eval-every needs validation data: add --eval-data SOURCE or --eval-split 0.01.")
         if parallel.metp_mlp and (self.memory.tiled_mlp not in ("auto", "off") or self.memory.mini_sequence is True):

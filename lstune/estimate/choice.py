@@ -13,7 +13,7 @@ from lstune.errors import ConfigError
 from lstune.estimate.hardware import Cluster
 from lstune.estimate.memory import LOSS_TILE_BYTES, Engine, Settings, breakdown, loss_backend, size_text
 from lstune.estimate.settings import (AUTO_HEADROOM, device_capacity, device_target, fits, host_capacity, host_limit,
-                                      ladder, resolve_ring, settings)
+                                      ladder, settings)
 from lstune.estimate.shapes import ModelShape, ParamCounts
 
 
@@ -240,8 +240,6 @@ def chunk_options(config: TrainConfig, hardware: Cluster, shape: ModelShape, sp:
     setting = config.memory.attn_chunks
     if setting != "auto":
         return [setting]
-    if sp > 1 and resolve_ring(config, hardware, sp) > 1:
-        return ["off"]  # chunked attention is refused under a ring (lstune.memory.attention_ring)
     from lstune.memory.offload_math import auto_chunk_tokens
 
     d = hardware.device

@@ -244,8 +244,7 @@ def forget_byte_models() -> None:
 
 @lru_cache(maxsize=8192)
 def _breakdown(shape: ModelShape, params: ParamCounts, s: Settings) -> Breakdown:
-    # Chunked attention does not combine with a ring (lstune.train refuses it): unchunked there.
-    chunks = 1 if s.ring > 1 else attn_chunk_count(s.attn_chunks, shape, ceil_div(s.seq_len, s.sp))
+    chunks = attn_chunk_count(s.attn_chunks, shape, ceil_div(s.seq_len, s.sp))
     s = replace(s, attn_chunk_count=chunks)
     b = Breakdown(dtypes=dtypes(s), attn_chunks=s.attn_chunk_count)
     _static(b, shape, params, s)
@@ -521,8 +520,9 @@ def _saved_attention(b: Breakdown, shape: ModelShape, s: Settings, placement, ac
         return lambda phase: ("saved attention (none: recomputed)", 0)
     t = s.local_tokens
     if s.attn_chunk_count > 1:
-        per_token_host = _chunks_saved_per_token(shape, act, res) if s.offload_checkpoints else 0
-        per_token_device = 16 + (0 if s.offload_checkpoints else _chunks_saved_per_token(shape, act, res))
+        per_token_host = _chunks_saved_per_token(shape, act, res, s.ring) if s.offload_checkpoints else 0
+        per_token_device = _chunk_ids_per_token(s) + (
+            0 if s.offload_checkpoints else _chunks_saved_per_token(shape, act, res, s.ring))
     else:
         per_token_host = per_token_device = shape.q_width * act + 4 * shape.heads
     fractions = placement.host_fraction if placement is not None else (0.0,) * shape.layers
@@ -769,11 +769,18 @@ def _lora_dropout_replay(shape: ModelShape, s: Settings, act: int) -> int:
     return (4 + act + 4) * max(t * max(shape.hidden, shape.q_width), mlp)
 
 
-def _chunks_saved_per_token(shape: ModelShape, act: int, res: int) -> int:
+def _chunks_saved_per_token(shape: ModelShape, act: int, res: int, ring: int = 1) -> int:
     """What FPDT saves per token of a layer (lstune.memory.attention_chunks): k, v and the attention output, and the
     output's log-sum-exp in fp32 (one per head). k and the output are in the rotated q/k's dtype (`_rotated`), v in
-    the activation dtype (a fused qkv projection's v is saved as its own copy, not as a view of the whole output)."""
-    return sum(_chunk_items(shape, act, res)[0])
+    the activation dtype (a fused qkv projection's v is saved as its own copy, not as a view of the whole output).
+    Under a ring of R each chunk's k and v are the whole chunk's, gathered over the ring: R times a rank's tokens."""
+    return sum(_chunk_items(shape, act, res, ring)[0])
+
+
+def _chunk_ids_per_token(s: Settings) -> int:
+    """The token ids FPDT keeps per token (int64 global index and document key, on the device); under a ring of R
+    the keys' for the gathered chunk (R times a rank's tokens) beside the queries' own."""
+    return 16 * (s.ring + 1) if s.ring > 1 else 16
 
 
 def _chunks_backward_per_token(shape: ModelShape, act: int, res: int) -> int:
@@ -782,11 +789,12 @@ def _chunks_backward_per_token(shape: ModelShape, act: int, res: int) -> int:
     return sum(_chunk_items(shape, act, res)[1])
 
 
-def _chunk_items(shape: ModelShape, act: int, res: int) -> tuple[list[int], list[int]]:
+def _chunk_items(shape: ModelShape, act: int, res: int, ring: int = 1) -> tuple[list[int], list[int]]:
     """Bytes per token of each tensor the chunk store keeps per chunk: (saved in forward: k, v, output, lse;
-    stored in backward: q, dO, rowsums, dq) — `_chunks_saved_per_token` and `_chunks_backward_per_token`."""
+    stored in backward: q, dO, rowsums, dq) — `_chunks_saved_per_token` and `_chunks_backward_per_token`. Under a
+    ring of R, k and v per token of the rank: the gathered chunk's, R times its own."""
     rotated = _rotated(act, res)
-    saved = [rotated * shape.kv_width, act * shape.kv_width, rotated * shape.q_width, 4 * shape.heads]
+    saved = [rotated * shape.kv_width * ring, act * shape.kv_width * ring, rotated * shape.q_width, 4 * shape.heads]
     return saved, [rotated * shape.q_width, rotated * shape.q_width, 4 * shape.heads, 4 * shape.q_width]
 
 
@@ -814,10 +822,10 @@ def chunk_host_bytes(shape: ModelShape, s: Settings) -> int:
     if s.attn_chunk_count <= 1 or not s.offload_checkpoints:
         return 0
     act, res = dtypes(s)["act"], dtypes(s)["residual"]
-    saved, stored = _chunk_items(shape, act, res)
+    saved, stored = _chunk_items(shape, act, res, s.ring)
     chunks, c = s.attn_chunk_count, _chunk_tokens(s)
     copies = sum(host_copy_bytes(c * item, 1, pinned=s.on_cuda) for item in saved + stored)
-    return chunks * copies + c * 8 * shape.kv_width
+    return chunks * copies + c * 8 * shape.kv_width * s.ring
 
 
 def _score_tiles(shape: ModelShape, s: Settings) -> int:
@@ -828,12 +836,16 @@ def _score_tiles(shape: ModelShape, s: Settings) -> int:
     six. Plus the bool mask of the block [batch, chunk, chunk]. Under Ulysses a block is every rank's chunk m (SP
     times the tokens) and the rank's heads / SP. Blocks inside one document take the flash kernel where its probe
     passes (attention_blocks.block_kind), which holds no score tiles: counted as the PyTorch kernel's, an upper
-    bound (a block across packed documents runs that kernel; so does every block of the fake-tensor trace)."""
-    b, n, heads = s.micro_batch, s.sp * _sample_chunk(s), max(1, shape.heads // s.sp)
-    rows = max(1, (1 << 26) // max(1, b * heads * n))
-    row_tiles = ceil_div(n, rows)
-    tile = b * heads * ceil_div(n, row_tiles) * n * 4
-    return (6 if row_tiles > 1 else 5) * tile + b * n * n
+    bound (a block across packed documents runs that kernel; so does every block of the fake-tensor trace). Under
+    Ulysses U × ring R a block's queries are the U ranks' chunk m (U times the tokens, the rank's heads / U) and its
+    keys the whole gathered chunk (SP times): the diagonal block, their zigzag pieces against it, runs this kernel."""
+    ulysses = s.sp // s.ring
+    b, c, heads = s.micro_batch, _sample_chunk(s), max(1, shape.heads // ulysses)
+    n_q, n_k = ulysses * c, s.sp * c
+    rows = max(1, (1 << 26) // max(1, b * heads * n_k))
+    row_tiles = ceil_div(n_q, rows)
+    tile = b * heads * ceil_div(n_q, row_tiles) * n_k * 4
+    return (6 if row_tiles > 1 else 5) * tile + b * n_q * n_k
 
 
 def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
@@ -860,10 +872,11 @@ def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
     # The input norm's output (the Function's input, in the residual's dtype), its fp32 copy of a 16-bit input, and
     # for a trainable weight the normalised input its gradient needs.
     norm = 0 if fused else t * (_norm_upcast(res) + res + (0 if s.lora_r else res)) * h
-    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act, res)
+    chunks_saved = 0 if offload else t * _chunks_saved_per_token(shape, act, res, s.ring)
     where = "on the host" if offload else "on the device"
     saved = (f"layer backward: chunked attention saved ({s.attn_chunk_count} chunks; k, v, output, lse {where}"
-             + (")" if fused else "; input norm's input and output)"), norm + t * 16 + chunks_saved)
+             + (")" if fused else "; input norm's input and output)"),
+             norm + t * _chunk_ids_per_token(s) + chunks_saved)
     # The incoming gradient (and its cast to the block output's 16-bit dtype under autocast), the input's gradient.
     whole = t * h * (2 * res + (act if res > act else 0))
     backward_store = 0 if offload else t * _chunks_backward_per_token(shape, act, res)
@@ -872,9 +885,11 @@ def _chunked_attention(shape: ModelShape, p: ParamCounts, s: Settings, act: int,
     if offload and s.chunks_fetched:
         rotated = _rotated(act, res)
         query_chunk = rotated * 2 * q + 8 * heads + 4 * q  # q, dO, lse, rowsum, dq
-        fetched = 2 * c * (rotated + act) * kv + 2 * c * query_chunk
+        fetched = 2 * c * (rotated + act) * kv * s.ring + 2 * c * query_chunk
     projections = c * act * (3 * h + 3 * q + 2 * kv)
-    one_chunk = c * 24 * kv + dq_on_device + fetched + max(_score_tiles(shape, s), projections)
+    # Under a ring the key chunk is gathered (R times the tokens): its fp32 dk/dv too; the reduce-scatter sending them
+    # home (its shares and what arrives, 2 × one of them) stays below the three pairs counted here.
+    one_chunk = c * 24 * kv * s.ring + dq_on_device + fetched + max(_score_tiles(shape, s), projections)
     return saved, (f"attention's, chunked ({c:,}-token chunks: score tiles, dq/dk/dv)",
                    whole + backward_store + one_chunk)
 
@@ -967,7 +982,7 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
         norms -= res * h
     attention = act * (3 * shape.q_width + 2 * shape.kv_width)
     if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
-        attention = _chunks_saved_per_token(shape, act, res) + 16
+        attention = _chunks_saved_per_token(shape, act, res, s.ring) + _chunk_ids_per_token(s)
     # METP saves only the MLP's input (the norm's output): its steps are recomputed in backward
     mlp = 0 if s.tiled_mlp != "off" or _metp(shape, s) else act * 4 * shape.active_intermediate
     return norms + attention + mlp

@@ -263,6 +263,12 @@ def _notes(config: TrainConfig, shape: ModelShape, sp: int, world: int = 1) -> l
     return notes
 
 
+def _explicit_chunks(config: Any, sp: int) -> int:
+    """The attention chunks a `--attn-chunks N` run cuts its local sequence into (1 for off or an unresolved auto)."""
+    setting = config.memory.attn_chunks
+    return 1 if setting in ("off", "auto") else max(1, min(int(setting), math.ceil(config.data.seq_len / sp)))
+
+
 def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | None:
     """The split of `config`'s SP degree on `hardware`, one rank's traffic per step and its time (`sp_traffic`), and
     with --metp-mlp METP's MLP against ZeRO-3 + tiled MLP (`mlp_comparison`) — all PREDICTED; None without SP."""
@@ -284,7 +290,8 @@ def sp_report(config: Any, hardware: Any, model_config: Any = None) -> dict | No
     traffic = sp_traffic(shape, ring=ring, act_bytes=act, metp_mlp=bool(config.parallel.metp_mlp),
                          checkpointing=config.memory.checkpointing, micro_batches=config.optim.grad_accum * sp,
                          attention_flops_per_s=hardware.device.attention_tflops * 1e12, node_size=hardware.gpus,
-                         metp_trainable=not config.model.lora_r, **common)
+                         ring_gathered=_explicit_chunks(config, sp) > 1, metp_trainable=not config.model.lora_r,
+                         **common)
     report = {"label": "predicted", "traffic": traffic.to_dict()}
     if config.parallel.metp_mlp:
         tiles = config.memory.tiled_mlp if isinstance(config.memory.tiled_mlp, int) else max(

@@ -9,7 +9,9 @@ Bytes moved per layer, per rank, b bytes per activation element, t = B·S/SP loc
   t·(2·q + 2·kv′) elements (kv′: kv heads after replication, at least U heads' worth) — ALST; not overlapped.
 - ring (R > 1, lstune.memory.attention_ring): each hop fetches one K/V block of B·S/R tokens × 2·kv/U (forward),
   again in backward, plus its fp32 dK/dV back home: (hops − 1)·(B·S/R)·2·(kv/U)·(2·b + 4); overlapped with the
-  block compute when a hop's attention outlasts its transfer (METP's condition, Sec. 3.3).
+  block compute when a hop's attention outlasts its transfer (METP's condition, Sec. 3.3). With chunked attention
+  under the ring (`ring_gathered`) each chunk's K/V is all-gathered over the ring instead and its fp32 dK/dV
+  reduce-scattered home: the same bytes, synchronous (not overlapped).
 - METP's MLP (p = SP): (p−1)/p of the MLP weights (3·H·I elements, gated) each way in forward, twice that in backward
   (weights and fp32 gradient sums) — METP's 3·(p−1)/p·(k1·k2 + k2·n) (Table 1), independent of S.
 Activation checkpointing re-runs the forward in backward: its share once more.
@@ -40,6 +42,7 @@ class SPTraffic:
     ring_s: float
     metp_s: float
     ring_overlap: bool  # a hop's attention outlasts its transfer (the ring's time hides under compute)
+    ring_gathered: bool = False  # chunked attention under the ring: each chunk's K/V all-gathered (not overlapped)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,7 +60,8 @@ def ring_hop_count(ring: int) -> int:
 
 def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int, act_bytes: int = 2,
                metp_mlp: bool = False, checkpointing: bool = True, micro_batches: int = 1,
-               attention_flops_per_s: float = 500e12, node_size: int = 8, metp_trainable: bool = True) -> SPTraffic:
+               attention_flops_per_s: float = 500e12, node_size: int = 8, metp_trainable: bool = True,
+               ring_gathered: bool = False) -> SPTraffic:
     """The bytes one rank moves per step (`micro_batches` forward+backward passes) and their time (module doc). An
     SP group wider than a node (`node_size` GPUs) puts the ring's and METP's sends on the network. METP's gradient
     sums travel only when its shards train (`metp_trainable`; LoRA leaves them frozen)."""
@@ -82,7 +86,8 @@ def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int
     ulysses_rate = NETWORK_BYTES_PER_S if ulysses > node_size else NVLINK_BYTES_PER_S
     return SPTraffic(ulysses, ring, u_bytes, r_bytes, m_bytes, u_bytes / ulysses_rate, r_bytes / ring_rate,
                      m_bytes / ring_rate,
-                     ring <= 1 or hop_flops / attention_flops_per_s >= hop_bytes / ring_rate)
+                     ring <= 1 or (not ring_gathered and hop_flops / attention_flops_per_s >= hop_bytes / ring_rate),
+                     ring > 1 and ring_gathered)
 
 
 def ring_buffer_bytes(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int, act_bytes: int = 2) -> int:

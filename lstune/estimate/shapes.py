@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from lstune.errors import ModelError
 from lstune.models.introspect import attention_heads, is_norm
 
 # Architectures whose MLP is a plain up/act/down (two matrices); every other one is gated (SwiGLU/GeGLU: three).
@@ -66,7 +67,11 @@ class ModelShape:
         hidden = _first(c, "hidden_size", "n_embd", "d_model")
         shape = attention_heads(c)  # the widest layer's where heads vary per layer
         if shape is None:
-            raise ValueError("the model config has no attention heads (num_attention_heads)")
+            raise ModelError(f"lstune's estimate has no byte model of a model without attention heads "
+                             f"({getattr(c, 'model_type', '?')}: a pure state-space / recurrent model such as Mamba), "
+                             "and `lstune estimate` and `lstune train` plan every run with it; this is lstune's "
+                             "limitation (its byte model covers attention, MLPs and hybrids' linear layers beside "
+                             "attention).")
         heads, kv_heads, head_dim = shape
         experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
         moe_width = getattr(c, "moe_intermediate_size", None)

@@ -167,7 +167,8 @@ def _patched_here(module: "nn.Module") -> bool:
 
 
 def apply_memory_techniques(
-    model: "nn.Module", memory: MemorySection | None = None, *, seq_len: int, parts: ModelParts | None = None
+    model: "nn.Module", memory: MemorySection | None = None, *, seq_len: int, parts: ModelParts | None = None,
+    ring: int = 1,
 ) -> MemoryPlan:
     """Apply tiled MLP / mini-sequence, the loss-head tiling, checkpointing and offload to `model`.
 
@@ -176,8 +177,9 @@ def apply_memory_techniques(
     norms fused into the tiled MLP); `checkpointing`, `offload_checkpoints` and `host_mem_budget` (bytes
     of host memory offloaded checkpoints may use). `seq_len` is the local (per-rank) sequence length a
     micro-batch will have; tile counts in the plan are for it, while the installed code sizes tiles from
-    each actual batch. `parts`: the model's parts when the caller found them already. Works on
-    peft-wrapped models (LoRA applied first).
+    each actual batch. `parts`: the model's parts when the caller found them already. `ring`: the ring part of
+    the run's sequence parallelism (its attention chunks then hold the zigzag inside each chunk, and the setup
+    probes are laid out for it: `probe.probe_inputs`). Works on peft-wrapped models (LoRA applied first).
     """
     memory = memory if memory is not None else MemorySection()
     _validate(memory, seq_len)
@@ -195,7 +197,7 @@ def apply_memory_techniques(
         check_loss_config(parts.text_config)
     try:
         plan._undos.extend(share_lora_inputs(model))
-        _apply_attention_chunks(plan, memory, probing)
+        _apply_attention_chunks(plan, memory, probing, ring)
         _apply_mlp(plan, probing)
         _apply_loss(model, plan, memory.tiled_loss, probing)
         # 'auto' offload is the estimate's to resolve (lstune.estimate.choose_memory); unresolved it stays off.
@@ -226,10 +228,10 @@ def _can_probe(lm: "nn.Module") -> bool:
     return param is not None and param.device.type != "meta" and not is_fake(param)
 
 
-def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bool) -> None:
+def _apply_attention_chunks(plan: MemoryPlan, memory: MemorySection, probing: bool, ring: int = 1) -> None:
     """Chunked attention (FPDT), with the norms around each attention run per chunk when a probe confirms that is
     exact; its saved chunks go to host memory with --offload-checkpoints."""
-    chunking = chunked_attn.attention_chunking(memory.attn_chunks, plan.parts.lm.config)
+    chunking = replace(chunked_attn.attention_chunking(memory.attn_chunks, plan.parts.lm.config), ring=ring)
     setting = chunking.setting  # "off" for a model without attention
     auto_tokens = chunking.auto_tokens
     if setting == "auto" and chunked_attn.chunk_count(setting, plan.seq_len, auto_tokens) <= 1:
@@ -310,6 +312,9 @@ def _apply_mlp(plan: MemoryPlan, probing: bool) -> None:
     installed = _install_verified(plan.parts, policy, fused, plan.attn_chunking)
     plan.fused_norms = {t.layer_index: _names(t, layers) for t in installed if t.pre_norm or t.post_norm}
     plan._undos.append(lambda: tiled_mlp_mod.undo_tiled_blocks(installed))
+    if not installed:  # every block holds a token mixer alone (Mamba): nothing to tile
+        logger.info("tiled MLP: no layer has an MLP (its blocks hold a token mixer alone); nothing to tile")
+        return
     block = installed[0].block
     plan.mlp_tiles = policy.tiles(plan.seq_len, width=tiled_mlp_mod.widest_row(block))
     logger.info("tiled MLP: %s on %d layers (%d tiles at %d tokens)",

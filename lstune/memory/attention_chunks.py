@@ -54,6 +54,17 @@ the layout with the adapter's function (`sequence_layout`), so both cut the same
 shards (an adapter not given the chunk setting) is refused — by its chunk length when it does not cut into equal
 chunks, else by its gathered position_ids, which then jump mid-document (a packing whose documents exactly fill
 pieces could slip through: give the adapter `chunks=MemoryPlan.attn_chunking`). Attention dropout is refused.
+
+Under Ulysses × ring (`--sp-ring` R > 1; docs/parallel.md): the layout is chunk-major (the ring's zigzag inside each
+chunk, `chunk_layout`), and ring attention hands each chunk's call to the sink with its ring group. The sink's queries
+are then the ring position's two zigzag pieces of chunk m; it all-gathers chunk m's K/V and position_ids over the
+ring once, in global order (`_ChunkSink._ring_chunk`), and stores them — the keys of chunk m are the whole chunk,
+with their own token ids beside the queries' ("q_idx", "q_doc"). Chunks < m lie wholly before the queries (FPDT's
+blocks unchanged); the diagonal block (pieces against their whole chunk) runs the PyTorch kernel with its mask. In
+backward, key chunk i's fp32 dk/dv (the whole chunk's) are summed over the ring and sent home
+(`ring_reduce_scatter`) before phase (c). Memory: the store holds the K/V of the whole sequence for the rank's heads
+(R times the above per rank, on the host with offload); one gathered chunk's fp32 dk/dv. Traffic: each chunk's K/V
+once per pass (the ring's hops' bytes), its fp32 dk/dv once in backward; synchronous (not overlapped).
 """
 
 from __future__ import annotations
@@ -86,7 +97,7 @@ from lstune.memory.tiling import (
 )
 from lstune.models.attention import chunked_attention_calls
 from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
-from lstune.models.chunk_layout import AttentionChunks, sequence_layout
+from lstune.models.chunk_layout import AttentionChunks, SequenceLayout, sequence_layout
 from lstune.models.introspect import attention_heads, layer_attention
 
 if TYPE_CHECKING:
@@ -333,7 +344,10 @@ class _ChunkSink:
 
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, *, position_ids: Tensor | None,
                  scaling: float | None, sliding_window: int | None, softcap: float | None, dropout: float,
-                 sinks: Tensor | None = None) -> Tensor:
+                 sinks: Tensor | None = None, ring: Any = None) -> Tensor:
+        """`ring`: the ring group (lstune.memory.rotation.Ring) when ring attention hands over its call (chunked
+        attention under Ulysses × ring): the call's tokens are then the ring position's two zigzag pieces of chunk m,
+        whose keys/values are gathered over the ring (`_ring_chunk`)."""
         self.calls += 1
         if dropout:
             raise ModelError(f"chunked attention has no attention dropout (got {dropout}); set attention_dropout=0 "
@@ -341,11 +355,15 @@ class _ChunkSink:
         store, m = self.store, self.m
         if self.mode == "forward":
             sinks5 = None if sinks is None else grouped_sinks(sinks, key.shape[1])
+            ring = ring if ring is not None and ring.size > 1 else None
             self.config = dict(scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-                               window=sliding_window, softcap=softcap, kv_heads=key.shape[1], sinks=sinks5)
-            index_Bn, doc_Bn = self._token_ids(query, position_ids)
-            store.put(("idx", m), index_Bn, offload=False)
-            store.put(("doc", m), doc_Bn, offload=False)
+                               window=sliding_window, softcap=softcap, kv_heads=key.shape[1], sinks=sinks5, ring=ring)
+            if ring is not None:
+                key, value = self._ring_chunk(query, key, value, position_ids, ring)
+            else:
+                index_Bn, doc_Bn = self._token_ids(query, position_ids)
+                store.put(("idx", m), index_Bn, offload=False)
+                store.put(("doc", m), doc_Bn, offload=False)
             store.put(("k", m), _own(key.detach()))
             store.put(("v", m), _own(value.detach()))
             out5, lse = _chunk_forward(self, query, key, value)
@@ -375,6 +393,41 @@ class _ChunkSink:
         positions_Bn = position_ids.to(query.device).expand(batch, n)
         self.order.follow(positions_Bn)
         return index_n.expand(batch, n), index_n - positions_Bn
+
+    def _ring_chunk(self, query: Tensor, key: Tensor, value: Tensor, position_ids: Tensor | None,
+                    ring: Any) -> tuple[Tensor, Tensor]:
+        """Under a ring (chunk-major zigzag layout, `chunk_layout`): chunk m's keys/values all-gathered over the ring
+        (GQA-compressed, this rank's Ulysses heads) and put in global order — the whole chunk, which this rank's
+        queries of chunk m and of every later chunk attend; stored with the chunk's global indices and document keys
+        ("idx", "doc") beside the queries' own ("q_idx", "q_doc": the ring position's two pieces). Returns the
+        gathered key and value; their gradients go home by `ring_reduce_scatter` in backward."""
+        import torch.distributed as dist
+
+        if position_ids is None:
+            raise ModelError("chunked attention under ring attention needs position_ids at every attention call; use "
+                             "--sp-ring 1 or --attn-chunks off.")
+        a, b = self.spec.bounds[self.m]
+        batch, n = query.shape[0], query.shape[2]
+        if n % (b - a) or n % 2:
+            raise DataError(_NOT_FPDT_ORDER.format(n=n, seq=self.spec.seq, chunks=len(self.spec.bounds)))
+        span = n * ring.size  # the chunk's tokens over the whole SP group
+        positions_Bn = position_ids.to(query.device).expand(batch, n).contiguous()
+        parts = []
+        for local, dim in ((key.contiguous(), 2), (value.contiguous(), 2), (positions_Bn, 1)):
+            gathered = [torch.empty_like(local) for _ in range(ring.size)]
+            dist.all_gather(gathered, local, group=ring.group)
+            parts.append(_ring_order(gathered, dim))
+        key, value, chunk_positions_BC = parts
+        store, start = self.store, self.m * span
+        index_C = torch.arange(start, start + span, device=query.device)
+        index_q = SequenceLayout(span, ring.size, 1, ring.size).ring_index(ring.rank, query.device) + start
+        self.order.follow(chunk_positions_BC)
+        self.gathered = True
+        store.put(("idx", self.m), index_C.expand(batch, span), offload=False)
+        store.put(("doc", self.m), index_C - chunk_positions_BC, offload=False)
+        store.put(("q_idx", self.m), index_q.expand(batch, n), offload=False)
+        store.put(("q_doc", self.m), index_q - positions_Bn, offload=False)
+        return key, value
 
     def _gathered_start(self, n: int) -> int:
         """Global index of the first of chunk m's n tokens gathered over the SP group; DataError unless the local
@@ -459,9 +512,11 @@ def _chunk_forward(sink: _ChunkSink, query: Tensor, key: Tensor, value: Tensor) 
     store, m, config = sink.store, sink.m, sink.config
     device = query.device
     q5 = _to5(query, config["kv_heads"])
-    ids_q = store.get(("idx", m), device), store.get(("doc", m), device)
+    ids_q = _query_ids(store, m, device)
     ids = [(store.get(("idx", i), device), store.get(("doc", i), device)) for i in range(m + 1)]
     kinds = block_kinds(q5, key, value, ids_q, ids, config["window"], config["softcap"])
+    if config["ring"] is not None:  # the zigzag pieces against their whole chunk: neither "same" nor "before" (they
+        kinds[m] = MASKED           # are among the keys), and every row attends itself
     blocks = {i: kind for i, kind in enumerate(kinds) if kind is not None}
     sink.sources[m] = blocks
     units = [_Unit(() if i == m else (("k", i), ("v", i))) for i in blocks]
@@ -799,6 +854,8 @@ def _attention_and_input_grads(spec: _ChunkSpec, ctx, readers: dict[int, dict[in
             # Queries see only chunks <= their own (under SP too, in FPDT's layout): after outer iteration i, dk_i,
             # dv_i and dq_i are complete.
             dk4, dv4 = _kv_chunk_backward(spec, i, readers_i, device)
+            if sink.config["ring"] is not None:  # the gathered chunk's gradients, summed over the ring, home
+                dk4, dv4 = (ring_reduce_scatter(d, sink.config["ring"]) for d in (dk4, dv4))
             readiness.set(last_tile=i == chunks - 1)
             store.next_unit(device)
             dqkv = (store.pop(("dq", i), device), dk4, dv4)
@@ -828,8 +885,7 @@ def _kv_chunk_backward(spec: _ChunkSpec, i: int, readers: dict[int, str], device
             dv4 = torch.zeros(v4.shape, dtype=torch.float32, device=device)
         kind, allowed = readers[j], None
         if kind == MASKED:
-            allowed = allowed_pairs(store.get(("idx", j), device), store.get(("doc", j), device), *ids_k,
-                                    config["window"])
+            allowed = allowed_pairs(*_query_ids(store, j, device), *ids_k, config["window"])
         rows = _rows_key(kind)
         merged = store.get((rows, j), device, keep=j == i and rows == "o"), store.get(("lse", j), device)
         dq5, dk, dv = block_backward(kind, store.get(("q", j), device), k4, v4, store.get(("dout", j), device),
@@ -850,6 +906,37 @@ def _sink_grad(rows: str, merged: tuple[Tensor, Tensor], dout5: Tensor, sinks5: 
     first, lse = merged
     delta = rowsums(first, dout5) if rows == "o" else first
     return sink_gradient(lse, delta, sinks5).sum(dim=(0, 3)).reshape(-1)
+
+
+def _query_ids(store: _ChunkStore, m: int, device) -> tuple[Tensor, Tensor]:
+    """(global index, document key) of query chunk m's rows: the chunk's tokens, or under a ring this rank's two zigzag
+    pieces of it (the keys' ids then cover the whole gathered chunk, `_ChunkSink._ring_chunk`)."""
+    if store.has(("q_idx", m)):
+        return store.get(("q_idx", m), device), store.get(("q_doc", m), device)
+    return store.get(("idx", m), device), store.get(("doc", m), device)
+
+
+def _ring_order(gathered: list[Tensor], dim: int) -> Tensor:
+    """One chunk in global order from its ring positions' tokens along `dim` (`all_gather`'s list, position r holding
+    the chunk's zigzag pieces r and 2R−1−r)."""
+    ring = len(gathered)
+    pieces: list = [None] * (2 * ring)
+    for r, part in enumerate(gathered):
+        pieces[r], pieces[2 * ring - 1 - r] = part.chunk(2, dim=dim)
+    return torch.cat(pieces, dim=dim)
+
+
+def ring_reduce_scatter(grad_BHCD: Tensor, ring: Any) -> Tensor:
+    """The gradient of a gathered chunk ([B, H_kv, C, D], global order), summed over the ring's positions, each
+    keeping its own tokens (pieces r and 2R−1−r): `_ring_order`'s all-gather, backwards. An all-to-all of each
+    position's share (a reduce-scatter; gloo has none) and a sum."""
+    import torch.distributed as dist
+
+    pieces = grad_BHCD.chunk(2 * ring.size, dim=2)
+    shares = [torch.cat([pieces[r], pieces[2 * ring.size - 1 - r]], dim=2) for r in range(ring.size)]
+    received = torch.empty((ring.size, *shares[0].shape), dtype=grad_BHCD.dtype, device=grad_BHCD.device)
+    dist.all_to_all_single(received, torch.stack(shares), group=ring.group)
+    return received.sum(0)
 
 
 def _rows_key(kind: str) -> str:

@@ -28,9 +28,10 @@ pairs — O(S/R), never the whole sequence. Score tiles are those of the block k
 step: forward (H−1)·S/R·2·h_kv elements per rank; backward as much again plus the same in fp32 gradients.
 Composes with: Ulysses (inside the ring, over each position's heads), activation checkpointing (the recompute
 rotates again, in the same order on every rank), tiled MLP / loss (per token), LoRA and ZeRO (weights are outside).
-Not with chunked attention (refused where the run is configured, and by this kernel when called in a chunk): FPDT's
-chunks attend the earlier chunks' K/V from the rank's own store, and under a ring those live on the other positions
-(docs/parallel.md: what an exact version needs). Attention dropout is refused.
+Chunked attention (FPDT, `--attn-chunks`) under a ring: called inside a chunk, this kernel runs no hops — it hands
+the call to the chunk sink with its ring group, which all-gathers the chunk's K/V over the ring
+(lstune.memory.attention_chunks, the chunk-major zigzag layout of lstune.models.chunk_layout; docs/parallel.md).
+Attention dropout is refused.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import torch
 from lstune.errors import DataError, ModelError
 from lstune.memory.rotation import Ring, wait
 from lstune.memory.attention_blocks import MASKED, allowed_pairs, block_backward, block_forward, block_kinds, merge
-from lstune.models.attention import chunk_positions, in_chunked_attention, window_from_mask
+from lstune.models.attention import chunk_positions, chunk_sink, record_attention_module, window_from_mask
 from lstune.models.attention_sinks import apply_sinks, grouped_sinks, rowsums, sink_gradient
 from lstune.models.chunk_layout import SequenceLayout
 
@@ -87,10 +88,7 @@ class RingAttention:
 
     def __call__(self, module, query, key, value, attention_mask, *, position_ids=None, scaling=None,
                  sliding_window=None, softcap=None, dropout=0.0, s_aux=None, is_causal=None, **_unused):
-        if in_chunked_attention():
-            raise ModelError("chunked attention (--attn-chunks) does not run under ring attention: its chunks read the "
-                             "earlier chunks' K/V from the rank's own store, which a ring spreads over its positions; "
-                             "use --attn-chunks off, or --sp-ring 1.")
+        record_attention_module(module)
         if dropout:
             raise ModelError(f"ring attention has no attention dropout (got {dropout}); set attention_dropout=0 in "
                              "the model config or use --sp-ring 1.")
@@ -101,9 +99,16 @@ class RingAttention:
                              "come from them); this model does not pass them to attention: use --sp-ring 1.")
         window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device,
                                   self.agreed)
+        chunk = getattr(attention_mask, "chunk", None)  # the model's chunked attention (Llama-4): each chunk a document
+        sink = chunk_sink()
+        if sink is not None:  # chunked attention (FPDT) runs this module on one chunk: its sink gathers the chunk
+            positions = chunk_positions(position_ids, chunk) if chunk else position_ids
+            out_BnHD = sink(query, key, value, position_ids=positions, scaling=scaling, sliding_window=window,
+                            softcap=softcap, dropout=dropout, sinks=s_aux, ring=self.ring)
+            return out_BnHD, None
         self._check_zigzag(position_ids)
-        if getattr(attention_mask, "chunk", None):  # the model's chunked attention (Llama-4): each chunk a document
-            position_ids = chunk_positions(position_ids, attention_mask.chunk)
+        if chunk:
+            position_ids = chunk_positions(position_ids, chunk)
         batch, heads, n, dim = query.shape
         kv_heads = key.shape[1]
         layout = SequenceLayout(n * self.ring.size, self.ring.size, 1, self.ring.size)

@@ -27,12 +27,15 @@ def probe_inputs(
 
     With chunked attention installed (`chunks`), `n` is rounded up to equal chunks and each chunk is one document
     (positions restart at 0): under SP every rank runs the same probe, which is no shard of one sample, and the
-    gathered chunks then read the same as FPDT's pieces (lstune.models.chunk_layout) and as contiguous shards."""
+    gathered chunks then read the same as FPDT's pieces (lstune.models.chunk_layout) and as contiguous shards. Under a
+    ring (`chunks.ring` > 1) each half chunk is one document: a ring position's two zigzag pieces of a chunk are its
+    halves, which then read alike in the chunk-major order and in the unchunked ring's (every rank the same)."""
     device = parts.output_embedding.weight.device
     count = chunks.count(n) if chunks is not None else 1
-    n = count * -(-n // count)
+    docs = count * (2 if count > 1 and chunks.ring > 1 else 1)
+    n = docs * -(-n // docs)
     ids = torch.arange(1, n + 1, device=device).unsqueeze(0)
-    positions = (torch.arange(n, device=device) % (n // count)).unsqueeze(0)
+    positions = (torch.arange(n, device=device) % (n // docs)).unsqueeze(0)
     return {"input_ids": ids, "position_ids": positions}
 
 

@@ -422,9 +422,7 @@ def lstune_attention_forward(
     runs `local_attention`. Other HF kwargs (output_attentions, cu_seq_lens_*, ...) are ignored: documents always
     come from `position_ids`, and no attention weights are ever materialised. `s_aux`: gpt-oss's attention sinks
     (under Ulysses, the rank's heads' slice)."""
-    recorder = _ATTENTION_MODULES.get()
-    if recorder is not None:
-        recorder.append(getattr(module, "_module", module))  # the module itself, also inside Ulysses' view of it
+    record_attention_module(module)
     sliding_window = window_from_mask(attention_mask, position_ids, sliding_window, query.shape[2], query.device)
     if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
         raise ModelError(_BIDIRECTIONAL_MESSAGE.format(name=type(module).__name__))
@@ -466,6 +464,14 @@ _CHUNK_SINK: ContextVar[Any] = ContextVar("lstune_chunk_sink", default=None)
 _ATTENTION_MODULES: ContextVar[list | None] = ContextVar("lstune_attention_modules", default=None)
 
 
+def record_attention_module(module: Any) -> None:
+    """Called by every softmax-attention kernel lstune installs (this module's, ring attention): while
+    `recording_attention_modules` runs, `module` is appended to its list."""
+    recorder = _ATTENTION_MODULES.get()
+    if recorder is not None:
+        recorder.append(getattr(module, "_module", module))  # the module itself, also inside Ulysses' view of it
+
+
 @contextmanager
 def recording_attention_modules() -> Iterator[list]:
     """Within the block, every module that calls lstune's attention function is appended to the yielded list."""
@@ -477,10 +483,10 @@ def recording_attention_modules() -> Iterator[list]:
         _ATTENTION_MODULES.reset(token)
 
 
-def in_chunked_attention() -> bool:
-    """Whether lstune's chunked attention is running a module on one chunk (`chunked_attention_calls`): a kernel that
-    cannot hand its q/k/v to the chunk sink (ring attention) refuses instead of attending one chunk alone."""
-    return _CHUNK_SINK.get() is not None
+def chunk_sink() -> Any:
+    """The chunk sink while lstune's chunked attention runs a module on one chunk (`chunked_attention_calls`), else
+    None: a kernel that wraps lstune's attention function (ring attention) hands its q/k/v to it."""
+    return _CHUNK_SINK.get()
 
 
 @contextmanager

@@ -20,8 +20,13 @@ every ring position then holds an early and a late stretch, so under causality e
 Those 2 pieces are the ring position's own sequence, cut into U contiguous shards for its Ulysses ranks (SP rank
 r·U + u holds shard u), so the Ulysses all-to-all of the U ranks gathers exactly the ring position's two pieces.
 Padding: to a multiple of 2·P (at most 2·P − 1 pad tokens, at the end: in piece 2R−1, on ring position 0's second
-piece, where no real token attends to them). Chunked attention does not combine with the ring layout (refused
-where the run is configured).
+piece, where no real token attends to them).
+
+Chunked attention under a ring (chunk-major): the padded sample (a multiple of M·2·P) is cut into M chunks and the
+zigzag applies inside each — ring position r holds pieces r and 2R−1−r of every chunk, cut among its U Ulysses
+ranks; a rank's local chunk m is its share of chunk m, so the Ulysses all-to-all of local chunk m gathers the ring
+position's two pieces of chunk m, and the chunk sink all-gathers the rest of chunk m over the ring
+(lstune.memory.attention_chunks). M is taken for the unpadded local length, as without a ring.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class AttentionChunks:
 
     setting: str | int = "off"
     auto_tokens: int | None = None
+    ring: int = 1  # the run's ring part (--sp-ring): where set up (probes), its chunks hold the zigzag inside each
 
     def __post_init__(self) -> None:
         if self.setting == "auto" and not self.auto_tokens:
@@ -60,7 +66,8 @@ class AttentionChunks:
 @dataclass(frozen=True)
 class SequenceLayout:
     """Where the tokens of one padded sample of `length` tokens sit on `sp` ranks, each holding `chunks` attention
-    chunks: FPDT's pieces when `reordered` (sp > 1 and chunks > 1), contiguous shards otherwise (module doc)."""
+    chunks: FPDT's pieces when `reordered` (sp > 1 and chunks > 1), contiguous shards otherwise; under a `ring` the
+    zigzag inside each chunk (module doc)."""
 
     length: int
     sp: int
@@ -68,9 +75,10 @@ class SequenceLayout:
     ring: int = 1
 
     def __post_init__(self) -> None:
-        if self.ring > 1 and (self.chunks > 1 or self.sp % self.ring):
-            raise ValueError(f"a ring of {self.ring} needs one chunk and an SP degree it divides (sp {self.sp})")
-        multiple = 2 * self.sp if self.ring > 1 else self.sp * (self.chunks if self.sp > 1 else 1)
+        if self.ring > 1 and self.sp % self.ring:
+            raise ValueError(f"a ring of {self.ring} needs an SP degree it divides (sp {self.sp})")
+        per_chunk = 2 * self.sp if self.ring > 1 else max(1, self.sp)
+        multiple = per_chunk * (self.chunks if self.sp > 1 else 1)
         if self.length % multiple:
             raise ValueError(f"{self.length} tokens do not cut into {self.sp} × {self.chunks} equal pieces")
 
@@ -103,9 +111,9 @@ class SequenceLayout:
         """Rank `rank`'s tokens of `x_BS` ([B, length], global order), in local order."""
         if self.ring > 1:
             ring_rank, u = divmod(rank, self.ulysses)
-            pieces = x_BS.unflatten(1, (2 * self.ring, -1))
-            mine = pieces[:, list(self.ring_pieces(ring_rank))].flatten(1)
-            return mine.unflatten(1, (self.ulysses, -1))[:, u]
+            pieces = x_BS.unflatten(1, (self.chunks, 2 * self.ring, -1))
+            mine = pieces[:, :, list(self.ring_pieces(ring_rank))].flatten(2)
+            return mine.unflatten(2, (self.ulysses, -1))[:, :, u].flatten(1)
         groups = self.chunks if self.reordered else 1
         return x_BS.unflatten(1, (groups, self.sp, -1))[:, :, rank].flatten(1)
 
@@ -114,11 +122,16 @@ class SequenceLayout:
         import torch
 
         if self.ring > 1:
-            order = [0] * (2 * self.ring)
-            for ring_rank in range(self.ring):
-                own = torch.cat(shards[ring_rank * self.ulysses:(ring_rank + 1) * self.ulysses], dim=dim)
-                first, second = own.chunk(2, dim=dim)
-                order[ring_rank], order[2 * self.ring - 1 - ring_rank] = first, second
+            per_rank = [shard.chunk(self.chunks, dim=dim) for shard in shards]
+            order = []
+            for m in range(self.chunks):
+                pieces = [None] * (2 * self.ring)
+                for ring_rank in range(self.ring):
+                    ranks = range(ring_rank * self.ulysses, (ring_rank + 1) * self.ulysses)
+                    own = torch.cat([per_rank[rank][m] for rank in ranks], dim=dim)
+                    first, second = self.ring_pieces(ring_rank)
+                    pieces[first], pieces[second] = own.chunk(2, dim=dim)
+                order += pieces
             return torch.cat(order, dim=dim)
         groups = self.chunks if self.reordered else 1
         pieces = [piece for shard in shards for piece in shard.chunk(groups, dim=dim)]
@@ -135,17 +148,16 @@ class SequenceLayout:
 
 def sequence_layout(seq_len: int, sp: int, chunks: AttentionChunks | None, ring: int = 1) -> SequenceLayout:
     """The layout of a sample of `seq_len` tokens on `sp` ranks with `chunks` (None: unchunked), `ring` of them ring
-    positions (zigzag; no chunks), padded as the module doc says. `seq_len` may already be padded: an already laid-out
-    length maps to itself."""
-    if ring > 1:
-        if chunks is not None and chunks.count(math.ceil(seq_len / sp)) > 1:
-            raise ValueError("chunked attention does not combine with ring attention")
-        return SequenceLayout(math.ceil(seq_len / (2 * sp)) * 2 * sp, sp, 1, ring)
+    positions (zigzag, inside each chunk), padded as the module doc says. `seq_len` may already be padded: an already
+    laid-out length maps to itself."""
     local = math.ceil(seq_len / sp)
     count = chunks.count(local) if chunks is not None and sp > 1 else 1
-    multiple = sp * count
-    layout = SequenceLayout(math.ceil(seq_len / multiple) * multiple, sp, count)
-    # Padding never changes the chunk count (local <= M·c keeps ceil(local / M) <= c), so the attention side, which
-    # sees only the padded local length, finds the same M.
-    assert count == 1 or chunks.count(layout.local) == count, (seq_len, sp, chunks)
+    multiple = count * (2 * sp if ring > 1 else sp)
+    layout = SequenceLayout(math.ceil(seq_len / multiple) * multiple, sp, count, ring)
+    # Padding never changes the chunk count (local <= M·c keeps ceil(local / M) <= c; under a ring c is rounded up to
+    # an even count, which an even `auto_tokens` bounds alike), so the attention side, which sees only the padded
+    # local length, finds the same M.
+    if count > 1 and chunks.count(layout.local) != count:
+        raise ValueError(f"{seq_len} tokens on {sp} ranks (ring {ring}) pad to {layout.local} per rank, which "
+                         f"{chunks.describe()} cuts into {chunks.count(layout.local)} chunks, not {count}")
     return layout

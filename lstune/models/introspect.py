@@ -136,12 +136,14 @@ def layer_mlp(layer: "nn.Module") -> tuple["nn.Module", str]:
     """`(parent, attribute)` of the layer's per-token block (dense MLP or MoE), so it can be read or replaced.
 
     A child is a per-token block when it holds matrices (parameters of 2+ dims), is not the attention
-    (no `head_dim` / `num_key_value_groups`, class name without "Attention") and is not a norm.
+    (no `head_dim` / `num_key_value_groups`, class name without "Attention"), is not a token mixer (`_mixer_children`:
+    a Mamba mixer holds matrices and no head_dim) and is not a norm.
     """
+    mixers = _mixer_children(layer)
     candidates = [
         (name, child)
         for name, child in layer.named_children()
-        if _has_matrices(child) and not _is_attention(child)
+        if _has_matrices(child) and not _is_attention(child) and name not in mixers
     ]
     if len(candidates) > 1:
         preferred = [c for c in candidates if c[0] in _MLP_NAMES]
@@ -156,10 +158,13 @@ def layer_mlp(layer: "nn.Module") -> tuple["nn.Module", str]:
 
 
 def layer_mlp_name(layer: "nn.Module") -> str | None:
-    """`layer_mlp`'s attribute name, or None for a layer with no per-token block at all — a hybrid model's block
-    that holds only a token mixer (Nemotron-H's Mamba or attention blocks) — so that tiling skips it. A layer with
-    matrices of its own outside any child is not such a layer: it is refused as `layer_mlp` refuses."""
-    has_candidates = any(_has_matrices(child) and not _is_attention(child) for child in layer.children())
+    """`layer_mlp`'s attribute name, or None for a layer with no per-token block at all — a block that holds only a
+    token mixer (Nemotron-H's Mamba or attention blocks, every block of Mamba / FalconMamba / Mamba2) — so that tiling
+    skips it. A layer with matrices of its own outside any child is not such a layer: it is refused as `layer_mlp`
+    refuses."""
+    mixers = _mixer_children(layer)
+    has_candidates = any(_has_matrices(child) and not _is_attention(child) and name not in mixers
+                         for name, child in layer.named_children())
     own_matrices = any(p.dim() >= 2 for p in layer.parameters(recurse=False))
     if not has_candidates and not own_matrices:
         return None
@@ -202,11 +207,24 @@ def attention_names(layers: "nn.ModuleList", calling: list | None = None) -> tup
 
 
 def mlp_names(layers: "nn.ModuleList") -> tuple[str | None, ...]:
-    """`layer_mlp_name` for each layer (None: the layer has no per-token block). ModelError when no layer has one."""
+    """`layer_mlp_name` for each layer (None: the layer has no per-token block). ModelError when no layer has one,
+    unless the layers hold token mixers (an attention-free model such as Mamba: blocks of a mixer alone, nothing to
+    tile); a model whose MLP is merely not recognised is still refused."""
     names = tuple(layer_mlp_name(layer) for layer in layers)
-    if all(name is None for name in names):
+    if all(name is None for name in names) and not any(_mixer_children(layer) for layer in layers):
         layer_mlp(layers[0])  # raises, naming the candidates (none)
     return names
+
+
+def _mixer_children(layer: "nn.Module") -> set[str]:
+    """Names of the layer's children that hold a token mixer — a convolution, as `lstune.models.mixers.mixer_sites`
+    finds them (the one family it knows without a convolution, MiniMax's lightning attention, is named attention):
+    they mix tokens, so they are never the layer's per-token block. (Not `mixer_sites` itself: mixers imports the
+    attention module, which imports this one.)"""
+    from torch import nn
+
+    return {name for name, child in layer.named_children()
+            if any(isinstance(m, (nn.Conv1d, nn.Conv2d)) for m in child.modules())}
 
 
 def final_norm(model: "nn.Module") -> "nn.Module":
@@ -257,6 +275,19 @@ def attention_heads(config: Any) -> tuple[int, int, int] | None:
     except RuntimeError:  # transformers' AmbiguousGlobalPerLayerAttributeError
         shapes = [shape for layer in config.per_layer_config if (shape := _uniform_attention_heads(layer))]
         return max(shapes, key=lambda shape: shape[0] * shape[2], default=None)
+
+
+def mixer_units(config: Any) -> int | None:
+    """For a model without attention heads, how many units its token mixers split into under head-parallel SP
+    (lstune.models.mixers), from its config: a Mamba-1 mixer's channels (Mamba, FalconMamba: `intermediate_size`,
+    beside `time_step_rank` and `state_size`), a Mamba-2 mixer's SSM heads (Mamba2: `num_heads`, beside `head_dim`
+    and `n_groups`); None for any other. Only the plan's cap: the mixers found in the model decide at install."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(config, "num_heads", None) and getattr(config, "head_dim", None) and getattr(config, "n_groups", None):
+        return config.num_heads
+    if getattr(config, "time_step_rank", None) and getattr(config, "state_size", None):
+        return getattr(config, "intermediate_size", None) or None
+    return None
 
 
 def _uniform_attention_heads(config: Any) -> tuple[int, int, int] | None:

@@ -21,13 +21,21 @@ Such a mixer is found structurally (the module that owns a convolution inside a 
   exchanged channels, its output projection left out; an all-to-all brings the output back to the shard, where the
   norms that mix heads and the output projection run. Memory per rank: the mixer's activations for S·(its heads)/sp
   channels; cost: two all-to-alls per mixer layer of the projected channels.
+* **every SP layout the attention imposes** (`ShardOrder`): the shards need not be contiguous — chunked attention
+  lays them out in FPDT's pieces, a ring (`--sp-ring`) in zigzag pieces (lstune.models.chunk_layout). After the
+  all-to-all the gathered timeline (every rank's shard, in rank order) is put in global time order by a permutation
+  taken from the layout object itself (`SequenceLayout.shard` of the global token indices), the conv / recurrence
+  runs there, per document from the gathered positions in the same order, and the output is permuted back before the
+  all-to-all home. Under a ring the head-parallel group is the whole SP group (Ulysses × ring), so the mixer's heads
+  are split over all its ranks (refused, naming the fix, when it has fewer heads than the SP degree).
 
 Each installed wrapper is checked at once by a probe (`probe_mixer`): on a few tokens holding a document boundary
 and, under SP, every rank's shard boundary, its output must equal the module's own forward on each document alone.
-MiniMax's lightning attention owns no convolution and is recognised by its structure (`LIGHTNING`). Mamba-1 (Jamba)
-splits by channel, its `x_proj` (which reads every channel of a token) summed over the ranks. A convolution-owning
-module of no known family (Mamba's and FalconMamba's mixers, which have no attention heads and stay at SP 1 anyway) is
-refused under SP with its name; with packing alone any such module runs per document (the probe still checks it).
+MiniMax's lightning attention owns no convolution and is recognised by its structure (`LIGHTNING`). Mamba-1 (Jamba,
+Mamba, FalconMamba) splits by channel, its `x_proj` (which reads every channel of a token) summed over the ranks; a
+model with no attention heads (Mamba, FalconMamba, Mamba2) takes its SP degree from its mixers' units
+(`lstune.models.introspect.mixer_units`). A convolution-owning module of no known family is refused under SP with its
+name; with packing alone any such module runs per document (the probe still checks it).
 """
 
 from __future__ import annotations
@@ -92,13 +100,80 @@ def _is_peft_wrapper(module: Any) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+class ShardOrder:
+    """Where the SP ranks' tokens sit in the sample — the layout the attention imposes (lstune.models.chunk_layout:
+    contiguous shards, FPDT's pieces under chunked attention, the zigzag pieces under a ring) — and the permutation
+    that puts the tokens an all-to-all gathers (every rank's shard, in rank order) in global time order. Derived from
+    the layout object itself (`SequenceLayout.shard` of the global token indices, rank by rank), so any layout it
+    produces is followed. `chunks` is set once the memory techniques have chosen the attention's (`follow`)."""
+
+    def __init__(self, sp: int = 1, ring: int = 1, chunks: Any = None):
+        self.sp, self.ring, self.chunks = sp, ring, chunks
+        self._cache: dict = {}
+
+    def follow(self, chunks: Any) -> None:
+        """Lay shards out for the attention's `chunks` (lstune.models.chunk_layout.AttentionChunks)."""
+        self.chunks, self._cache = chunks, {}
+
+    def padded(self, length: int):
+        """The layout (lstune.models.chunk_layout.SequenceLayout) of a sample of `length` tokens, padded for it."""
+        from lstune.models.chunk_layout import sequence_layout
+
+        return sequence_layout(length, self.sp, self.chunks, self.ring)
+
+    def layout(self, local_seq: int):
+        """The layout of a sample whose shards are `local_seq` tokens long."""
+        layout = self.padded(local_seq * self.sp)
+        if layout.length != local_seq * self.sp:
+            raise DataError(f"a {local_seq}-token shard on {self.sp} ranks is not laid out for "
+                            f"{self.describe()} (samples are padded to {layout.length} tokens for it); shard batches "
+                            "with lstune's SP data adapter (SPDataAdapter / shard_batch) given the run's layout.")
+        return layout
+
+    def describe(self) -> str:
+        if self.ring > 1:
+            return f"ring attention's zigzag pieces (a ring of {self.ring})"
+        chunked = self.chunks is not None and self.chunks.setting != "off"
+        return f"chunked attention's pieces ({self.chunks.describe()})" if chunked else "contiguous shards"
+
+    def gathered_index(self, local_seq: int, device) -> "tuple[torch.Tensor, torch.Tensor] | None":
+        """(to_global, to_gathered): the gathered position of each global token and the global index of each
+        gathered token (`x_global = x_gathered[:, to_global]`, `x_gathered = x_global[:, to_gathered]`); None when
+        the gathered order is the global one (contiguous shards)."""
+        import torch
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        key = (local_seq, str(device))
+        if key not in self._cache:
+            with unset_fake_temporarily():  # real indices also in the estimator's trace (fake tensors)
+                layout = self.layout(local_seq)
+                tokens = torch.arange(layout.length).unsqueeze(0)
+                to_gathered = torch.cat([layout.shard(tokens, rank)[0] for rank in range(self.sp)])
+                identity = bool((to_gathered == tokens[0]).all())
+                both = None if identity else (torch.argsort(to_gathered), to_gathered)
+            self._cache[key] = None if both is None else tuple(index.to(device) for index in both)
+        return self._cache[key]
+
+    def to_global(self, x_BS_: "torch.Tensor") -> "torch.Tensor":
+        """The gathered tokens (dim 1) of `x_BS_` in global order."""
+        index = self.gathered_index(x_BS_.shape[1] // self.sp, x_BS_.device)
+        return x_BS_ if index is None else x_BS_.index_select(1, index[0])
+
+    def to_gathered(self, x_BS_: "torch.Tensor") -> "torch.Tensor":
+        """`to_global`'s inverse."""
+        index = self.gathered_index(x_BS_.shape[1] // self.sp, x_BS_.device)
+        return x_BS_ if index is None else x_BS_.index_select(1, index[1])
+
+
 class DocumentPositions:
     """The `position_ids` of the forward in flight, read by a pre-hook on the decoder body (the mixers are not
-    passed them), gathered across the SP group by `exchange` (global documents), and cut into document spans once
-    per forward. An activation-checkpoint recompute runs before the next forward, so it reads the same positions."""
+    passed them), gathered across the SP group by `exchange` and put in global order by `order` (global documents),
+    and cut into document spans once per forward. An activation-checkpoint recompute runs before the next forward, so
+    it reads the same positions."""
 
-    def __init__(self, exchange: Any = None):
+    def __init__(self, exchange: Any = None, order: ShardOrder | None = None):
         self.exchange = exchange
+        self.order = order if order is not None else ShardOrder(exchange.sp if exchange is not None else 1)
         self.current: Any = None
         self._cache: tuple[Any, Any] = (None, None)
 
@@ -106,7 +181,7 @@ class DocumentPositions:
         self.current = kwargs.get("position_ids")
 
     def spans(self, batch: int, local_seq: int) -> list[list[tuple[int, int]]]:
-        """Per row, the (start, end) of each document over the whole (gathered) sequence."""
+        """Per row, the (start, end) of each document over the whole (gathered) sequence, in global order."""
         from lstune.models.attention import document_spans
 
         positions = self.current
@@ -118,7 +193,7 @@ class DocumentPositions:
                                 "pipeline have them.")
             return [[(0, local_seq)]] * batch
         if self._cache[0] is not positions:
-            full = self.exchange.full_positions(positions) if sp > 1 else positions
+            full = self.order.to_global(self.exchange.full_positions(positions)) if sp > 1 else positions
             self._cache = (positions, document_spans(full))
         return self._cache[1]
 
@@ -440,13 +515,14 @@ KDA = MixerFamily("KDA", _kda_matches, lambda m: m.num_heads, _kda_streams, _kda
                   ("kimi_linear",))
 
 
-# Mamba-1 (Jamba): unit = one channel; per unit x | gate. Its x_proj reads every channel of a token, so the view's
-# x_proj is the rank's channels' share, summed over the SP group (an all-reduce on the rank's whole timeline, small:
-# dt_rank + 2·N per token); dt_proj's rows, A_log, D and the conv are sliced per channel.
+# Mamba-1 (Jamba, Mamba, FalconMamba): unit = one channel; per unit x | gate. Its x_proj reads every channel of a
+# token, so the view's x_proj is the rank's channels' share, summed over the SP group (an all-reduce on the rank's
+# whole timeline, small: dt_rank + 2·N per token); dt_proj's rows, A_log, D and the conv are sliced per channel. The
+# norms Jamba and FalconMamba apply to dt, B and C (per token, over those summed features) stay the module's own.
 
 def _mamba1_matches(m: Any) -> bool:
-    return (_has(m, "in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "dt_layernorm", "b_layernorm",
-                 "c_layernorm", "intermediate_size", "time_step_rank", "ssm_state_size") and _plain_conv(m.conv1d)
+    return (_has(m, "in_proj", "conv1d", "x_proj", "dt_proj", "A_log", "D", "out_proj", "intermediate_size",
+                 "time_step_rank", "ssm_state_size") and _plain_conv(m.conv1d)
             and m.conv1d.in_channels == m.intermediate_size and getattr(m.x_proj, "bias", 0) is None
             and getattr(m.in_proj, "out_features", None) == 2 * m.intermediate_size)
 
@@ -483,7 +559,7 @@ def _mamba1_view(module, start, count, like, exchange):
 
 
 MAMBA1 = MixerFamily("Mamba-1", _mamba1_matches, lambda m: m.intermediate_size, _mamba1_streams, _mamba1_view,
-                     _out_proj_finish, ("jamba",), reduces=True)
+                     _out_proj_finish, ("jamba", "mamba", "falcon_mamba"), reduces=True)
 
 
 # Lightning attention (MiniMax): unit = one head; per unit its q | k | v before the activation. The per-head decays
@@ -583,13 +659,14 @@ class DocumentMixer:
         counts = ex.unit_counts(family.units(module))
         start, count = sum(counts[: ex.sp_rank]), counts[ex.sp_rank]
         stream_BsUw, kept = family.streams(module, x_BsC)
-        local_BSuw = ex.seq_to_units(stream_BsUw, counts)
+        order = self.positions.order  # the gathered shards in global time order (FPDT's pieces, a ring's zigzag)
+        local_BSuw = order.to_global(ex.seq_to_units(stream_BsUw, counts))
         view = (family.view(module, start, count, local_BSuw, ex) if family.reduces
                 else family.view(module, start, count, local_BSuw))
         run, extra = type(module).forward, _required_arguments(self.own_forward)
         out_BSy = _per_document(lambda piece: _first(run(view, piece.flatten(2), **extra), returned), local_BSuw,
                                 spans)
-        out_BSuw = out_BSy.reshape(*out_BSy.shape[:2], count, -1)
+        out_BSuw = order.to_gathered(out_BSy.reshape(*out_BSy.shape[:2], count, -1))
         return family.finish(module, ex.units_to_seq(out_BSuw, counts), kept, view)
 
 
@@ -616,18 +693,23 @@ def _per_document(run: Callable, x_BS_: "torch.Tensor", spans) -> "torch.Tensor"
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def check_token_mixers(layers: "nn.ModuleList", *, pack: bool, sp: int) -> None:
-    """ModelError naming every mixer that SP cannot run head-parallel (no family of lstune's knows it)."""
+def check_token_mixers(layers: "nn.ModuleList", *, pack: bool, sp: int, exchange: Any = None) -> None:
+    """ModelError naming every mixer that SP cannot run head-parallel: no family of lstune's knows it, or (with the
+    `exchange` it would run over) it has fewer heads than the SP group has ranks."""
     if sp <= 1:
         return
-    unknown = [f"{name} ({type(m).__name__})" for name, m in mixer_sites(layers) if family_of(m) is None]
+    sites = mixer_sites(layers)
+    unknown = [f"{name} ({type(m).__name__})" for name, m in sites if family_of(m) is None]
     if unknown:
         where = ", ".join(unknown[:3]) + (f" and {len(unknown) - 3} more" if len(unknown) > 3 else "")
         problem = (f"this model mixes tokens with convolutions or a recurrent state in {where}, whose structure "
-                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, KDA, Mamba-2, Jamba's "
-                   "Mamba-1, ShortConv and lightning attention), so "
+                   "lstune has no head-parallel plan for (it knows Gated DeltaNet, KDA, Mamba-2, Mamba-1, "
+                   "ShortConv and lightning attention), so "
                    "under sequence parallelism it would miss the other ranks' tokens; use --sp 1 (or --gpus 1).")
         raise ModelError(problem, problems=[problem])
+    if exchange is not None:
+        for name, module in sites:
+            exchange.unit_counts(family_of(module).units(module), f"{name} ({type(module).__name__})")
 
 
 def _input_width(module: Any) -> int:
@@ -653,8 +735,10 @@ def _required_arguments(forward: Callable) -> dict:
 
 
 def probe_mixer(wrapper: DocumentMixer) -> None:
-    """The wrapper against the module's own forward on each document alone: one row of sp·6 tokens, two documents
-    cut off the shard edges, the same on every rank (each compares its shard). ModelError on any difference."""
+    """The wrapper against the module's own forward on each document alone: one row of about sp·6 tokens laid out
+    on the ranks as the run lays samples out (`ShardOrder`: contiguous shards, FPDT's pieces with an explicit chunk
+    count, a ring's zigzag), two documents cut off the shard edges, the same on every rank (each compares its
+    shard). ModelError on any difference."""
     import torch
 
     from torch._subclasses.fake_tensor import is_fake
@@ -663,13 +747,14 @@ def probe_mixer(wrapper: DocumentMixer) -> None:
     param = next(module.parameters())
     if param.device.type == "meta" or is_fake(param):  # no values to compare (the estimator's models)
         return
-    length = sp * _PROBE_SHARD
+    layout = wrapper.positions.order.padded(sp * _PROBE_SHARD)  # the run's layout (FPDT's pieces, a ring's zigzag)
+    length = layout.length
     cut = length // 2 + 1
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, length, _input_width(module), generator=gen).to(param.device, param.dtype)
     spans = [[(0, cut), (cut, length)]]
     rank = wrapper.exchange.sp_rank if sp > 1 else 0
-    shard = slice(rank * _PROBE_SHARD, (rank + 1) * _PROBE_SHARD) if sp > 1 else slice(0, length)
+    shard = layout.shard(torch.arange(length, device=param.device).unsqueeze(0), rank)[0]
     extra = _required_arguments(wrapper.own_forward)
     with torch.no_grad():
         pieces = [_first(wrapper.own_forward(x[:, s:e], **extra), []) for s, e in spans[0]]

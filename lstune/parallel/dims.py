@@ -134,18 +134,22 @@ class ParallelDims:
     @classmethod
     def for_model(cls, world_size: int, sp: int | str, model_config: Any, ring: int | str = 1,
                   node_size: int | None = None) -> "ParallelDims":
-        """Dims for a transformers model config (its text config for multimodal models); a model without attention
-        heads counts as one head (Ulysses splits heads: sequence parallelism cannot split it)."""
-        from lstune.models.introspect import attention_heads
+        """Dims for a transformers model config (its text config for multimodal models). A model without attention
+        heads takes its cap from its token mixers' units (`introspect.mixer_units`: Mamba-1's channels, Mamba-2's
+        heads), which SP splits head-parallel like Ulysses (lstune.models.mixers); one with neither counts as one
+        head (sequence parallelism cannot split it)."""
+        from lstune.models.introspect import attention_heads, mixer_units
 
         heads = attention_heads(model_config)
-        if heads is None and sp not in (1, "1", "auto"):
-            raise ConfigError([f"--sp {sp}: this model has no attention heads (a state-space / recurrent model), and "
-                               "Ulysses sequence parallelism splits attention heads; use --sp 1 (or auto)."])
+        units = mixer_units(model_config) if heads is None else None
+        if heads is None and units is None and sp not in (1, "1", "auto"):
+            raise ConfigError([f"--sp {sp}: this model has no attention heads and no token mixer lstune splits "
+                               "head-parallel (a recurrent model of another family), and sequence parallelism splits "
+                               "heads; use --sp 1 (or auto)."])
         if heads is None and ring not in (1, "1"):
             raise ConfigError([f"--sp-ring {ring}: this model has no attention heads; ring attention needs attention. "
                                "Use --sp-ring 1."])
-        q, kv, _ = heads or (1, 1, 0)
+        q, kv, _ = heads or (units or 1, units or 1, 0)
         return cls(world_size, sp, q_heads=q, kv_heads=kv, ring=ring, node_size=node_size)
 
     @property

@@ -148,22 +148,25 @@ class SequenceExchange:
     """The all-to-alls between sequence shards and head shards over one SP group, and the gathered position_ids:
     what Ulysses attention and the head-parallel token mixers (lstune.models.mixers) share."""
 
-    def __init__(self, dims: "ParallelDims"):
-        # The Ulysses part of the SP group (all of it without a ring; dims.py: Ulysses × ring).
-        self.sp = dims.ulysses
-        self.sp_rank = dims.ulysses_rank
-        self.group = dims.ulysses_group
+    def __init__(self, dims: "ParallelDims", *, ulysses_only: bool = False):
+        # The whole SP group in SP rank order (the token mixers' head-parallel group, ring ranks included), or with
+        # `ulysses_only` its Ulysses part (attention's: the ring runs inside it); the same without a ring (dims.py).
+        self.ring = 1 if ulysses_only else dims.ring
+        self.sp = dims.ulysses if ulysses_only else dims.sp
+        self.sp_rank = dims.ulysses_rank if ulysses_only else dims.sp_rank
+        self.group = dims.ulysses_group if ulysses_only else dims.sp_group
         # The whole SP group (Ulysses × ring), whose ranks attend in step: where a check of one shard must agree.
         self.sp_group, self.sp_whole = dims.sp_group, dims.sp
         self._positions_in: Any = None
         self._positions_out: Any = None
 
-    def unit_counts(self, units: int) -> tuple[int, ...]:
+    def unit_counts(self, units: int, what: str = "a linear-attention / state-space layer") -> tuple[int, ...]:
         """How many of `units` heads (or channel groups) each rank holds: Ulysses' balanced, possibly uneven plan."""
         if units < self.sp:
-            raise ModelError(f"SP degree {self.sp} is larger than the {units} heads of a linear-attention / "
-                             "state-space layer, which sequence parallelism splits like attention heads; use "
-                             f"--sp {units} or less.")
+            ring = (f" (under --sp-ring {self.ring} over the whole SP group, ring ranks included: only the whole "
+                    "timeline puts ring attention's zigzag pieces in order)" if self.ring > 1 else "")
+            raise ModelError(f"SP degree {self.sp} is larger than the {units} heads of {what}, which sequence "
+                             f"parallelism splits like attention heads{ring}; use --sp {units} or less.")
         return _plan(units, units, self.sp).q_counts
 
     def seq_to_units(self, x_BsUw, counts):
@@ -220,7 +223,8 @@ class SequenceExchange:
     def full_positions(self, position_ids_Bs):
         """position_ids of the whole sequence `[B, S]`, gathered once per forward (every layer reuses it): the
         shards in rank order, i.e. contiguous shards. Under chunked attention each call gathers one chunk, which
-        FPDT's layout makes contiguous too; an unchunked call never sees FPDT's pieces (one chunk: not reordered)."""
+        FPDT's layout makes contiguous too; an unchunked call never sees FPDT's pieces (one chunk: not reordered).
+        The token mixers gather whole shards under every layout and reorder them (lstune.models.mixers.ShardOrder)."""
         import torch
         import torch.distributed as dist
 
@@ -247,7 +251,7 @@ class UlyssesAttention(SequenceExchange):
     """The attention-interface function that runs any kernel under Ulysses SP. Created by `apply_ulysses`."""
 
     def __init__(self, core: Callable, core_name: str, dims: "ParallelDims"):
-        super().__init__(dims)
+        super().__init__(dims, ulysses_only=True)
         self.core = core
         self.core_name = core_name
         self._documents_checked: Any = None

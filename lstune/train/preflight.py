@@ -125,9 +125,10 @@ def _stream_order_problems(config: TrainConfig, checkpoint: Path, state: dict) -
 
 def check_resume_layout(checkpoint: Path, layout: dict) -> None:
     """Refuse a resume under another parallel layout than the checkpoint's (`Runtime.layout`: processes, SP, its ring
-    part, METP's MLP) when either uses a ring or METP's MLP: the zigzag pieces and METP's weight shards follow the
-    layout, so only the same one continues the run exactly. Plain Ulysses / DP runs may still change it (as before:
-    the random states are then not restored). Checkpoints from before layouts were recorded pass."""
+    part, METP's MLP, the attention chunks under a ring) when either uses a ring or METP's MLP: the zigzag pieces
+    (cut per chunk under a ring) and METP's weight shards follow the layout, so only the same one continues the run
+    exactly. Plain Ulysses / DP runs may still change it (as before: the random states are then not restored).
+    Checkpoints from before layouts were recorded pass."""
     import json
 
     from lstune.train.checkpoint import TRAINER_STATE_NAME
@@ -140,8 +141,11 @@ def check_resume_layout(checkpoint: Path, layout: dict) -> None:
         return
     if not any(side.get("ring", 1) > 1 or side.get("metp_mlp") for side in (saved, layout)):
         return
-    names = {"world_size": "--gpus (processes)", "sp": "--sp", "ring": "--sp-ring", "metp_mlp": "--metp-mlp"}
-    differ = [f"{names.get(k, k)} {saved.get(k)} (now {layout.get(k)})" for k in layout if saved.get(k) != layout.get(k)]
+    names = {"world_size": "--gpus (processes)", "sp": "--sp", "ring": "--sp-ring", "metp_mlp": "--metp-mlp",
+             "attn_chunks": "--attn-chunks"}
+    keys = [*layout, *(k for k in saved if k not in layout)]
+    differ = [f"{names.get(k, k)} {saved.get(k, 'off' if k == 'attn_chunks' else None)} (now "
+              f"{layout.get(k, 'off' if k == 'attn_chunks' else None)})" for k in keys if saved.get(k) != layout.get(k)]
     raise ConfigError([f"{checkpoint} was written under another parallel layout: {', '.join(differ)}; resume with the "
                        "checkpoint's layout, or start a new run without --resume."])
 

@@ -8,9 +8,11 @@ Order (each step sees the result of the previous one):
    (lstune.memory.attention_ring) when the SP group has a ring part (--sp-ring) — and LongRoPE's factors chosen
    from the whole sample, not each shard (lstune.parallel.rope_sp); token mixers that are not
    attention (short convolutions, linear attention, state-space scans) run per packed document and head-parallel
-   under SP (lstune.models.mixers, installed by lstune.train.mixers), or are refused naming the fix;
+   under SP over the whole SP group, ring part included (lstune.models.mixers, installed by lstune.train.mixers), or
+   are refused naming the fix;
 5. memory techniques (lstune.memory): tiled MLP / mini-sequence, tiled loss, checkpointing + offload,
-   sized for the per-rank sequence length; then, with --metp-mlp, METP's MLP (lstune.memory.metp_mlp: the MLP
+   sized for the per-rank sequence length (the token mixers then follow the chunked attention's shard layout, FPDT's
+   pieces under SP); then, with --metp-mlp, METP's MLP (lstune.memory.metp_mlp: the MLP
    weights sharded over the SP group and rotated; it replaces the tiled MLP and mini-sequence, which stay off).
 The engine (optimizer, ZeRO) is built last, over the parameters that remain trainable.
 
@@ -143,13 +145,10 @@ def apply_techniques(model, config: TrainConfig, runtime) -> PreparedModel:
         memory_section = config.memory
         if config.parallel.metp_mlp:  # explicit tiles / mini-sequence are refused with it (TrainConfig.problems)
             memory_section = replace(memory_section, tiled_mlp="off", mini_sequence=False)
-        memory = apply_memory_techniques(model, memory_section, seq_len=seq_len, parts=parts)
+        ring = runtime.dims.ring if ulysses is not None else 1
+        memory = apply_memory_techniques(model, memory_section, seq_len=seq_len, parts=parts, ring=ring)
         if mixers is not None:
-            _check_mixer_layout(mixers, memory, runtime.sp)
-        if ulysses is not None and runtime.dims.ring > 1 and memory.attn_chunks_at_seq_len > 1:
-            memory.undo()
-            raise ConfigError([f"chunked attention ({memory.attn_chunks_at_seq_len} chunks) does not combine with ring "
-                               f"attention (--sp-ring {runtime.dims.ring}): use --attn-chunks off, or --sp-ring 1."])
+            _follow_attention_layout(mixers, memory)
         if config.parallel.metp_mlp:
             metp = _install_metp(parts, runtime, memory)
     except BaseException:
@@ -180,30 +179,23 @@ def _install_metp(parts, runtime, memory):
 
 
 def _install_mixers(parts, config: TrainConfig, runtime):
-    """Step 4's token mixers: per packed document, and head-parallel over the SP group (lstune.train.mixers)."""
+    """Step 4's token mixers: per packed document, and head-parallel over the whole SP group (its ring part
+    included: a ring's zigzag pieces are put in order on each head's whole timeline) (lstune.train.mixers)."""
     from lstune.train.mixers import install_mixers
 
     exchange = None
     if runtime.sp > 1:
         from lstune.parallel.ulysses import SequenceExchange
 
-        if runtime.dims.ring > 1:
-            from lstune.models.mixers import mixer_sites
-
-            if mixer_sites(parts.layers):
-                raise ConfigError([f"ring attention (--sp-ring {runtime.dims.ring}) lays the sequence out in zigzag "
-                                   "pieces, which this model's token mixers (convolutions, linear attention, state-space "
-                                   "scans) do not take in order; use --sp-ring 1."])
         exchange = SequenceExchange(runtime.dims)
-    return install_mixers(parts.body, parts.layers, pack=config.data.pack, exchange=exchange)
+    return install_mixers(parts.body, parts.layers, pack=config.data.pack, exchange=exchange, lm=parts.lm)
 
 
-def _check_mixer_layout(mixers, memory, sp: int) -> None:
-    """The head-parallel mixers read contiguous shards; chunked attention under SP lays them out in FPDT's pieces."""
-    from lstune.errors import ModelError
-
-    if sp > 1 and memory.attn_chunking.setting != "off":
+def _follow_attention_layout(mixers, memory) -> None:
+    """The head-parallel mixers take the shards as chunked attention lays them out (FPDT's pieces under SP), probed
+    again on that layout; the memory techniques are undone if the probe refuses."""
+    try:
+        mixers.follow(memory.attn_chunking)
+    except BaseException:
         memory.undo()
-        raise ModelError(f"chunked attention (--attn-chunks) under sequence parallelism lays each rank's tokens out "
-                         f"in FPDT's pieces, which lstune's head-parallel token mixers ({', '.join(mixers.names[:3])}) "
-                         "do not take; use --attn-chunks off, or --sp 1.")
+        raise

@@ -96,7 +96,7 @@ def _run(config, runtime: Runtime, reporter, output_dir: Path, resume_from: Path
         run_plan = make_plan(config, runtime_cluster(runtime), runtime.device.type)
         runtime.use_dims(run_plan.dims)
         if resume_from is not None:
-            check_resume_layout(resume_from, runtime.layout(config.parallel.metp_mlp))
+            check_resume_layout(resume_from, runtime.layout(config.parallel.metp_mlp, config.memory.attn_chunks))
         for note in run_plan.notes:
             reporter.note(note)
     no_base = adapter_without_base(config, run_plan.spec.source.kind)  # warned now, noted in final/ (`_export`)
@@ -636,7 +636,7 @@ def _save(config, engine, state: RunState, result: TrainResult, reporter, folder
         "consumed_samples": state.consumed_samples,
         "tokens_seen": state.tokens_seen,
         "config": _recipe_view(config),
-        "layout": runtime.layout(config.parallel.metp_mlp),
+        "layout": runtime.layout(config.parallel.metp_mlp, config.memory.attn_chunks),
         "lstune_version": __version__,
     }
     order = stream_order(config)

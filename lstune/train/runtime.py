@@ -62,11 +62,16 @@ class Runtime:
         if process_group_ready():
             self.dims.build_groups()
 
-    def layout(self, metp_mlp: bool = False) -> dict:
-        """The parallel layout a checkpoint records and a resume must match (lstune.train.preflight)."""
+    def layout(self, metp_mlp: bool = False, attn_chunks: str | int = "off") -> dict:
+        """The parallel layout a checkpoint records and a resume must match (lstune.train.preflight). Under a ring
+        with chunked attention also `--attn-chunks`: its chunks cut the zigzag pieces (lstune.models.chunk_layout),
+        so they decide which tokens each rank holds (recorded only then: older checkpoints keep matching)."""
         dims = self.dims
-        return {"world_size": self.world_size, "sp": self.sp, "ring": dims.ring if dims is not None else 1,
-                "metp_mlp": bool(metp_mlp)}
+        ring = dims.ring if dims is not None else 1
+        layout = {"world_size": self.world_size, "sp": self.sp, "ring": ring, "metp_mlp": bool(metp_mlp)}
+        if ring > 1 and attn_chunks != "off":
+            layout["attn_chunks"] = attn_chunks
+        return layout
 
     @property
     def comm(self):

@@ -137,18 +137,21 @@ def compare_sp_with_hf(model_types: list[str], samples: dict, variants: dict, bu
 
 def lstune_sp_variant(world: int, seq: int, *, ring: int = 1, memory: dict | None = None):
     """A `compare_sp_with_hf` variant prepared as `lstune train` composes it: lstune's attention with the block
-    kernel, Ulysses over `world` ranks (its core a ring of `ring` ranks when ring > 1), the memory techniques of
-    `memory` (MemorySection fields; None: none), and the batch sharded as they need (FPDT order when attention is
-    chunked, zigzag under a ring)."""
+    kernel, Ulysses over `world` ranks (its core a ring of `ring` ranks when ring > 1), the token mixers head-parallel
+    over the whole SP group (lstune.train.mixers; nothing on a model without them), the memory techniques of `memory`
+    (MemorySection fields; None: none), and the batch sharded as they need (FPDT order when attention is chunked,
+    zigzag under a ring — inside each chunk when both). Its extra result: the attention chunks run."""
     from lstune.config.schema import MemorySection
     from lstune.memory.apply import apply_memory_techniques
     from lstune.memory.attention_ring import RingAttention
     from lstune.memory.block_attention import block_attention
     from lstune.memory.loss import causal_lm_loss_sum
     from lstune.models.attention import use_lstune_attention
+    from lstune.models.introspect import find_parts
     from lstune.parallel.dims import ParallelDims
     from lstune.parallel.sp_data import shard_batch
-    from lstune.parallel.ulysses import apply_ulysses
+    from lstune.parallel.ulysses import SequenceExchange, apply_ulysses
+    from lstune.train.mixers import install_mixers
 
     dims = ParallelDims(world, sp=world, ring=ring).build_groups()
 
@@ -158,12 +161,16 @@ def lstune_sp_variant(world: int, seq: int, *, ring: int = 1, memory: dict | Non
             apply_ulysses(model, dims, core=RingAttention.of(dims), core_name=f"ring of {ring}")
         else:
             apply_ulysses(model, dims)
-        step, chunks = causal_lm_loss_sum, None
+        parts = find_parts(model)
+        mixers = install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims))
+        step, chunks, count = causal_lm_loss_sum, None, 1
         if memory is not None:
-            plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=seq // world)
-            step, chunks = plan.loss_sum, plan.attn_chunking
-        shard = shard_batch(batch, dims.sp, dims.sp_rank, None if ring > 1 else chunks, ring=ring)
-        return step(model, shard)[0], shard
+            plan = apply_memory_techniques(model, MemorySection(**memory), seq_len=seq // world, parts=parts, ring=ring)
+            step, chunks, count = plan.loss_sum, plan.attn_chunking, plan.attn_chunks_at_seq_len
+            if mixers is not None:
+                mixers.follow(chunks)
+        shard = shard_batch(batch, dims.sp, dims.sp_rank, chunks, ring=ring)
+        return step(model, shard)[0], shard, count
     return run
 
 

@@ -114,3 +114,47 @@ def test_chunked_attention_under_zero3_and_sp_trains_like_one_process(pools, mem
     from tests.distributed.test_zero3_sp_training import _check, _train_worker
 
     _check(pools[2].run(_train_worker, 2, 3, "tiny-llama", memory)[0])
+
+
+# Chunked attention under Ulysses × ring (chunk-major zigzag layout: inside each chunk, ring position r holds pieces r
+# and 2R−1−r; each chunk's K/V all-gathered over the ring, its gradients reduce-scattered home). 2 chunks; Llama
+# (GQA 4q/2kv) and gpt-oss (GQA, learned sinks, 16-token windows on alternating layers); one long sample and packed
+# documents [41, 30, 25] crossing chunk, piece and shard edges; alone and with every memory technique (tiled MLP and
+# loss, mini-sequence, checkpoints and chunks offloaded to the host).
+RING_LAYOUTS = {2: [(1, 2)], 4: [(2, 2), (1, 4)]}
+RING_MODELS = {2: ["llama", "gpt_oss"], 4: ["gpt_oss"]}
+RING_MEMORY = {
+    "alone": dict(attn_chunks=2, tiled_mlp="off", tiled_loss="off", checkpointing=False),
+    "all": dict(attn_chunks=2, tiled_mlp=2, tiled_loss=2, mini_sequence=True, offload_checkpoints=True),
+}
+
+
+def _ring_build(model_type: str):
+    from tests.distributed.test_ring_sinks_sp import _build
+
+    return _build(model_type)
+
+
+def _chunked_ring_worker(rank: int, world: int, layouts: list[tuple[int, int]], models: list[str]) -> dict:
+    import logging
+    import warnings
+
+    from tests.distributed._helpers import compare_sp_with_hf, lstune_sp_variant, reference_samples
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    variants = {f"{u}x{r}-{name}": lstune_sp_variant(world, SEQ, ring=r, memory=memory)
+                for u, r in layouts for name, memory in RING_MEMORY.items()}
+    return compare_sp_with_hf(models, reference_samples(SEQ, DOCS), variants, build=_ring_build)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_chunked_attention_under_ring_matches_hf(pools, world):
+    from tests.distributed._helpers import assert_sp_matches_hf
+
+    results = pools[world].run(_chunked_ring_worker, RING_LAYOUTS[world], RING_MODELS[world], timeout=600)
+    count = len(RING_MODELS[world]) * 2 * len(RING_LAYOUTS[world]) * len(RING_MEMORY)
+    assert_sp_matches_hf(results[0], count, loss_tol=TOL, grad_tol=TOL)
+    for other in results:
+        for key, (outcome, detail) in other.items():
+            assert outcome == "ran" and detail[2] < TOL and detail[4] == 2, (key, outcome, detail)

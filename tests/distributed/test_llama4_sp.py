@@ -1,5 +1,5 @@
 """Llama-4 (llama4_text) under Ulysses SP on 2 and 4 gloo processes, alone, with chunked attention (FPDT) and under
-Ulysses × ring ((1, 2), (2, 2), (1, 4)): loss and every gradient equal plain HF eager on the whole sequence, each
+Ulysses × ring ((1, 2), (2, 2), (1, 4); at (1, 2) and (1, 4) with FPDT's chunks under the ring too): loss and every gradient equal plain HF eager on the whole sequence, each
 packed document alone (fp32).
 
 The chunked-attention layer's 12-token chunks do not line up with the shards (52 tokens on 2 ranks, 26 on 4: every
@@ -59,6 +59,9 @@ def _llama4_ring_worker(rank: int, world: int, layouts: list[tuple[int, int]]) -
     variants[f"{layouts[0][0]}x{layouts[0][1]}-memory"] = lstune_sp_variant(
         world, SEQ, ring=layouts[0][1], memory=dict(tiled_mlp=2, tiled_loss=2, mini_sequence=True,
                                                     offload_checkpoints=True))
+    # FPDT's chunks under the ring (issue 35): the model's chunk positions reach the chunk sink through the ring
+    variants[f"{layouts[-1][0]}x{layouts[-1][1]}-fpdt"] = lstune_sp_variant(world, SEQ, ring=layouts[-1][1],
+                                                                           memory=dict(attn_chunks=2))
     return compare_sp_with_hf(["llama4_text"], reference_samples(SEQ, DOCS), variants, build=_build)
 
 
@@ -71,4 +74,5 @@ def test_llama4_under_sp_matches_hf(pools, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_llama4_under_ulysses_and_ring_matches_hf(pools, world):
     results = pools[world].run(_llama4_ring_worker, RING_LAYOUTS[world], timeout=600)
-    assert_sp_matches_hf(results[0], 2 * (len(RING_LAYOUTS[world]) + 1), loss_tol=TOL, grad_tol=1e-4)
+    assert_sp_matches_hf(results[0], 2 * (len(RING_LAYOUTS[world]) + 2), loss_tol=TOL, grad_tol=1e-4)
+    assert all(detail[4] == 2 for key, (_, detail) in results[0].items() if key[2].endswith("fpdt"))

@@ -315,7 +315,7 @@ def _lstune(model: Any, technique: str, data: str, batch: dict, training: bool =
 
     check_attention_support(model.config, pack=data == "packed", seq_len=SEQ, backend="sdpa", device="cpu")
     parts = find_parts(model)
-    install_mixers(parts.body, parts.layers, pack=data == "packed")
+    install_mixers(parts.body, parts.layers, pack=data == "packed", lm=parts.lm)
     use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
     step = causal_lm_loss_sum
     if TECHNIQUES[technique] is not None:
@@ -426,17 +426,16 @@ def _sp_worker(rank: int, world: int, model_types: list[str]) -> list[dict]:
             from lstune.memory.block_attention import block_attention
             from lstune.models.attention import use_lstune_attention
 
-            from lstune.train.prepare import _check_mixer_layout
-
             parts = find_parts(model)
-            mixers = install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims))
+            mixers = install_mixers(parts.body, parts.layers, pack=data == "packed", exchange=SequenceExchange(dims),
+                                    lm=parts.lm)
             use_lstune_attention(model, backend="sdpa", block_kernel=block_attention)
             apply_ulysses(model, dims)
             step, chunks = causal_lm_loss_sum, None
             if TECHNIQUES[technique] is not None:
                 plan = apply_memory_techniques(model, MemorySection(**TECHNIQUES[technique]), seq_len=SP_SEQ // world)
-                if mixers is not None:  # as train's prepare: FPDT's pieces under SP refused beside the mixers
-                    _check_mixer_layout(mixers, plan, world)
+                if mixers is not None:  # as train's prepare: the mixers take the shards in FPDT's pieces
+                    mixers.follow(plan.attn_chunking)
                 step, chunks = plan.loss_sum, plan.attn_chunking  # chunks: the shards are FPDT's pieces
             shard = shard_batch(batch, dims.sp, dims.sp_rank, chunks)
             return step(model, shard)[0], shard

@@ -67,6 +67,8 @@ _GDN = dict(head_dim=8, linear_num_key_heads=6, linear_num_value_heads=12, linea
             linear_value_head_dim=8, linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])
 _MAMBA2 = dict(hidden_size=48, mamba_n_heads=6, mamba_d_head=8, mamba_expand=1, mamba_n_groups=2, mamba_d_state=8,
                mamba_chunk_size=16, mamba_d_conv=4)
+_MAMBA1 = dict(intermediate_size=30, state_size=8, time_step_rank=8, conv_kernel=4, num_attention_heads=None,
+               num_key_value_heads=None)
 MIXER_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "qwen3_next": ({**_GDN, **MOE, "shared_expert_intermediate_size": 32}, {}),
     "qwen3_5_text": (dict(_GDN), {}),
@@ -90,6 +92,12 @@ MIXER_ARCHS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "jamba": (dict(mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, attn_layer_period=2,
                    attn_layer_offset=1, num_experts=2, num_experts_per_tok=1, expert_layer_period=2,
                    expert_layer_offset=1, use_mamba_kernels=False), {}),
+    # attention-free: the SP cap from the mixers' units (introspect.mixer_units), blocks of a mixer alone (MLP tiling
+    # skips them). Mamba-1 by channel, 30 channels (8, 8, 7, 7 on 4 ranks); FalconMamba's RMS norms on dt, B and C
+    "mamba": (dict(_MAMBA1), {}),
+    "falcon_mamba": (dict(_MAMBA1), {}),
+    "mamba2": (dict(hidden_size=48, expand=1, num_heads=6, head_dim=8, n_groups=2, state_size=8, chunk_size=16,
+                    conv_kernel=4, num_attention_heads=None, num_key_value_heads=None), {}),
     # lightning attention (no convolution), 6 heads as the mixers above; blocks of 16 tokens are crossed
     "minimax": ({**MOE, "num_local_experts": 4, "head_dim": 8, "num_attention_heads": 6, "num_key_value_heads": 2,
                  "layer_types": ["full_attention", "linear_attention"], "block_size": 16}, {}),

@@ -118,3 +118,24 @@ def test_offloaded_chunks_are_pinned_in_pieces_so_only_a_small_remainder_is_roun
     assert exact <= held < exact + 8 * 8 * 2**20
     held, exact = _chunk_host_bytes(768 * K, 8, "cpu")
     assert held == exact
+
+
+def test_under_a_ring_each_chunk_holds_the_gathered_keys_and_auto_may_choose_chunks():
+    """Chunked attention under Ulysses 4 × ring 2 (issue 35): each chunk's k and v are the whole chunk's, all-gathered
+    over the ring (lstune.memory.attention_chunks), so the host holds R times a rank's k/v (and one gathered chunk's
+    fp32 dk/dv); the query-side items stay a rank's. `auto` may then choose chunks under a ring."""
+    seq, sp, ring, chunks = 1024 * K, 8, 2, 4
+    flat = {"model": "llama-3.1-8b", "seq_len": seq, "lora_r": 16, "offload_checkpoints": True, "mini_sequence": False,
+            "gpus": sp, "sp": sp, "sp_ring": ring}
+    hardware = resolve_hardware(gpu="cpu", host_mem=1024 * GiB, gpus=sp)
+    e = estimate(TrainConfig.from_flat({**flat, "attn_chunks": chunks}), hardware, suggest=False)
+    (held,) = [item.host for item in e.breakdown.items if item.name.startswith("attention chunks on the host")]
+    t = seq // sp
+    per_token = 4 * 1024 * ring * 2 + 4 * 4096 + 4 * 32 + 4 * 4096 * 2 + 4 * 32 + 4 * 4096
+    assert held == t * per_token + t // chunks * 8 * 1024 * ring
+    from lstune.estimate.choice import chunk_options
+    from lstune.estimate.shapes import ModelShape
+
+    options = chunk_options(TrainConfig.from_flat(flat), hardware, ModelShape.from_config(preset_config("llama-3.1-8b")),
+                            sp)
+    assert options[0] == "off" and len(options) > 1 and all(isinstance(n, int) and n > 1 for n in options[1:])

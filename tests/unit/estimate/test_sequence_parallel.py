@@ -64,3 +64,13 @@ def test_metp_holds_one_over_p_of_the_mlp_and_moves_what_zero_moves():
              for trained in (True, False)]
     assert [t.metp_bytes for t in moved] == [c.metp_moved, frozen.metp_moved] == [int(3 / 4 * weights * 10),
                                                                                int(3 / 4 * weights * 6)]
+
+
+def test_chunked_attention_under_a_ring_moves_the_same_bytes_but_does_not_overlap_them():
+    """Issue 35: with attention chunks under a ring each chunk's K/V is all-gathered over the ring (and its fp32
+    dK/dV reduce-scattered home) — the hops' bytes, but synchronous: never counted as hidden."""
+    hops = sp_traffic(SHAPE, seq_len=1 << 20, micro_batch=1, sp=8, ring=2, attention_flops_per_s=1e9)
+    gathered = sp_traffic(SHAPE, seq_len=1 << 20, micro_batch=1, sp=8, ring=2, attention_flops_per_s=1e9,
+                          ring_gathered=True)
+    assert gathered.ring_bytes == hops.ring_bytes > 0 and gathered.ring_s == hops.ring_s
+    assert hops.ring_overlap and not gathered.ring_overlap and gathered.ring_gathered

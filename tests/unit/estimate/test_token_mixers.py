@@ -333,3 +333,13 @@ def test_lightning_attentions_states_are_what_its_forward_saves(dtype_name, act)
     assert states == shape.saved_state_bytes(seq, act) == act * heads * dim * dim * (seq // 16)
     scores = sum(n for dims, n in saved.values() if dims == (heads, 16, 16))
     assert scores == shape.lightning_scores_bytes(seq, act) == act * heads * 16 * 16 * (seq // 16)
+
+
+def test_an_attention_free_model_is_refused_by_the_estimate_with_a_user_error():
+    """No byte model of a pure state-space model yet: a clear refusal (exit 2), not a ValueError traceback."""
+    from transformers import MambaConfig
+
+    from lstune.errors import ModelError
+
+    with pytest.raises(ModelError, match="no byte model of a model without attention heads \\(mamba"):
+        ModelShape.from_config(MambaConfig(hidden_size=32, num_hidden_layers=2))

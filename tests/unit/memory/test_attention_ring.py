@@ -55,21 +55,33 @@ def test_a_ring_of_one_applies_the_sinks_once_after_its_merge_as_block_attention
     assert results[0][-1].abs().min() > 0  # every head's sink had a gradient
 
 
-def test_a_ring_called_by_chunked_attention_refuses_rather_than_attend_one_chunk():
+def test_a_ring_called_by_chunked_attention_hands_the_call_to_its_sink_with_the_ring():
+    """Chunked attention under a ring (issue 35): the ring kernel runs no hops of its own inside a chunk; the chunk sink
+    gets the call, with the ring group to gather the chunk's K/V over (replaces the former refusal)."""
     import types
 
-    import pytest
     import torch
 
-    from lstune.errors import ModelError
     from lstune.memory.attention_ring import RingAttention
     from lstune.memory.rotation import Ring
     from lstune.models.attention import chunked_attention_calls
 
+    calls = []
+
+    class Sink:
+        mask_positions, mask_seq = None, 4
+
+        def __call__(self, query, key, value, **kwargs):
+            calls.append(kwargs)
+            return torch.ones(1, 4, 2, 8)
+
+    ring = Ring(1, 0, (0,))
     q = k = v = torch.zeros(1, 2, 4, 8)
-    with chunked_attention_calls(object()), pytest.raises(ModelError, match="does not run under ring attention"):
-        RingAttention(Ring(1, 0, (0,)))(types.SimpleNamespace(is_causal=True), q, k, v, None,
-                                        position_ids=torch.arange(4)[None])
+    with chunked_attention_calls(Sink()):
+        out, _ = RingAttention(ring)(types.SimpleNamespace(is_causal=True), q, k, v, None,
+                                     position_ids=torch.arange(4)[None], sliding_window=3, scaling=0.5)
+    assert torch.equal(out, torch.ones(1, 4, 2, 8)) and len(calls) == 1
+    assert calls[0]["ring"] is ring and calls[0]["sliding_window"] == 3 and calls[0]["scaling"] == 0.5
 
 
 def test_a_ring_of_one_keeps_the_models_chunked_attention_mask():

@@ -73,6 +73,22 @@ def test_zigzag_ring_layout_gives_each_ring_position_pieces_r_and_2R_minus_1_min
         assert gathered.tolist() == expected == layout.ring_index(r).tolist()
 
 
-def test_ring_layout_refuses_chunked_attention():
-    with pytest.raises(ValueError, match="ring"):
-        sequence_layout(96, 4, AttentionChunks(3), 2)
+@pytest.mark.parametrize(("sp", "ring", "chunks"), [(4, 2, AttentionChunks(3)), (4, 4, AttentionChunks(2)),
+                                                   (2, 2, AttentionChunks("auto", 16)), (8, 2, AttentionChunks(3))])
+def test_chunked_ring_layout_is_the_zigzag_inside_each_chunk(sp, ring, chunks):
+    """Chunked attention under a ring (issue 35): the sample is cut into M chunks and the ring's zigzag applies inside
+    each, so local chunk m of ring position r's Ulysses ranks, gathered, is chunk m's pieces r and 2R−1−r."""
+    layout = sequence_layout(200, sp, chunks, ring)
+    count = chunks.count(-(-200 // sp))
+    assert layout.chunks == count > 1 and layout.length % (2 * sp * count) == 0
+    assert layout.length - 200 < 2 * sp * count and chunks.count(layout.local) == count  # the sink finds the same M
+    assert sequence_layout(layout.length, sp, chunks, ring) == layout
+    tokens_BS = torch.arange(layout.length)[None]
+    shards = [layout.shard(tokens_BS, rank)[0] for rank in range(sp)]
+    assert torch.equal(layout.unshard(shards), tokens_BS[0])
+    span = layout.length // count
+    for r in range(ring):
+        for m in range(count):
+            gathered = torch.cat([shard.chunk(count)[m] for shard in shards[r * layout.ulysses:(r + 1) * layout.ulysses]])
+            expected = SequenceLayout(span, ring, 1, ring).ring_index(r) + m * span
+            assert gathered.tolist() == expected.tolist()

@@ -64,13 +64,28 @@ def test_for_model_reads_head_counts():
     assert (dims.q_heads, dims.kv_heads, dims.sp) == (4, 1, 4)
 
 
-def test_a_model_without_attention_heads_gets_no_sequence_parallelism():
-    from transformers import MambaConfig
+def test_an_attention_free_model_takes_its_sp_cap_from_its_mixers_units():
+    """Mamba-1 (Mamba, FalconMamba) splits by channel, Mamba-2 by SSM head (lstune.models.mixers)."""
+    from transformers import FalconMambaConfig, Mamba2Config, MambaConfig
 
-    config = MambaConfig(hidden_size=32, num_hidden_layers=2)
+    mamba = MambaConfig(hidden_size=32, num_hidden_layers=2, intermediate_size=6)
+    assert ParallelDims.for_model(4, "auto", mamba).sp == 2  # 6 channels split evenly over 2, not 4
+    assert (ParallelDims.for_model(4, 4, mamba).q_heads, ParallelDims.for_model(4, 4, mamba).sp) == (6, 4)
+    with pytest.raises(ConfigError, match="at most the number of heads"):
+        ParallelDims.for_model(8, 8, mamba)
+    assert ParallelDims.for_model(2, 2, FalconMambaConfig(hidden_size=32, num_hidden_layers=2)).q_heads == 64
+    assert ParallelDims.for_model(4, "auto", Mamba2Config(hidden_size=32, num_heads=4, head_dim=16)).sp == 4
+    with pytest.raises(ConfigError, match="ring attention needs attention"):
+        ParallelDims.for_model(2, 2, mamba, ring=2)
+
+
+def test_a_model_without_heads_or_a_known_mixer_gets_no_sequence_parallelism():
+    from transformers import RwkvConfig
+
+    config = RwkvConfig(hidden_size=32, num_hidden_layers=2)
     dims = ParallelDims.for_model(2, "auto", config)
     assert (dims.q_heads, dims.sp) == (1, 1)
-    with pytest.raises(ConfigError, match="no attention heads.*use --sp 1"):
+    with pytest.raises(ConfigError, match="no attention heads and no token mixer.*use --sp 1"):
         ParallelDims.for_model(2, 2, config)
 
 
