@@ -142,30 +142,28 @@ def test_a_stopped_two_process_run_saves_a_checkpoint_and_exits_130(tmp_path, ho
         os.killpg(proc.pid, 0)
 
 
-@pytest.mark.parametrize("chunks", ["off", "2"])
-def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tmp_path, text_data, chunks):
-    """--sp 2 --sp-ring 2 (ring attention, zigzag data layout; with --attn-chunks 2 chunked attention under the ring,
-    the zigzag inside each chunk) through the CLI: the numbers of one process accumulating the same samples; a resume
-    continues exactly; a resume under another layout (no ring; another chunk setting under the ring) is refused
-    (exit 2)."""
+def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tmp_path, text_data):
+    """--sp 2 --sp-ring 2 --attn-chunks 2 (chunked attention under the ring: the zigzag inside each chunk) through
+    the CLI: the numbers of one process accumulating the same samples; a resume continues exactly; a resume under
+    another layout (no ring, or another chunk setting under the ring) is refused (exit 2). Ring attention without
+    chunks is the bench's SP-layout rung (test_bench_cli) and tests/distributed/test_ring_sp.py."""
     common = ["--data", text_data, "--max-steps", "3"]
-    ring = [*common, "--gpus", "2", "--sp", "2", "--sp-ring", "2", "--attn-chunks", chunks]
+    ring = [*common, "--gpus", "2", "--sp", "2", "--sp-ring", "2", "--attn-chunks", "2"]
     shown = _train(*ring, "--output-dir", tmp_path / "ring").stdout
-    assert "ring 2" in shown, shown[:2000]
-    if chunks != "off":
-        assert f"attention in {chunks} chunks" in shown, shown[:2000]
+    assert "ring 2" in shown and "attention in 2 chunks" in shown, shown[:2000]
     _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
     full, one = read_metrics(tmp_path / "ring"), read_metrics(tmp_path / "one")
     assert [m["label_tokens"] for m in full] == [m["label_tokens"] for m in one]
     assert [m["loss"] for m in full] == pytest.approx([m["loss"] for m in one], rel=1e-5)
     assert [m["grad_norm"] for m in full] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
     _train(*ring, "--output-dir", tmp_path / "part", "--stop-at-step", "2")
-    other_layout, refused = (["--gpus", "2", "--sp", "2"], "--sp-ring 2 (now 1)") if chunks == "off" else (
-        ["--gpus", "2", "--sp", "2", "--sp-ring", "2", "--attn-chunks", "off"], "--attn-chunks 2 (now off)")
-    other = run_subprocess("train", *TINY_MODEL, *common, *other_layout, "--output-dir", tmp_path / "part",
-                           "--resume", timeout=400)
-    assert other.returncode == 2, other.stderr[-3000:]
-    assert refused in other.stderr and "Traceback" not in other.stderr, other.stderr[-3000:]
+    for other_layout, refused in ((["--gpus", "2", "--sp", "2", "--attn-chunks", "2"], "--sp-ring 2 (now 1)"),
+                                  (["--gpus", "2", "--sp", "2", "--sp-ring", "2", "--attn-chunks", "off"],
+                                   "--attn-chunks 2 (now off)")):
+        other = run_subprocess("train", *TINY_MODEL, *common, *other_layout, "--output-dir", tmp_path / "part",
+                               "--resume", timeout=400)
+        assert other.returncode == 2, other.stderr[-3000:]
+        assert refused in other.stderr and "Traceback" not in other.stderr, other.stderr[-3000:]
     _train(*ring, "--output-dir", tmp_path / "part", "--resume")
     part = read_metrics(tmp_path / "part")
     assert [m["loss"] for m in part] == [m["loss"] for m in full]
