@@ -79,7 +79,7 @@ def _assert_exact(results: dict) -> None:
         if outcome != "ran":
             failures.append(f"{key}: refused: {detail}")
             continue
-        loss, ref_loss, diff, same_keys = detail
+        loss, ref_loss, diff, same_keys, *_ = detail
         if not same_keys or loss != pytest.approx(ref_loss, rel=TOL) or diff >= 1e-4:
             failures.append(f"{key}: loss {loss} vs {ref_loss}, gradients {diff:.1e}, same parameters {same_keys}")
     assert not failures, "\n".join(failures)
@@ -136,6 +136,8 @@ def test_mixers_are_exact_under_fpdt_and_ring_layouts(pools, world):
     results = pools[world].run(_layouts_worker, LAYOUT_TYPES, timeout=600)[0]
     assert len(results) == len(LAYOUT_TYPES) * 2 * len(LAYOUTS[world])
     _assert_exact(results)
+    chunked = [detail[-1] for (_, _, name), (_, detail) in results.items() if name.startswith("chunks")]
+    assert all(count == 2 for count in chunked), chunked  # the FPDT layout really ran (lstune_sp_variant's extra)
 
 
 def _broken_view_worker(rank: int, world: int) -> str:
