@@ -6,6 +6,10 @@ what the allocator reserves and on what the host really pins. The records in doc
 - Device, every run: **8 % of the device**. The full-depth Llama-3.1-8B LoRA step at 128K on an H200
   (2026-11-26-h200): predicted 79.55 GiB, allocated 79.10, reserved 85.81 — the reserved peak 6.26 GiB (7.3 % of
   it, 7.9 % of the prediction) above the estimate; the 2-layer 128K steps reserved 2.1-3.1 GiB over allocated.
+  Checked against the full-depth 384K step on an H100 (2026-11-28-h100): predicted 61.29 GiB, allocated 60.51,
+  reserved 70.10 — 8.81 GiB (11.4 % of the usable device) above, but with 18 GiB free, where the cache keeps freed
+  blocks; under pressure it gives them back (the 832K emulation below ended with its reserved peak at the cap, 4.6
+  GiB above the estimate). Not raised on that evidence; a full-depth step at the margin's edge is still unmeasured.
 - Device, chunked attention (FPDT): **13 % of the device**. Its blocks' many tensor sizes fragment the cache: at
   128K on two layers the reserved peak rose 8.5 GiB (21.05 → 29.55 GiB) while the allocated one fell 4.5
   (17.97 → 13.44; 2026-11-26-h200-c): 16.1 GiB reserved over allocated, against 3.1 unchunked. Under an 80 GB cap at

@@ -1,8 +1,8 @@
 """docs/'s numbers say what they are (issue 32), as README's do (test_readme_numbers.py): every length figure in a
 docs page sits in a sentence — or a table whose caption, header or note — that labels it measured, emulated,
 predicted, traced, or arithmetic (any form of the word: "the estimate predicts", "against the trace") (an exact count of a tensor's bytes, no model); and no page claims a measured
-full-depth step longer than the longest the records hold (147,456 tokens on 2026-11-23: every longer measured length
-was a 2-layer emulation with ballast). docs/benchmarks/ holds the records themselves and is not checked here."""
+full-depth step longer than the longest the records hold (393,216 tokens on 2026-11-28, `lstune bench` on an H100;
+147,456 before: every longer length measured until then was a 2-layer emulation with ballast). docs/benchmarks/ holds the records themselves and is not checked here."""
 
 from __future__ import annotations
 

@@ -95,3 +95,20 @@ def test_every_command_of_the_gpu_scripts_is_accepted(script, tmp_path, cli, stu
     ds = next(config for config, _ in stubbed_bench if config.parallel.zero_stage == "3")
     assert ds.parallel.offload_optimizer and ds.parallel.offload_params and ds.parallel.offload_ratio == 0.5
     assert ds.model.lora_r == 0 and ds.data.seq_len == 16 * 1024
+
+
+def test_the_long_step_script_runs_commands_the_clis_accept(tmp_path, cli, stubbed_bench):
+    """tools/gpu/run_long.sh (issue 31's full-depth step, started detached): its bench command, with the script's
+    defaults put in, goes through `lstune bench`; every test file its pytest names exists."""
+    text = (GPU / "run_long.sh").read_text().replace("\\\n", " ")
+    bench = next(line for line in text.splitlines() if "-m lstune bench" in line)
+    argv = shlex.split(bench.split("exec python3 -m lstune ", 1)[1].split('"', 1)[0]
+                       .replace("$MODEL", "llama-3.1-8b").replace("$LEN", "384k").replace("$RES", str(tmp_path)))
+    result = cli(*argv)
+    assert result.code == 0, (argv, result.err)
+    (config, options), = stubbed_bench
+    assert config.model.name == "llama-3.1-8b" and config.model.lora_r == 16 and config.data.seq_len == 384 * 1024
+    assert options.warmup == 0 and options.steps == 1 and options.trial_timeout == 840
+    tests = [word for line in text.splitlines() if "pytest" in line for word in line.split()
+             if word.startswith("tests/")]
+    assert tests and all((REPO / t).exists() for t in tests), tests

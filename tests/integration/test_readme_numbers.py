@@ -50,10 +50,18 @@ def test_the_check_fails_on_an_unlabelled_figure():
 
 
 def _full_depth_records() -> list[dict]:
+    """Every full-depth GPU result on record, as {"longest_ok": tokens}: the harness's 32-layer length searches
+    (tools/gpu/bench_ladder.py, raw*/bench.jsonl; its 2-layer emulations carry `as_layers` and do not count) and the
+    steps `lstune bench` completed on a CUDA device (bench.json with `measurements`: it always runs the whole model)."""
     records = []
     for path in sorted((REPO / "docs" / "benchmarks").glob("*/raw*/bench.jsonl")):
         records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in records if r.get("kind") == "maxlen" and r.get("layers") == 32 and not r.get("as_layers")]
+    found = [r for r in records if r.get("kind") == "maxlen" and r.get("layers") == 32 and not r.get("as_layers")]
+    for path in sorted((REPO / "docs" / "benchmarks").glob("*/bench.json")):
+        for m in json.loads(path.read_text()).get("measurements", []):
+            if m.get("outcome") == "ok" and str(m.get("device", "")).startswith("cuda") and m.get("step_times_s"):
+                found.append({"longest_ok": m["seq_len"], "record": str(path)})
+    return found
 
 
 def test_the_single_gpu_headline_is_the_measured_full_depth_maximum():
