@@ -403,9 +403,11 @@ def _cached_device_group_buffers(device: list[int], host: list[int], pinned: boo
     return sum({_pinned(DS_GRAD_BYTES * n, True) for n in device} - taken)
 
 
-def _shards(p: ParamCounts, world: int) -> list[int]:
-    """One rank's trainable shards, or without the tensors' sizes the whole as one."""
-    return [ceil_div(n, world) for n in p.trainable_tensors] or [p.trainable // world]
+@lru_cache(maxsize=64)
+def _shards(p: ParamCounts, world: int) -> tuple[int, ...]:
+    """One rank's trainable shards, or without the tensors' sizes the whole as one (made once per counts and world:
+    the length searches ask for them thousands of times)."""
+    return tuple(ceil_div(n, world) for n in p.trainable_tensors) or (p.trainable // world,)
 
 
 def ds_sub_groups(p: ParamCounts, world: int, size: int) -> list[int]:
