@@ -376,10 +376,10 @@ def _partial_offload(b: Breakdown, p: ParamCounts, world: int, ratio: float, pin
     its own, the last holds the 525M head), 14 of them on the host (52.7 % of the parameters), and most of them
     run past 2^30 B of fp32 gradient, so each pinned buffer was 2 GiB, not 1: this model says 123.3 GiB for that cut.
     lstune sizes the sub-groups to stay within their power of two since (`partial_sub_group_size`)."""
-    from lstune.parallel.engine_ds import PARTIAL_SUB_GROUPS, partial_sub_group_size
+    from lstune.parallel.engine_ds import PARTIAL_SUB_GROUPS
 
     numel = p.trainable // world
-    groups = ds_sub_groups(p, world, partial_sub_group_size(_shards(p, world)))
+    groups = _partial_sub_groups(p, world)
     on_device = min(len(groups), int((1 - ratio) * len(groups)))
     device, host = groups[:on_device], groups[on_device:]
     host_grads = _pinned(DS_GRAD_BYTES * numel, pinned) + sum(_pinned(DS_GRAD_BYTES * n, pinned) for n in host)
@@ -401,6 +401,14 @@ def _cached_device_group_buffers(device: list[int], host: list[int], pinned: boo
         return 0
     taken = {_pinned(DS_GRAD_BYTES * n, True) for n in host}
     return sum({_pinned(DS_GRAD_BYTES * n, True) for n in device} - taken)
+
+
+@lru_cache(maxsize=64)
+def _partial_sub_groups(p: ParamCounts, world: int) -> tuple[int, ...]:
+    """`ds_sub_groups` at lstune's partial-offload sub-group size, once per counts and world."""
+    from lstune.parallel.engine_ds import partial_sub_group_size
+
+    return tuple(ds_sub_groups(p, world, partial_sub_group_size(_shards(p, world))))
 
 
 @lru_cache(maxsize=64)
