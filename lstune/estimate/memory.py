@@ -403,12 +403,17 @@ def _cached_device_group_buffers(device: list[int], host: list[int], pinned: boo
     return sum({_pinned(DS_GRAD_BYTES * n, True) for n in device} - taken)
 
 
-@lru_cache(maxsize=64)
 def _partial_sub_groups(p: ParamCounts, world: int) -> tuple[int, ...]:
-    """`ds_sub_groups` at lstune's partial-offload sub-group size, once per counts and world."""
+    """`ds_sub_groups` at lstune's partial-offload sub-group size."""
     from lstune.parallel.engine_ds import partial_sub_group_size
 
-    return tuple(ds_sub_groups(p, world, partial_sub_group_size(_shards(p, world))))
+    return _sub_groups(p, world, partial_sub_group_size(_shards(p, world)))
+
+
+@lru_cache(maxsize=64)
+def _sub_groups(p: ParamCounts, world: int, size: int) -> tuple[int, ...]:
+    """`ds_sub_groups`, once per counts, world and size: the length searches ask for them thousands of times."""
+    return tuple(ds_sub_groups(p, world, size))
 
 
 @lru_cache(maxsize=64)

@@ -54,7 +54,11 @@ def read_metrics(output_dir: Path) -> list[dict]:
 @pytest.fixture
 def text_data(tmp_path) -> Path:
     """A JSONL file of 12 short, learnable documents."""
-    path = tmp_path / "data.jsonl"
+    return write_text_data(tmp_path / "data.jsonl")
+
+
+def write_text_data(path: Path) -> Path:
+    """`text_data`'s file at `path` (for a fixture of wider scope)."""
     rows = [{"text": f"Document {i}: " + "the quick brown fox jumps over the lazy dog. " * (3 + i % 4)} for i in range(12)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.integration.conftest import REPO, TINY_MODEL, read_metrics, run_subprocess
+from tests.integration.conftest import REPO, TINY_MODEL, read_metrics, run_subprocess, write_text_data
 
 
 def _train(*args, timeout=400):
@@ -22,19 +22,34 @@ def _train(*args, timeout=400):
     return proc
 
 
-def test_sp2_over_two_processes_equals_one_process(tmp_path, text_data):
-    """SP=2 on 2 processes sees 2 samples per step: the same numbers as 1 process accumulating 2."""
-    common = ["--data", text_data, "--max-steps", "3", "--eval-split", "0.25", "--eval-every", "2"]
-    _train(*common, "--gpus", "2", "--sp", "2", "--output-dir", tmp_path / "sp2")
-    _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
-    sp2, one = read_metrics(tmp_path / "sp2"), read_metrics(tmp_path / "one")
-    assert [m["label_tokens"] for m in sp2] == [m["label_tokens"] for m in one]
-    assert [m["loss"] for m in sp2] == pytest.approx([m["loss"] for m in one], rel=1e-5)
-    assert [m["grad_norm"] for m in sp2] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
-    # Validation (3 held-out samples, at steps 2 and 3): the exact global mean under SP as on one process.
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The flags the SP=2, ring and METP runs share (3 steps, clipping at 0.5, 3 held-out samples evaluated at steps
+    2 and 3), and one process's run accumulating 2 samples a step: the reference each of them must equal (made once
+    for the module: it had been made once per test)."""
+    root = tmp_path_factory.mktemp("shared")
+    common = ["--data", write_text_data(root / "data.jsonl"), "--max-steps", "3", "--max-grad-norm", "0.5",
+              "--eval-split", "0.25", "--eval-every", "2"]
+    _train(*common, "--grad-accum", "2", "--output-dir", root / "one")
+    return SimpleNamespace(common=common, one_dir=root / "one", one=read_metrics(root / "one"))
+
+
+def _equals_one_process(run: list[dict], one: list[dict]) -> None:
+    """A multi-process run's numbers are one process's accumulating the same samples: loss, gradient norm and the
+    validation (the exact global mean, at steps 2 and 3)."""
+    assert [m["label_tokens"] for m in run] == [m["label_tokens"] for m in one]
+    assert [m["loss"] for m in run] == pytest.approx([m["loss"] for m in one], rel=1e-5)
+    assert [m["grad_norm"] for m in run] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
     evals = lambda ms: [(m["step"], m["eval_tokens"], m["eval_loss"]) for m in ms if "eval_loss" in m]  # noqa: E731
-    assert [e[:2] for e in evals(sp2)] == [e[:2] for e in evals(one)] and [e[0] for e in evals(one)] == [2, 3]
-    assert [e[2] for e in evals(sp2)] == pytest.approx([e[2] for e in evals(one)], rel=1e-5)
+    assert [e[:2] for e in evals(run)] == [e[:2] for e in evals(one)] and [e[0] for e in evals(one)] == [2, 3]
+    assert [e[2] for e in evals(run)] == pytest.approx([e[2] for e in evals(one)], rel=1e-5)
+
+
+def test_sp2_over_two_processes_equals_one_process(tmp_path, shared):
+    """SP=2 on 2 processes sees 2 samples per step: the same numbers as 1 process accumulating 2, validation
+    included (3 held-out samples, at steps 2 and 3)."""
+    _train(*shared.common, "--gpus", "2", "--sp", "2", "--output-dir", tmp_path / "sp2")
+    _equals_one_process(read_metrics(tmp_path / "sp2"), shared.one)
 
 
 def test_zero3_sp_resume_equals_uninterrupted_and_export_reloads(tmp_path, text_data):
@@ -142,20 +157,17 @@ def test_a_stopped_two_process_run_saves_a_checkpoint_and_exits_130(tmp_path, ho
         os.killpg(proc.pid, 0)
 
 
-def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tmp_path, text_data):
+def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tmp_path, shared):
     """--sp 2 --sp-ring 2 --attn-chunks 2 (chunked attention under the ring: the zigzag inside each chunk) through
     the CLI: the numbers of one process accumulating the same samples; a resume continues exactly; a resume under
     another layout (no ring, or another chunk setting under the ring) is refused (exit 2). Ring attention without
     chunks is the bench's SP-layout rung (test_bench_cli) and tests/distributed/test_ring_sp.py."""
-    common = ["--data", text_data, "--max-steps", "3"]
+    common = shared.common
     ring = [*common, "--gpus", "2", "--sp", "2", "--sp-ring", "2", "--attn-chunks", "2"]
     shown = _train(*ring, "--output-dir", tmp_path / "ring").stdout
     assert "ring 2" in shown and "attention in 2 chunks" in shown, shown[:2000]
-    _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
-    full, one = read_metrics(tmp_path / "ring"), read_metrics(tmp_path / "one")
-    assert [m["label_tokens"] for m in full] == [m["label_tokens"] for m in one]
-    assert [m["loss"] for m in full] == pytest.approx([m["loss"] for m in one], rel=1e-5)
-    assert [m["grad_norm"] for m in full] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+    full = read_metrics(tmp_path / "ring")
+    _equals_one_process(full, shared.one)
     _train(*ring, "--output-dir", tmp_path / "part", "--stop-at-step", "2")
     for other_layout, refused in ((["--gpus", "2", "--sp", "2", "--attn-chunks", "2"], "--sp-ring 2 (now 1)"),
                                   (["--gpus", "2", "--sp", "2", "--sp-ring", "2", "--attn-chunks", "off"],
@@ -169,7 +181,7 @@ def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tm
     assert [m["loss"] for m in part] == [m["loss"] for m in full]
 
 
-def test_metp_mlp_run_equals_one_process_resumes_only_in_its_layout_and_exports_full_weights(tmp_path, text_data):
+def test_metp_mlp_run_equals_one_process_resumes_only_in_its_layout_and_exports_full_weights(tmp_path, shared):
     """--metp-mlp on 2 processes (ZeRO-1, each rank training its MLP shards beside DeepSpeed): the numbers of one
     process accumulating the same samples, clipping included; the exported model holds the full MLP weights (loaded
     with transformers, equal to the one-process run's); a resume continues exactly, one without --metp-mlp is
@@ -177,18 +189,15 @@ def test_metp_mlp_run_equals_one_process_resumes_only_in_its_layout_and_exports_
     import torch
     from transformers import AutoModelForCausalLM
 
-    common = ["--data", text_data, "--max-steps", "3", "--max-grad-norm", "0.5"]
+    common = shared.common  # clipping at 0.5 among them
     metp = [*common, "--gpus", "2", "--sp", "2", "--metp-mlp"]
     shown = _train(*metp, "--output-dir", tmp_path / "metp").stdout
     assert "METP MLP: 1/2 of its weights per rank" in shown, shown[:2000]
-    _train(*common, "--grad-accum", "2", "--output-dir", tmp_path / "one")
-    full, one = read_metrics(tmp_path / "metp"), read_metrics(tmp_path / "one")
-    assert [m["label_tokens"] for m in full] == [m["label_tokens"] for m in one]
-    assert [m["loss"] for m in full] == pytest.approx([m["loss"] for m in one], rel=1e-5)
-    assert [m["grad_norm"] for m in full] == pytest.approx([m["grad_norm"] for m in one], rel=1e-4)
+    full, one = read_metrics(tmp_path / "metp"), shared.one
+    _equals_one_process(full, one)
     assert all(m["grad_norm"] > 0.5 for m in one)  # clipping was active
     exported = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "metp" / "final").named_parameters())
-    reference = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "one" / "final").named_parameters())
+    reference = dict(AutoModelForCausalLM.from_pretrained(shared.one_dir / "final").named_parameters())
     mlp = [n for n in reference if ".mlp." in n]
     assert mlp and exported.keys() == reference.keys()
     count = sum(p.numel() for p in reference.values())  # the plan counts the MLP weights the shards make up
