@@ -9,6 +9,7 @@ which the step's FLOPs read for the layers backward re-runs (`extra_layer_forwar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from lstune.estimate.shapes import ModelShape
@@ -42,15 +43,23 @@ def planned_placement(shape: ModelShape, s: Any, ckpt: int, element_size: int,
                       device_budget: int | None) -> CheckpointPlacement:
     """`place_checkpoints` on the inputs train gives it (lstune.memory.apply.checkpoint_placement), from the
     config's shapes: the host budget (none without offload), the device budget, the copy that hides on CUDA."""
+    return _placed(shape.layers, ckpt, s.local_tokens // max(s.micro_batch, 1), shape.layer_matmul_params(),
+                   shape.q_width, element_size, s.on_cuda, s.host_mem_budget if s.offload_checkpoints else 0,
+                   device_budget)
+
+
+@lru_cache(maxsize=1 << 14)  # the length searches plan the same few thousand placements again for each engine
+def _placed(layers: int, ckpt: int, tokens: int, layer_matmul_params: int, attention_width: int, element_size: int,
+            on_cuda: bool, host_budget: int | None, device_budget: int | None) -> CheckpointPlacement:
     return place_checkpoints(
-        shape.layers, ckpt, tokens=s.local_tokens // max(s.micro_batch, 1),
-        layer_matmul_params=shape.layer_matmul_params(), attention_width=shape.q_width, element_size=element_size,
-        on_cuda=s.on_cuda, host_budget=s.host_mem_budget if s.offload_checkpoints else 0, device_budget=device_budget,
+        layers, ckpt, tokens=tokens, layer_matmul_params=layer_matmul_params, attention_width=attention_width,
+        element_size=element_size, on_cuda=on_cuda, host_budget=host_budget, device_budget=device_budget,
     )
 
 
 def cache_clear() -> None:
-    """Forget the host sizes the placements remembered (lstune.estimate.memory.forget_byte_models)."""
+    """Forget the placements and the host sizes they remembered (lstune.estimate.memory.forget_byte_models)."""
+    _placed.cache_clear()
     forget_sizes()
 
 
