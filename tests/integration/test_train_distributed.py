@@ -159,9 +159,10 @@ def test_a_stopped_two_process_run_saves_a_checkpoint_and_exits_130(tmp_path, ho
 
 def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tmp_path, shared):
     """--sp 2 --sp-ring 2 --attn-chunks 2 (chunked attention under the ring: the zigzag inside each chunk) through
-    the CLI: the numbers of one process accumulating the same samples; a resume continues exactly; a resume under
-    another layout (no ring, or another chunk setting under the ring) is refused (exit 2). Ring attention without
-    chunks is the bench's SP-layout rung (test_bench_cli) and tests/distributed/test_ring_sp.py."""
+    the CLI: the numbers of one process accumulating the same samples (`shared`'s run: validation and clipping
+    included); a resume continues exactly; a resume under another layout (no ring, or another chunk setting under
+    the ring) is refused (exit 2). Ring attention without chunks is the bench's SP-layout rung (test_bench_cli) and
+    tests/distributed/test_ring_sp.py."""
     common = shared.common
     ring = [*common, "--gpus", "2", "--sp", "2", "--sp-ring", "2", "--attn-chunks", "2"]
     shown = _train(*ring, "--output-dir", tmp_path / "ring").stdout
@@ -183,9 +184,9 @@ def test_ring_attention_run_equals_one_process_and_resumes_only_in_its_layout(tm
 
 def test_metp_mlp_run_equals_one_process_resumes_only_in_its_layout_and_exports_full_weights(tmp_path, shared):
     """--metp-mlp on 2 processes (ZeRO-1, each rank training its MLP shards beside DeepSpeed): the numbers of one
-    process accumulating the same samples, clipping included; the exported model holds the full MLP weights (loaded
-    with transformers, equal to the one-process run's); a resume continues exactly, one without --metp-mlp is
-    refused (exit 2)."""
+    process accumulating the same samples (`shared`'s run), clipping and validation included; the exported model
+    holds the full MLP weights (loaded with transformers, equal to the one-process run's); a resume continues
+    exactly, one without --metp-mlp is refused (exit 2)."""
     import torch
     from transformers import AutoModelForCausalLM
 
