@@ -654,7 +654,12 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=_lora_on_tokens(s, p))
     else:
         mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act, p)
-    if s.attn_chunk_count > 1:
+    if shape.attention_free:  # a pure state-space model's mixer in place of attention (ModelShape.mixer_saved)
+        saved = ("layer backward: the state-space mixer's block saved (input norm, projections, gate, scan output)",
+                 t * (upcast + act * (h + shape.mixer_saved)))
+        attention = ("the state-space mixer's (its projections' gradients, input norm)",
+                     t * act * (3 * h + shape.mixer_saved))
+    elif s.attn_chunk_count > 1:
         saved, attention = _chunked_attention(shape, p, s, act, res)
     else:
         saved = ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
@@ -980,7 +985,7 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
     norms = _norm_saved(s, res) * sum(p.layer_norm_widths(h))
     if res > act:  # fp32 weights under autocast: q, k and v keep 16-bit casts of the input norm's output, not it
         norms -= res * h
-    attention = act * (3 * shape.q_width + 2 * shape.kv_width)
+    attention = act * (3 * shape.q_width + 2 * shape.kv_width + shape.mixer_saved)
     if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
         attention = _chunks_saved_per_token(shape, act, res, s.ring) + _chunk_ids_per_token(s)
     # METP saves only the MLP's input (the norm's output): its steps are recomputed in backward
