@@ -700,7 +700,16 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     if shape.linear_layers and shape.conv_channels:
         parts.append(("layer backward: a linear mixer's short convolution (its input and output, "
                       f"{shape.conv_channels:,} channels)", shape.linear_conv_bytes(t, act)))
-    return parts + _delta_rule_parts(shape, s, act) + _mamba1_scan_parts(shape, s)
+    return parts + _delta_rule_parts(shape, s, act) + _mamba1_scan_parts(shape, s) + _mamba2_scan_parts(shape, s)
+
+
+def _mamba2_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
+    """An attention-free Mamba-2 on the torch chunked scan (no mamba-ssm, or a CPU run): its per-chunk matrices
+    (ModelShape.mamba2_chunk_bytes); with mamba-ssm's kernel (`Settings.mamba_kernels`) none, predicted."""
+    if not shape.mamba2_chunk or s.mamba_kernels:
+        return []
+    return [("layer backward: Mamba-2's torch chunked scan (no mamba-ssm): its per-chunk matrices (fp32)",
+             shape.mamba2_chunk_bytes(s.local_tokens))]
 
 
 def _mamba1_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:

@@ -65,6 +65,14 @@ class ModelShape:
     # for backward beyond the conv, state and scan rows (`ssm_mixer_widths`)
     mixer_params: int = 0
     mixer_saved: int = 0
+    # How many fp32 expanded width · state size tensors per token Mamba-1's torch scan keeps (`mamba1_scan_bytes`):
+    # Jamba's `slow_forward` 3; Mamba's and FalconMamba's reference `selective_scan_fn` (what runs without
+    # mamba-ssm) 7, fitted to the trace (tests/unit/estimate/test_attention_free.py)
+    mamba1_scan_copies: int = 3
+    # Mamba-2 (attention-free): its heads and chunk, for the torch chunked scan's per-chunk matrices
+    # (`mamba2_chunk_bytes`); 0 elsewhere (the hybrids' Mamba-2 layers are not modelled by it)
+    mamba2_heads: int = 0
+    mamba2_chunk: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -109,7 +117,8 @@ class ModelShape:
             tied=bool(getattr(c, "tie_word_embeddings", False)), gated=False, windows=(None,) * layers,
             mixers=("linear",) * layers, chunks=(None,) * layers, state_elements=_state_elements(c, hidden),
             **_conv(c, hidden), mamba1_scan_elements=_mamba1_elements(c, hidden), mixer_params=params,
-            mixer_saved=saved)
+            mixer_saved=saved, mamba1_scan_copies=7, mamba2_heads=_ssm_dims(c).get("heads", 0),
+            mamba2_chunk=_get_any(c, "chunk_size") if model_type == "mamba2" else 0)
 
     @property
     def attention_free(self) -> bool:
@@ -205,7 +214,17 @@ class ModelShape:
         backward over one sequence, fp32: the state after every token (and the zero state it starts from), which
         its per-token loop saves, and the discretised A and B·u, each expanded width · state size per token
         (counted from the tensors its forward saves, tests/unit/estimate/test_token_mixers.py)."""
-        return 4 * self.mamba1_scan_elements * (3 * seq_len + 1)
+        return 4 * self.mamba1_scan_elements * (self.mamba1_scan_copies * seq_len + 1)
+
+    def mamba2_chunk_bytes(self, seq_len: int) -> int:
+        """What the torch chunked scan of one attention-free Mamba-2 layer (the reference `mamba_chunk_scan_combined`,
+        what runs without mamba-ssm) keeps for backward beyond the chunk-edge states: five fp32 chunk-wide matrices
+        per head and token of the sequence padded to whole chunks (the segment sums and their decays, C·Bᵀ and the
+        decayed scores), fitted to the trace (tests/unit/estimate/test_attention_free.py)."""
+        if not self.mamba2_chunk:
+            return 0
+        tokens = -(-seq_len // self.mamba2_chunk) * self.mamba2_chunk
+        return 4 * self.mamba2_heads * tokens * 5 * self.mamba2_chunk
 
     def delta_rule_backward_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
         """The torch Gated DeltaNet kernel's backward at its peak, beyond what its forward saved, per value head and
