@@ -209,12 +209,15 @@ def load_model(
     notes: list[str] | None = None,
     load_in_4bit: bool = False,
     device: Any = None,
+    init_device: Any = None,
 ) -> LoadedModel:
     """Load the model of `spec` (from `resolve_model`; a name is resolved here). `init` auto = random for
     presets, pretrained otherwise. The tokenizer (lstune.data.tokenizer.load_model_tokenizer) is the
     caller's, loaded first so a data problem is reported before minutes of weight loading; it is kept
     with the model for export. `load_in_4bit` quantizes the base while it loads, onto `device`
-    (lstune.models.quant)."""
+    (lstune.models.quant). `init_device`: where random weights are made (the caller's choice: a CUDA device that
+    keeps them anyway makes an 8B model's in seconds, where the CPU took ~2 minutes; docs/benchmarks/2026-11-28-h100);
+    pretrained weights always load on the CPU first."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -241,7 +244,8 @@ def load_model(
         kwargs.update(quantization_config=quantization_config(), device_map={"": str(device or "cpu")})
     torch.manual_seed(seed)
     if random_init:
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        with torch.device(init_device or "cpu"):
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
         notes.insert(0, "weights are randomly initialised (no pretrained weights loaded)")
     else:
         if source.kind == "local":

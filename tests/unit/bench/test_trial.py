@@ -45,3 +45,22 @@ def test_out_of_memory_and_other_failures_are_told_apart():
     except ValueError as exc:
         record = failure(exc)
     assert record["outcome"] == "error" and record["error"] == "ValueError: a bug" and "a bug" in record["traceback"]
+
+
+def test_the_estimate_line_has_each_lengths_full_estimate_without_the_longest_length_search():
+    """The plots' line takes each length's peaks and step time — the numbers `lstune estimate` gives — without the
+    longest-length search the line never shows (~4 s a point for Llama-3.1-8B: 2 of a lease's 15 minutes)."""
+    from lstune.bench.trial import run_estimates
+    from lstune.estimate import estimate
+    from lstune.train.engine_choice import runtime_cluster
+    from lstune.train.runtime import start_runtime
+
+    config = TrainConfig.from_flat({"model": "tiny-llama", "seq_len": 1024})
+    points = run_estimates(Job(1, "estimates", "lstune", config.to_dict(), lengths=[1024, 4096]))["points"]
+    cluster = runtime_cluster(start_runtime(config.model.dtype), None)
+    for point in points:
+        full = estimate(TrainConfig.from_flat({**config.to_dict(), "seq_len": point["seq_len"]}), cluster,
+                        suggest=False)
+        assert full.longest_seq_len > 0  # the full estimate searched; the line's numbers are its numbers
+        assert (point["device_peak_bytes"], point["host_peak_bytes"], point["step_seconds"]) == (
+            full.device_peak_bytes, full.host_peak_bytes, full.step_seconds)

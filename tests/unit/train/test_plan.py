@@ -84,6 +84,40 @@ def test_a_4bit_base_loads_its_other_parts_in_bf16_on_cuda_for_every_caller(monk
     assert seen["param_dtype"] is torch.bfloat16 and seen["load_in_4bit"] is True
 
 
+def test_random_weights_are_made_where_one_process_keeps_them_in_the_dtype_it_keeps(monkeypatch):
+    """A LoRA base kept in bf16 on CUDA loads in bf16 (not fp32, cast later), and its random weights are made on the
+    device when one process keeps them all there; under DeepSpeed, several processes or a CPU run they are made on
+    the CPU, in the dtype as before (2026-11-28-h100: 8.0 B random weights took ~120 s on the CPU)."""
+    import lstune.models.loading as loading
+    from lstune.train.build import load_weights
+
+    seen = {}
+    monkeypatch.setattr(loading, "load_model", lambda spec, **kwargs: seen.update(kwargs))
+    cuda = torch.device("cuda", 0)
+
+    def load(flat, device, engine="torch", world=1):
+        config = TrainConfig.from_flat({"model": "tiny-llama", **flat})
+        engine = SimpleNamespace(kind=engine)
+        run_plan = SimpleNamespace(config=config, spec=None, dtypes=dtypes_of(config, device.type, engine),
+                                   engine=engine)
+        load_weights(run_plan, SimpleNamespace(device=device, world_size=world))
+        return seen["param_dtype"], seen["init_device"]
+
+    assert load({"lora_r": 8}, cuda) == (torch.bfloat16, cuda)
+    assert load({"lora_r": 8}, cuda, engine="deepspeed") == (torch.bfloat16, None)
+    assert load({"lora_r": 8}, cuda, world=2) == (torch.bfloat16, None)
+    assert load({"lora_r": 0}, cuda) == (None, cuda)  # a full fine-tune keeps fp32 weights on one device
+    assert load({"lora_r": 8}, torch.device("cpu")) == (None, None)
+
+
+def test_load_model_makes_random_weights_on_the_device_it_is_given():
+    from lstune.models.loading import load_model
+
+    model = load_model("tiny-llama", init="random", init_device="meta").model
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.device.type for p in load_model("tiny-llama", init="random").model.parameters()} == {"cpu"}
+
+
 def test_a_bench_trials_plan_is_for_the_host_memory_the_trial_may_use():
     from lstune.bench.trial import Job, run_step_trial
 
