@@ -73,6 +73,7 @@ class ModelShape:
     # (`mamba2_chunk_bytes`); 0 elsewhere (the hybrids' Mamba-2 layers are not modelled by it)
     mamba2_heads: int = 0
     mamba2_chunk: int = 0
+    mamba2_state: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -118,7 +119,8 @@ class ModelShape:
             mixers=("linear",) * layers, chunks=(None,) * layers, state_elements=_state_elements(c, hidden),
             **_conv(c, hidden), mamba1_scan_elements=_mamba1_elements(c, hidden), mixer_params=params,
             mixer_saved=saved, mamba1_scan_copies=7, mamba2_heads=_ssm_dims(c).get("heads", 0),
-            mamba2_chunk=_get_any(c, "chunk_size") if model_type == "mamba2" else 0)
+            mamba2_chunk=_get_any(c, "chunk_size") if model_type == "mamba2" else 0,
+            mamba2_state=_get_any(c, "state_size") if model_type == "mamba2" else 0)
 
     @property
     def attention_free(self) -> bool:
@@ -218,13 +220,16 @@ class ModelShape:
 
     def mamba2_chunk_bytes(self, seq_len: int) -> int:
         """What the torch chunked scan of one attention-free Mamba-2 layer (the reference `mamba_chunk_scan_combined`,
-        what runs without mamba-ssm) keeps for backward beyond the chunk-edge states: five fp32 chunk-wide matrices
-        per head and token of the sequence padded to whole chunks (the segment sums and their decays, C·Bᵀ and the
-        decayed scores), fitted to the trace (tests/unit/estimate/test_attention_free.py)."""
+        what runs without mamba-ssm) keeps for backward beyond the chunk-edge states, per token of the sequence
+        padded to whole chunks: two and a half fp32 chunk-wide matrices per head (the segment sums' decays, the
+        decayed C·Bᵀ scores) and ten fp32 inner-wide tensors (its fp32 copies of x and dt·x, the intra- and inter-chunk outputs
+        and their gradients' buffers): fitted to the trace at chunks of 16 and 32 tokens (tests/unit/estimate/
+        test_attention_free.py), predicted, not counted tensor by tensor."""
         if not self.mamba2_chunk:
             return 0
         tokens = -(-seq_len // self.mamba2_chunk) * self.mamba2_chunk
-        return 4 * self.mamba2_heads * tokens * 5 * self.mamba2_chunk
+        inner = self.state_elements // max(1, self.mamba2_state)
+        return 4 * tokens * (5 * self.mamba2_heads * self.mamba2_chunk // 2 + 10 * inner)
 
     def delta_rule_backward_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
         """The torch Gated DeltaNet kernel's backward at its peak, beyond what its forward saved, per value head and
