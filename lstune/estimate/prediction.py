@@ -183,8 +183,8 @@ def attention_free_config(config: TrainConfig, shape: ModelShape, model_type: st
     if asked:
         from lstune.errors import ConfigError
 
-        raise ConfigError(f"{', '.join(asked)} apply to attention, and {model_type} has none (a pure state-space "
-                          f"model); leave {' and '.join(asked)} out (their `auto` is off for it).")
+        raise ConfigError([f"{', '.join(asked)} apply to attention, and {model_type} has none (a pure state-space "
+                          f"model); leave {' and '.join(asked)} out (their `auto` is off for it)."])
     return replace(config, memory=replace(m, attn_chunks="off", recompute_attention="on"),
                    parallel=replace(par, sp_ring=1))
 
