@@ -1,0 +1,44 @@
+"""Issue 34: the estimate's byte model of attention-free models (Mamba, FalconMamba, Mamba-2: no attention heads, no
+MLP): the mixer's projections in the FLOPs, its conv, states and scan in a layer's backward, no attention terms,
+and the analytic peak within 3 % of the trace (`lstune estimate --trace`, fake tensors on the CPU) as for the other
+architectures (tests/unit/estimate/test_trace.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lstune.estimate.shapes import ModelShape, count_parameters
+from lstune.models.presets import preset_config
+from lstune.train.trace import grid_row
+
+
+@pytest.mark.parametrize("model", ["tiny-mamba", "tiny-mamba2"])
+def test_an_attention_free_shape_has_its_mixer_and_no_attention_or_mlp(model):
+    config = preset_config(model)
+    shape = ModelShape.from_config(config)  # refused with a ModelError before issue 34's estimate rows
+    assert shape.attention_free and shape.attention_pairs(4096) == 0 and shape.intermediate == 0
+    assert shape.linear_layers == shape.layers == 2 and shape.state_elements and shape.conv_channels
+    # The projections one token multiplies: every weight of a layer but the conv, dt bias, A, D and the norms
+    params = count_parameters(config)
+    small = 64 * 8 * 4 + 2 * 64 * 8  # under every layer's conv, A, D, dt bias and norms (tiny presets)
+    assert params.largest_layer - small <= shape.layer_matmul_params() <= params.largest_layer
+
+
+def test_an_unknown_model_without_attention_heads_is_still_refused():
+    from lstune.errors import ModelError
+
+    config = SimpleNamespace(model_type="rwkv", hidden_size=32, num_hidden_layers=2, vocab_size=64)
+    with pytest.raises(ModelError, match="no byte model of rwkv, a model without attention heads"):
+        ModelShape.from_config(config)
+
+
+@pytest.mark.parametrize("model, setting, seq", [
+    ("tiny-mamba2", "full fine-tune", 2048),  # +0.3 % (the torch chunked scan's rows, fitted at chunks 16 and 32)
+    ("tiny-mamba2", "LoRA defaults", 2048),  # +1.6 %
+    ("tiny-mamba", "LoRA defaults", 128),  # -0.6 % (the reference selective scan: 7 fp32 copies of inner · state)
+])
+def test_the_analytic_model_of_an_attention_free_model_is_within_3_percent_of_the_trace(model, setting, seq):
+    row = grid_row(model, setting, seq)
+    assert abs(row["error"]) <= 0.03, row
