@@ -65,6 +65,9 @@ class ModelShape:
     # for backward beyond the conv, state and scan rows (`ssm_mixer_widths`)
     mixer_params: int = 0
     mixer_saved: int = 0
+    # and the widths its Ulysses all-to-alls move per token (lstune.models.mixers: the in-projection's streams to the
+    # rank's heads / channels, the scan's output back): the in-projection's width + the inner width
+    mixer_exchanged: int = 0
     # How many fp32 expanded width · state size tensors per token Mamba-1's torch scan keeps (`mamba1_scan_bytes`):
     # Jamba's `slow_forward` 3; Mamba's and FalconMamba's reference `selective_scan_fn` (what runs without
     # mamba-ssm) 7, fitted to the trace (tests/unit/estimate/test_attention_free.py)
@@ -118,7 +121,7 @@ class ModelShape:
             tied=bool(getattr(c, "tie_word_embeddings", False)), gated=False, windows=(None,) * layers,
             mixers=("linear",) * layers, chunks=(None,) * layers, state_elements=_state_elements(c, hidden),
             **_conv(c, hidden), mamba1_scan_elements=_mamba1_elements(c, hidden), mixer_params=params,
-            mixer_saved=saved, mamba1_scan_copies=7, mamba2_heads=_ssm_dims(c).get("heads", 0),
+            mixer_saved=saved, mixer_exchanged=_ssm_exchanged(c), mamba1_scan_copies=7, mamba2_heads=_ssm_dims(c).get("heads", 0),
             mamba2_chunk=_get_any(c, "chunk_size") if model_type == "mamba2" else 0,
             mamba2_state=_get_any(c, "state_size") if model_type == "mamba2" else 0)
 
@@ -292,6 +295,15 @@ def _ssm_dims(c: Any) -> dict[str, int]:
                 "groups": get("n_groups")}
     inner = get("intermediate_size") or get("expand") * c.hidden_size
     return {**dims, "inner": inner, "rank": get("time_step_rank")}
+
+
+def _ssm_exchanged(c: Any) -> int:
+    """Per token, the widths a pure state-space layer's Ulysses all-to-alls move: its in-projection's output (Mamba-2:
+    2·inner + 2·groups·state + heads; Mamba-1: x and z, 2·inner) to the rank's heads or channels, and the scan's
+    output (inner) back."""
+    d = _ssm_dims(c)
+    projected = 2 * d["inner"] + (2 * d["groups"] * d["state"] + d["heads"] if "heads" in d else 0)
+    return projected + d["inner"]
 
 
 def ssm_mixer_widths(c: Any, hidden: int) -> tuple[int, int]:

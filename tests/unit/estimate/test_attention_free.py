@@ -42,3 +42,14 @@ def test_an_unknown_model_without_attention_heads_is_still_refused():
 def test_the_analytic_model_of_an_attention_free_model_is_within_3_percent_of_the_trace(model, setting, seq):
     row = grid_row(model, setting, seq)
     assert abs(row["error"]) <= 0.03, row
+
+
+def test_an_attention_free_models_sp_all_to_alls_move_its_mixers_streams():
+    """Ulysses on a state-space layer moves the in-projection's streams to the rank's heads and the scan's output
+    back (lstune.models.mixers), not q, k, v and o: 0 B before (no attention widths)."""
+    from lstune.estimate.sequence_parallel import sp_traffic
+
+    shape = ModelShape.from_config(preset_config("tiny-mamba2"))
+    assert shape.mixer_exchanged == 2 * 64 + 2 * 2 * 8 + 8 + 64
+    t = sp_traffic(shape, seq_len=1024, micro_batch=1, sp=2, ring=1, act_bytes=2, checkpointing=False)
+    assert t.ulysses_bytes == 2 * (1 / 2 * 512 * shape.mixer_exchanged * 2) * 2  # 2 layers; forward and backward
