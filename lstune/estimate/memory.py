@@ -709,7 +709,7 @@ def _mamba2_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
     if not shape.mamba2_chunk or s.mamba_kernels:
         return []
     return [("layer backward: Mamba-2's torch chunked scan (no mamba-ssm): its per-chunk matrices (fp32)",
-             shape.mamba2_chunk_bytes(s.local_tokens))]
+             shape.mamba2_chunk_bytes(s.local_tokens, dtypes(s)["act"]))]
 
 
 def _mamba1_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
@@ -721,7 +721,7 @@ def _mamba1_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
         return []
     t = s.local_tokens
     return [("layer backward: Mamba-1's torch scan (no mamba-ssm): its state at every token, the discretised A and "
-             "B·u (fp32)", shape.mamba1_scan_bytes(t) - shape.linear_state_bytes(t))]
+             "B·u (fp32)", shape.mamba1_scan_bytes(t, dtypes(s)["act"]) - shape.linear_state_bytes(t))]
 
 
 def _state_row(shape: ModelShape, t: int, act: int) -> tuple[str, int]:

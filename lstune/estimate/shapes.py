@@ -214,25 +214,28 @@ class ModelShape:
         return 4 * self.delta_heads * tokens * (5 * chunk + key_wide * self.delta_key_dim
                                                 + 3 * self.delta_value_dim + 6)
 
-    def mamba1_scan_bytes(self, seq_len: int) -> int:
+    def mamba1_scan_bytes(self, seq_len: int, act_bytes: int = 2) -> int:
         """What transformers' torch selective scan of one Mamba-1 layer (Jamba's, without mamba-ssm) keeps for
         backward over one sequence, fp32: the state after every token (and the zero state it starts from), which
         its per-token loop saves, and the discretised A and B·u, each expanded width · state size per token
         (counted from the tensors its forward saves, tests/unit/estimate/test_token_mixers.py)."""
-        return 4 * self.mamba1_scan_elements * (self.mamba1_scan_copies * seq_len + 1)
+        # The reference scan casts its inputs to fp32: one copy fewer when they are fp32 already (fitted, traced)
+        copies = self.mamba1_scan_copies - (1 if act_bytes == 4 and self.mamba1_scan_copies > 3 else 0)
+        return 4 * self.mamba1_scan_elements * (copies * seq_len + 1)
 
-    def mamba2_chunk_bytes(self, seq_len: int) -> int:
+    def mamba2_chunk_bytes(self, seq_len: int, act_bytes: int = 2) -> int:
         """What the torch chunked scan of one attention-free Mamba-2 layer (the reference `mamba_chunk_scan_combined`,
         what runs without mamba-ssm) keeps for backward beyond the chunk-edge states, per token of the sequence
         padded to whole chunks: two and a half fp32 chunk-wide matrices per head (the segment sums' decays, the
         decayed C·Bᵀ scores) and ten fp32 inner-wide tensors (its fp32 copies of x and dt·x, the intra- and inter-chunk outputs
-        and their gradients' buffers): fitted to the trace at chunks of 16 and 32 tokens (tests/unit/estimate/
-        test_attention_free.py), predicted, not counted tensor by tensor."""
+        and their gradients' buffers; six in an fp32 run), fitted to the trace at chunks of 16 and 32 tokens
+        (tests/unit/estimate/test_attention_free.py), predicted, not counted tensor by tensor."""
         if not self.mamba2_chunk:
             return 0
         tokens = -(-seq_len // self.mamba2_chunk) * self.mamba2_chunk
         inner = self.state_elements // max(1, self.mamba2_state)
-        return 4 * tokens * (5 * self.mamba2_heads * self.mamba2_chunk // 2 + 10 * inner)
+        inner_wide = 10 if act_bytes == 2 else 6  # fp32 inputs: four of its fp32 casts are the inputs themselves
+        return 4 * tokens * (5 * self.mamba2_heads * self.mamba2_chunk // 2 + inner_wide * inner)
 
     def delta_rule_backward_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
         """The torch Gated DeltaNet kernel's backward at its peak, beyond what its forward saved, per value head and

@@ -34,3 +34,10 @@ def test_a_tiny_attention_free_model_trains_on_the_cpu(cli, tmp_path, text_data,
     assert result.code == 0, result.err
     losses = [row["loss"] for row in read_metrics(out) if "loss" in row]
     assert len(losses) == 2 and all(loss == loss and loss > 0 for loss in losses)
+
+
+def test_the_presets_command_lists_the_attention_free_presets(cli):
+    """`lstune presets` read each preset's attention heads and crashed (KeyError) on a preset without them."""
+    result = cli("presets")
+    assert result.code == 0, result.err
+    assert "tiny-mamba " in result.out and "tiny-mamba2" in result.out
