@@ -227,15 +227,18 @@ class ModelShape:
         """What the torch chunked scan of one attention-free Mamba-2 layer (the reference `mamba_chunk_scan_combined`,
         what runs without mamba-ssm) keeps for backward beyond the chunk-edge states, per token of the sequence
         padded to whole chunks: two and a half fp32 chunk-wide matrices per head (the segment sums' decays, the
-        decayed C·Bᵀ scores) and ten fp32 inner-wide tensors (its fp32 copies of x and dt·x, the intra- and inter-chunk outputs
-        and their gradients' buffers; six in an fp32 run), fitted to the trace at chunks of 16 and 32 tokens
-        (tests/unit/estimate/test_attention_free.py), predicted, not counted tensor by tensor."""
+        decayed C·Bᵀ scores) and 7.5 fp32 inner-wide tensors (its fp32 copies of x and dt·x, the intra- and
+        inter-chunk outputs; 3 in an fp32 run), and the states' passing between chunks: two fp32 chunks × chunks
+        decay matrices per head (quadratic in the chunk count). Fitted to the trace (tiny-mamba2, 512 to 8K tokens,
+        chunks of 16 and 32: tests/unit/estimate/test_attention_free.py), predicted, not counted tensor by tensor."""
         if not self.mamba2_chunk:
             return 0
         tokens = -(-seq_len // self.mamba2_chunk) * self.mamba2_chunk
         inner = self.state_elements // max(1, self.mamba2_state)
-        inner_wide = 10 if act_bytes == 2 else 6  # fp32 inputs: four of its fp32 casts are the inputs themselves
-        return 4 * tokens * (5 * self.mamba2_heads * self.mamba2_chunk // 2 + inner_wide * inner)
+        inner_wide = 7.5 if act_bytes == 2 else 3  # fp32 inputs: four of its fp32 casts are the inputs themselves
+        chunks = tokens // self.mamba2_chunk
+        passing = 2 * 4 * self.mamba2_heads * (chunks + 1) ** 2  # the states' passing: decays between every two chunks
+        return int(4 * tokens * (5 * self.mamba2_heads * self.mamba2_chunk / 2 + inner_wide * inner)) + passing
 
     def delta_rule_backward_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
         """The torch Gated DeltaNet kernel's backward at its peak, beyond what its forward saved, per value head and
