@@ -24,7 +24,8 @@ def _presets_command() -> None:
         table.add_column(column, no_wrap=True)
     for name, preset in list_presets().items():
         c = preset.config
-        heads = f"{c['num_attention_heads']}/{c.get('num_key_value_heads', c['num_attention_heads'])}"
+        q = c.get("num_attention_heads")  # none in an attention-free model (tiny-mamba, tiny-mamba2)
+        heads = f"{q}/{c.get('num_key_value_heads', q)}" if q else "-"
         table.add_row(
             name, c["model_type"], str(c["num_hidden_layers"]), str(c["hidden_size"]), heads,
             str(c["vocab_size"]), preset.hub_id or "-",

@@ -669,7 +669,12 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         mlp_name, mlp_work = "the MLP (untiled)", t * _mlp_per_token(shape, act, lora=_lora_on_tokens(s, p))
     else:
         mlp_name, mlp_work = "one MLP tile", _mlp_tile(shape, s, act, p)
-    if s.attn_chunk_count > 1:
+    if shape.attention_free:  # a pure state-space model's mixer in place of attention (ModelShape.mixer_saved)
+        saved = ("layer backward: the state-space mixer's block saved (input norm, projections, gate, scan output)",
+                 t * (upcast + act * (h + shape.mixer_saved)))
+        attention = ("the state-space mixer's (its projections' gradients, input norm)",
+                     t * act * (3 * h + shape.mixer_saved))
+    elif s.attn_chunk_count > 1:
         saved, attention = _chunked_attention(shape, p, s, act, res)
     else:
         saved = ("layer backward: attention block saved (input norm, rotated q and k, v, output)",
@@ -710,7 +715,16 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     if shape.linear_layers and shape.conv_channels:
         parts.append(("layer backward: a linear mixer's short convolution (its input and output, "
                       f"{shape.conv_channels:,} channels)", shape.linear_conv_bytes(t, act)))
-    return parts + _delta_rule_parts(shape, s, act) + _mamba1_scan_parts(shape, s)
+    return parts + _delta_rule_parts(shape, s, act) + _mamba1_scan_parts(shape, s) + _mamba2_scan_parts(shape, s)
+
+
+def _mamba2_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
+    """An attention-free Mamba-2 on the torch chunked scan (no mamba-ssm, or a CPU run): its per-chunk matrices
+    (ModelShape.mamba2_chunk_bytes); with mamba-ssm's kernel (`Settings.mamba_kernels`) none, predicted."""
+    if not shape.mamba2_chunk or s.mamba_kernels:
+        return []
+    return [("layer backward: Mamba-2's torch chunked scan (no mamba-ssm): its per-chunk matrices (fp32)",
+             shape.mamba2_chunk_bytes(s.local_tokens, dtypes(s)["act"]))]
 
 
 def _mamba1_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
@@ -722,7 +736,7 @@ def _mamba1_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
         return []
     t = s.local_tokens
     return [("layer backward: Mamba-1's torch scan (no mamba-ssm): its state at every token, the discretised A and "
-             "B·u (fp32)", shape.mamba1_scan_bytes(t) - shape.linear_state_bytes(t))]
+             "B·u (fp32)", shape.mamba1_scan_bytes(t, dtypes(s)["act"]) - shape.linear_state_bytes(t))]
 
 
 def _state_row(shape: ModelShape, t: int, act: int) -> tuple[str, int]:
@@ -995,7 +1009,7 @@ def _saved_per_token(shape: ModelShape, p: ParamCounts, s: Settings, act: int) -
     norms = _norm_saved(s, res) * sum(p.layer_norm_widths(h))
     if res > act:  # fp32 weights under autocast: q, k and v keep 16-bit casts of the input norm's output, not it
         norms -= res * h
-    attention = act * (3 * shape.q_width + 2 * shape.kv_width)
+    attention = act * (3 * shape.q_width + 2 * shape.kv_width + shape.mixer_saved)
     if s.attn_chunk_count > 1:  # FPDT keeps k, v, the output, its lse and the token ids (on the device: no offload here)
         attention = _chunks_saved_per_token(shape, act, res, s.ring) + _chunk_ids_per_token(s)
     # METP saves only the MLP's input (the norm's output): its steps are recomputed in backward

@@ -156,6 +156,7 @@ def predict(config: TrainConfig, hardware: Cluster, *, model_config: Any = None,
     memory plan applies them unresolved), the peaks and step time, the longest sequence (`reach`)."""
     model_config = model_config if model_config is not None else model_config_of(config)
     shape = ModelShape.from_config(model_config)
+    config = attention_free_config(config, shape, getattr(model_config, "model_type", "?"))
     params = params or counts_for(model_config, lora_r=config.model.lora_r, lora_targets=config.model.lora_targets,
                                   trust_remote_code=config.model.trust_remote_code)
     sp = resolve_sp(config, hardware, model_config)
@@ -166,6 +167,26 @@ def predict(config: TrainConfig, hardware: Cluster, *, model_config: Any = None,
     result.memory_choice = choice
     result.longest_seq_len = longest_reach(config, hardware, shape, params, sp, engine) if reach else 0
     return result
+
+
+def attention_free_config(config: TrainConfig, shape: ModelShape, model_type: str) -> TrainConfig:
+    """`config` for a model without attention (ModelShape.attention_free: Mamba, FalconMamba, Mamba-2): the
+    attention-only settings' `auto` resolved to off (no chunked attention, nothing of attention's to keep or
+    recompute, no ring); an explicit one refused, naming the fix. Any other model's `config` unchanged."""
+    if not shape.attention_free:
+        return config
+    m, par = config.memory, config.parallel
+    asked = [flag for flag, value, allowed in (("--attn-chunks", m.attn_chunks, ("auto", "off")),
+                                               ("--recompute-attention", m.recompute_attention, ("auto",)),
+                                               ("--sp-ring", par.sp_ring, ("auto", 1, "1")))
+             if value not in allowed]
+    if asked:
+        from lstune.errors import ConfigError
+
+        raise ConfigError([f"{', '.join(asked)} apply to attention, and {model_type} has none (a pure state-space "
+                          f"model); leave {' and '.join(asked)} out (their `auto` is off for it)."])
+    return replace(config, memory=replace(m, attn_chunks="off", recompute_attention="on"),
+                   parallel=replace(par, sp_ring=1))
 
 
 def choose_engine(config: TrainConfig, hardware: Cluster, shape: ModelShape, params: ParamCounts, sp: int) -> Engine:

@@ -69,7 +69,9 @@ def sp_traffic(shape: Any, *, seq_len: int, micro_batch: int, sp: int, ring: int
     forward_runs = 2 if checkpointing else 1
     t = micro_batch * seq_len // sp
     kv_sent = max(shape.kv_width, ulysses * shape.head_dim)
-    a2a = (ulysses - 1) / ulysses * t * (2 * shape.q_width + 2 * kv_sent) * act_bytes if ulysses > 1 else 0
+    # An attention-free model's mixer (ModelShape.mixer_exchanged) moves its streams where attention moves q, k, v, o
+    width = getattr(shape, "mixer_exchanged", 0) or 2 * shape.q_width + 2 * kv_sent
+    a2a = (ulysses - 1) / ulysses * t * width * act_bytes if ulysses > 1 else 0
     per_layer_ulysses = a2a * (forward_runs + 1)
     block = micro_batch * seq_len // ring * 2 * _kv_local(shape, ulysses)
     hops = ring_hop_count(ring)

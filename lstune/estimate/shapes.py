@@ -60,6 +60,23 @@ class ModelShape:
     delta_value_dim: int = 0
     lightning_block: int = 0  # MiniMax's lightning attention: tokens per block (its state is saved once per block)
     mamba1_scan_elements: int = 0  # Mamba-1 (Jamba): expanded width · state size, for its torch scan's bytes
+    # An attention-free model (Mamba, FalconMamba, Mamba-2: no attention heads, no MLP; `attention_free`): per layer,
+    # its mixer's projection weights one token multiplies, and the mixer's values per token its torch path keeps
+    # for backward beyond the conv, state and scan rows (`ssm_mixer_widths`)
+    mixer_params: int = 0
+    mixer_saved: int = 0
+    # and the widths its Ulysses all-to-alls move per token (lstune.models.mixers: the in-projection's streams to the
+    # rank's heads / channels, the scan's output back): the in-projection's width + the inner width
+    mixer_exchanged: int = 0
+    # How many fp32 expanded width · state size tensors per token Mamba-1's torch scan keeps (`mamba1_scan_bytes`):
+    # Jamba's `slow_forward` 3; Mamba's and FalconMamba's reference `selective_scan_fn` (what runs without
+    # mamba-ssm) 7, fitted to the trace (tests/unit/estimate/test_attention_free.py)
+    mamba1_scan_copies: int = 3
+    # Mamba-2 (attention-free): its heads and chunk, for the torch chunked scan's per-chunk matrices
+    # (`mamba2_chunk_bytes`); 0 elsewhere (the hybrids' Mamba-2 layers are not modelled by it)
+    mamba2_heads: int = 0
+    mamba2_chunk: int = 0
+    mamba2_state: int = 0
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -67,11 +84,7 @@ class ModelShape:
         hidden = _first(c, "hidden_size", "n_embd", "d_model")
         shape = attention_heads(c)  # the widest layer's where heads vary per layer
         if shape is None:
-            raise ModelError(f"lstune's estimate has no byte model of a model without attention heads "
-                             f"({getattr(c, 'model_type', '?')}: a pure state-space / recurrent model such as Mamba), "
-                             "and `lstune estimate` and `lstune train` plan every run with it; this is lstune's "
-                             "limitation (its byte model covers attention, MLPs and hybrids' linear layers beside "
-                             "attention).")
+            return cls._attention_free(c, hidden)
         heads, kv_heads, head_dim = shape
         experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
         moe_width = getattr(c, "moe_intermediate_size", None)
@@ -91,6 +104,32 @@ class ModelShape:
             sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
 
+    @classmethod
+    def _attention_free(cls, c: Any, hidden: int) -> "ModelShape":
+        """A pure state-space model (Mamba, FalconMamba, Mamba-2): every layer a norm and a mixer, no attention heads
+        and no MLP; the mixer's projections, short conv, states and scan in their own rows."""
+        model_type = getattr(c, "model_type", "?")
+        if model_type not in ATTENTION_FREE_TYPES:
+            raise ModelError(f"lstune's estimate has no byte model of {model_type}, a model without attention heads "
+                             f"that is not one of {', '.join(sorted(ATTENTION_FREE_TYPES))}; `lstune estimate` and "
+                             "`lstune train` plan every run with it (this is lstune's limitation).")
+        layers = _first(c, "num_hidden_layers", "n_layer")
+        params, saved = ssm_mixer_widths(c, hidden)
+        return cls(
+            layers=layers, hidden=hidden, q_width=0, kv_width=0, heads=0, kv_heads=0, head_dim=0, intermediate=0,
+            experts=0, top_k=0, shared_intermediate=0, vocab=c.vocab_size,
+            tied=bool(getattr(c, "tie_word_embeddings", False)), gated=False, windows=(None,) * layers,
+            mixers=("linear",) * layers, chunks=(None,) * layers, state_elements=_state_elements(c, hidden),
+            **_conv(c, hidden), mamba1_scan_elements=_mamba1_elements(c, hidden), mixer_params=params,
+            mixer_saved=saved, mixer_exchanged=_ssm_exchanged(c), mamba1_scan_copies=7, mamba2_heads=_ssm_dims(c).get("heads", 0),
+            mamba2_chunk=_get_any(c, "chunk_size") if model_type == "mamba2" else 0,
+            mamba2_state=_get_any(c, "state_size") if model_type == "mamba2" else 0)
+
+    @property
+    def attention_free(self) -> bool:
+        """No attention heads (a pure state-space model): attention-only techniques do not apply."""
+        return self.heads == 0
+
     @property
     def mlp_matrices(self) -> int:
         return 3 if self.gated else 2
@@ -106,7 +145,7 @@ class ModelShape:
         """Weights one token multiplies in one layer (attention projections + active MLP + router)."""
         attention = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
         router = self.hidden * self.experts
-        return attention + self.mlp_matrices * self.hidden * self.active_intermediate + router
+        return attention + self.mlp_matrices * self.hidden * self.active_intermediate + router + self.mixer_params
 
     def attention_pairs(self, seq_len: int) -> int:
         """(query, key) pairs over all layers of one causal sequence: S(S+1)/2 per full layer, fewer in windows and
@@ -175,12 +214,31 @@ class ModelShape:
         return 4 * self.delta_heads * tokens * (5 * chunk + key_wide * self.delta_key_dim
                                                 + 3 * self.delta_value_dim + 6)
 
-    def mamba1_scan_bytes(self, seq_len: int) -> int:
+    def mamba1_scan_bytes(self, seq_len: int, act_bytes: int = 2) -> int:
         """What transformers' torch selective scan of one Mamba-1 layer (Jamba's, without mamba-ssm) keeps for
         backward over one sequence, fp32: the state after every token (and the zero state it starts from), which
         its per-token loop saves, and the discretised A and B·u, each expanded width · state size per token
         (counted from the tensors its forward saves, tests/unit/estimate/test_token_mixers.py)."""
-        return 4 * self.mamba1_scan_elements * (3 * seq_len + 1)
+        # The reference scan casts its inputs to fp32: one copy fewer when they are fp32 already (fitted, traced)
+        copies = self.mamba1_scan_copies - (1 if act_bytes == 4 and self.mamba1_scan_copies > 3 else 0)
+        return 4 * self.mamba1_scan_elements * (copies * seq_len + 1)
+
+    def mamba2_chunk_bytes(self, seq_len: int, act_bytes: int = 2) -> int:
+        """What the torch chunked scan of one attention-free Mamba-2 layer (the reference `mamba_chunk_scan_combined`,
+        what runs without mamba-ssm) keeps for backward beyond the chunk-edge states, per token of the sequence
+        padded to whole chunks: two and a half fp32 chunk-wide matrices per head (the segment sums' decays, the
+        decayed C·Bᵀ scores) and 7.5 fp32 inner-wide tensors (its fp32 copies of x and dt·x, the intra- and
+        inter-chunk outputs; 3 in an fp32 run), and the states' passing between chunks: two fp32 chunks × chunks
+        decay matrices per head (quadratic in the chunk count). Fitted to the trace (tiny-mamba2, 512 to 8K tokens,
+        chunks of 16 and 32: tests/unit/estimate/test_attention_free.py), predicted, not counted tensor by tensor."""
+        if not self.mamba2_chunk:
+            return 0
+        tokens = -(-seq_len // self.mamba2_chunk) * self.mamba2_chunk
+        inner = self.state_elements // max(1, self.mamba2_state)
+        inner_wide = 7.5 if act_bytes == 2 else 3  # fp32 inputs: four of its fp32 casts are the inputs themselves
+        chunks = tokens // self.mamba2_chunk
+        passing = 2 * 4 * self.mamba2_heads * (chunks + 1) ** 2  # the states' passing: decays between every two chunks
+        return int(4 * tokens * (5 * self.mamba2_heads * self.mamba2_chunk / 2 + inner_wide * inner)) + passing
 
     def delta_rule_backward_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
         """The torch Gated DeltaNet kernel's backward at its peak, beyond what its forward saved, per value head and
@@ -225,6 +283,52 @@ def _windows(c: Any, layers: int) -> tuple[int | None, ...]:
 
 
 _SINK_MODELS = frozenset({"gpt_oss"})
+# Pure state-space models (no attention heads): `ModelShape._attention_free`. Mamba-1's are mamba and falcon_mamba.
+ATTENTION_FREE_TYPES = frozenset({"mamba", "falcon_mamba", "mamba2"})
+
+
+def _ssm_dims(c: Any) -> dict[str, int]:
+    """A pure state-space model's mixer dims from its config (transformers' MambaConfig, FalconMambaConfig,
+    Mamba2Config names): inner width, state size, conv kernel; Mamba-1's dt rank; Mamba-2's heads, head dim and
+    groups. {} for any other model."""
+    model_type = getattr(c, "model_type", "")
+    if model_type not in ATTENTION_FREE_TYPES:
+        return {}
+    get = functools.partial(_get_any, c)
+    dims = {"state": get("state_size"), "kernel": get("conv_kernel")}
+    if model_type == "mamba2":
+        return {**dims, "heads": get("num_heads"), "inner": get("num_heads") * get("head_dim"),
+                "groups": get("n_groups")}
+    inner = get("intermediate_size") or get("expand") * c.hidden_size
+    return {**dims, "inner": inner, "rank": get("time_step_rank")}
+
+
+def _ssm_exchanged(c: Any) -> int:
+    """Per token, the widths a pure state-space layer's Ulysses all-to-alls move: its in-projection's output (Mamba-2:
+    2·inner + 2·groups·state + heads; Mamba-1: x and z, 2·inner) to the rank's heads or channels, and the scan's
+    output (inner) back."""
+    d = _ssm_dims(c)
+    projected = 2 * d["inner"] + (2 * d["groups"] * d["state"] + d["heads"] if "heads" in d else 0)
+    return projected + d["inner"]
+
+
+def ssm_mixer_widths(c: Any, hidden: int) -> tuple[int, int]:
+    """(projection weights one token multiplies, values per token the torch path keeps for backward) of one layer
+    of a pure state-space model, beyond the conv, state and scan rows. Mamba-1 (transformers' `slow_forward`):
+    in_proj (hidden → 2·inner: x and the gate z), x_proj (inner → dt rank + 2 state: dt, B, C), dt_proj (dt rank →
+    inner) and out_proj (inner → hidden); it keeps x and z, the conv's activation, dt before and after softplus, B,
+    C, the scan's output and the gated output. Mamba-2 (`torch_forward`): in_proj (hidden → 2·inner + 2·groups·state
+    + heads) and out_proj; it keeps the projection, the conv's activation, dt, the chunked scan's output and the
+    gated norm's input and output."""
+    d = _ssm_dims(c)
+    inner, state = d["inner"], d["state"]
+    if "heads" in d:
+        bc = 2 * d["groups"] * state
+        projected = 2 * inner + bc + d["heads"]
+        return hidden * projected + inner * hidden, projected + (inner + bc) + 2 * d["heads"] + 4 * inner
+    rank = d["rank"]
+    params = hidden * 2 * inner + inner * (rank + 2 * state) + rank * inner + inner * hidden
+    return params, 2 * inner + inner + rank + 2 * state + 2 * inner + 2 * inner
 _ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 _LINEAR_TYPES = frozenset({"linear_attention", "mamba", "conv", "mamba2"})
 _MLP_ONLY_TYPES = frozenset({"mlp", "moe"})
@@ -260,6 +364,8 @@ def _state_elements(c: Any, hidden: int) -> int:
     DeltaNet (Qwen3-Next / Qwen3.5), KDA (Kimi-Linear), Mamba-2 (Nemotron-H, Bamba, GraniteMoeHybrid, Falcon-H1),
     Mamba-1 (Jamba), lightning attention (MiniMax); 0 for short convolutions only (LFM2)."""
     get = functools.partial(_get_any, c)
+    if ssm := _ssm_dims(c):  # a pure state-space model: Mamba-2's heads · head dim · state, Mamba-1's inner · state
+        return ssm["inner"] * ssm["state"]
     if get("linear_num_value_heads"):
         return get("linear_num_value_heads") * get("linear_key_head_dim") * get("linear_value_head_dim")
     if get("linear_num_heads") and get("linear_head_dim"):  # KDA
@@ -279,6 +385,8 @@ def _state_elements(c: Any, hidden: int) -> int:
 def _mamba1_elements(c: Any, hidden: int) -> int:
     """Mamba-1's expanded width · state size (Jamba's `mamba_expand`, `mamba_d_state`); 0 for other families."""
     get = functools.partial(_get_any, c)
+    if (ssm := _ssm_dims(c)) and "rank" in ssm:  # Mamba, FalconMamba
+        return ssm["inner"] * ssm["state"]
     if get("mamba_num_heads", "mamba_n_heads") or not (get("mamba_expand") and get("mamba_d_state")):
         return 0
     return get("mamba_expand") * hidden * get("mamba_d_state")
@@ -299,7 +407,9 @@ def _conv(c: Any, hidden: int) -> dict[str, int]:
     expanded width, LFM2's hidden width; none for lightning attention (MiniMax) or a model without linear layers."""
     get = functools.partial(_get_any, c)
     kernel = get("linear_conv_kernel_dim", "mamba_d_conv", "conv_kernel", "conv_L_cache")
-    if get("linear_num_value_heads"):
+    if ssm := _ssm_dims(c):  # Mamba-2: x, B and C convolved; Mamba-1: x
+        channels = ssm["inner"] + (2 * ssm["groups"] * ssm["state"] if "groups" in ssm else 0)
+    elif get("linear_num_value_heads"):
         channels = (2 * get("linear_num_key_heads") * get("linear_key_head_dim")
                     + get("linear_num_value_heads") * get("linear_value_head_dim"))
     elif get("linear_num_heads") and get("linear_head_dim"):  # KDA: q, k and v each convolved

@@ -22,6 +22,10 @@ SUSTAINED_FLOPS = 400e12
 MIN_COPY_BYTES = 1 << 20
 
 
+# offload_min_tokens of a layer whose linear compute never hides its checkpoint's copy (no attention to grow with S)
+NEVER_HIDES = 1 << 40
+
+
 def offload_min_tokens(
     layer_flop_params: int,
     hidden_size: int,
@@ -44,7 +48,10 @@ def offload_min_tokens(
     tiny-llama (D 128, P 185K) → 14,559 (Eq. 1: a thin layer computes too little to hide its copy).
     """
     linear_bound = (hidden_size * bytes_per_element * flops_per_s / pcie_bytes_per_s - 2 * layer_flop_params)
-    eq1 = max(0.0, linear_bound / (2 * attention_width))
+    if not attention_width:  # no attention (a pure state-space model): no S² term; linear compute hides it or never
+        eq1 = 0.0 if linear_bound <= 0 else float(NEVER_HIDES)
+    else:
+        eq1 = max(0.0, linear_bound / (2 * attention_width))
     floor = MIN_COPY_BYTES / (hidden_size * bytes_per_element)
     return int(max(eq1, floor)) + 1
 

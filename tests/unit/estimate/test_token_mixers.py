@@ -335,11 +335,10 @@ def test_lightning_attentions_states_are_what_its_forward_saves(dtype_name, act)
     assert scores == shape.lightning_scores_bytes(seq, act) == act * heads * 16 * 16 * (seq // 16)
 
 
-def test_an_attention_free_model_is_refused_by_the_estimate_with_a_user_error():
-    """No byte model of a pure state-space model yet: a clear refusal (exit 2), not a ValueError traceback."""
+def test_an_attention_free_model_has_a_byte_model_now():
+    """Issue 34 changed this pin: a pure state-space model was refused with a ModelError (no byte model of a model
+    without attention heads); it now has its own rows (tests/unit/estimate/test_attention_free.py)."""
     from transformers import MambaConfig
 
-    from lstune.errors import ModelError
-
-    with pytest.raises(ModelError, match="no byte model of a model without attention heads \\(mamba"):
-        ModelShape.from_config(MambaConfig(hidden_size=32, num_hidden_layers=2))
+    shape = ModelShape.from_config(MambaConfig(hidden_size=32, num_hidden_layers=2))
+    assert shape.attention_free and shape.mamba1_scan_elements == 64 * 16 and shape.conv_channels == 64
