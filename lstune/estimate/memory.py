@@ -695,6 +695,7 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
         ("the MLP norm's (fp32 temporaries)", 0 if fused else t * (24 * h + grad)),
         (attention[0], attention[1] + replay),
         *_delta_rule_moment(shape, s, act, res),
+        *_kda_moment(shape, s, res),
     ]
     name, working = max(moments, key=lambda moment: moment[1])
     parts = [
@@ -715,7 +716,8 @@ def _layer_parts(shape: ModelShape, p: ParamCounts, s: Settings, act: int, res: 
     if shape.linear_layers and shape.conv_channels:
         parts.append(("layer backward: a linear mixer's short convolution (its input and output, "
                       f"{shape.conv_channels:,} channels)", shape.linear_conv_bytes(t, act)))
-    return parts + _delta_rule_parts(shape, s, act) + _mamba1_scan_parts(shape, s) + _mamba2_scan_parts(shape, s)
+    return (parts + _delta_rule_parts(shape, s, act) + _kda_parts(shape, s) + _mamba1_scan_parts(shape, s)
+            + _mamba2_scan_parts(shape, s))
 
 
 def _mamba2_scan_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
@@ -770,6 +772,26 @@ def _delta_rule_moment(shape: ModelShape, s: Settings, act: int, res: int) -> li
     t = s.local_tokens
     return [("Gated DeltaNet's torch kernel's (its fp32 gradients)",
              shape.delta_rule_backward_bytes(t, act) + t * res * shape.hidden)]
+
+
+def _kda_parts(shape: ModelShape, s: Settings) -> list[tuple[str, int]]:
+    """KDA (Kimi-Linear) on transformers' torch kernel (no flash-linear-attention where the run happens, or a CPU
+    run): what the kernel saves beyond the chunk-edge states (ModelShape.kda_saved_bytes), alive through the layer's
+    backward once its recompute has run — far above the states: its decays are per key channel. With
+    flash-linear-attention's kernel (`Settings.fla_kernels`) the state and conv rows alone, as for Gated DeltaNet."""
+    if not shape.kda_heads or s.fla_kernels:
+        return []
+    return [("layer backward: KDA's torch kernel (no flash-linear-attention): its per-channel intra-chunk decays "
+             "and products (fp32)", shape.kda_saved_bytes(s.local_tokens))]
+
+
+def _kda_moment(shape: ModelShape, s: Settings, res: int) -> list[tuple[str, int]]:
+    """The torch KDA kernel's backward, a moment of its layer's backward: its gradients at their peak
+    (ModelShape.kda_backward_bytes) and the residual stream's gradient."""
+    if not shape.kda_heads or s.fla_kernels:
+        return []
+    t = s.local_tokens
+    return [("KDA's torch kernel's (its fp32 gradients)", shape.kda_backward_bytes(t) + t * res * shape.hidden)]
 
 
 def _further_norm_width(shape: ModelShape, p: ParamCounts, fused: bool) -> int:

@@ -58,6 +58,10 @@ class ModelShape:
     delta_heads: int = 0
     delta_key_dim: int = 0
     delta_value_dim: int = 0
+    # KDA (Kimi-Linear): heads and head dim (0: no such layers), for the bytes of transformers' torch kernel
+    # (`kda_saved_bytes`, `kda_backward_bytes`)
+    kda_heads: int = 0
+    kda_head_dim: int = 0
     lightning_block: int = 0  # MiniMax's lightning attention: tokens per block (its state is saved once per block)
     mamba1_scan_elements: int = 0  # Mamba-1 (Jamba): expanded width · state size, for its torch scan's bytes
     # An attention-free model (Mamba, FalconMamba, Mamba-2: no attention heads, no MLP; `attention_free`): per layer,
@@ -99,7 +103,7 @@ class ModelShape:
             vocab=c.vocab_size, tied=bool(getattr(config, "tie_word_embeddings", getattr(c, "tie_word_embeddings", False))),
             gated=getattr(c, "model_type", "") not in _UNGATED_MLP, windows=_windows(c, layers),
             mixers=_mixers(c, layers), chunks=_chunks(c, layers), state_elements=_state_elements(c, hidden),
-            **_conv(c, hidden), **_delta(c), mamba1_scan_elements=_mamba1_elements(c, hidden),
+            **_conv(c, hidden), **_delta(c), **_kda(c), mamba1_scan_elements=_mamba1_elements(c, hidden),
             lightning_block=(getattr(c, "block_size", None) or 256) if getattr(c, "model_type", "") == "minimax" else 0,
             sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
@@ -239,6 +243,33 @@ class ModelShape:
         chunks = tokens // self.mamba2_chunk
         passing = 2 * 4 * self.mamba2_heads * (chunks + 1) ** 2  # the states' passing: decays between every two chunks
         return int(4 * tokens * (5 * self.mamba2_heads * self.mamba2_chunk / 2 + inner_wide * inner)) + passing
+
+    def kda_saved_bytes(self, seq_len: int, chunk: int = 64) -> int:
+        """What transformers' torch KDA kernel (`chunk_kimi_delta_attention`: what runs without
+        flash-linear-attention, and what `--trace` runs) keeps for backward over one sequence of one layer, beyond
+        the chunk-edge states, fp32 per head and token of the sequence padded to whole chunks, whatever the inputs'
+        dtype (it casts them): three chunk × key-dim tensors per token — KDA's decay is per key channel, so the
+        pairwise decays, k·β·kᵀ before its sum and each chunk's q·kᵀ before its sum are [chunk, chunk, key dim] per
+        chunk, where Gated DeltaNet's are [chunk, chunk] — plus ~12 key-wide and 3 value-wide tensors and ~23.5
+        chunk-wide rows (the UT solve's row-by-row clones among them). Fitted to the storages its forward saves
+        (heads 2-4, head dims 8-32, 128-256 tokens: within 0.1 %, tests/unit/estimate/test_token_mixers.py); at
+        Kimi-Linear-48B's 32 heads of 128 it is 3.6 MB per token and layer."""
+        if not self.kda_heads:
+            return 0
+        tokens = -(-seq_len // chunk) * chunk
+        per = (3 * chunk + 12) * self.kda_head_dim + 3 * self.kda_head_dim + 47 * chunk // 2
+        return 4 * self.kda_heads * tokens * per
+
+    def kda_backward_bytes(self, seq_len: int, chunk: int = 64) -> int:
+        """The torch KDA kernel's backward at its peak beyond what its forward saved: three fp32 chunk × key-dim
+        gradients per head and token (those of the saved tensors above) and a few chunk- and value-wide ones.
+        Fitted to the live bytes of its backward (fake tensors, head dims 32-128, 256-2,048 tokens: −0.2 % at head
+        dim 128 and 16 chunks, +0.4 % at head dim 32 and 32 chunks, up to +1.5 % at 16 and +9 % at 4 chunks;
+        tests/unit/estimate/test_token_mixers.py)."""
+        if not self.kda_heads:
+            return 0
+        tokens = -(-seq_len // chunk) * chunk
+        return 4 * self.kda_heads * tokens * (3 * chunk * self.kda_head_dim + 2 * chunk + self.kda_head_dim)
 
     def delta_rule_backward_bytes(self, seq_len: int, act_bytes: int, chunk: int = 64) -> int:
         """The torch Gated DeltaNet kernel's backward at its peak, beyond what its forward saved, per value head and
@@ -399,6 +430,14 @@ def _delta(c: Any) -> dict[str, int]:
         return {}
     return {"delta_heads": get("linear_num_value_heads"), "delta_key_dim": get("linear_key_head_dim"),
             "delta_value_dim": get("linear_value_head_dim")}
+
+
+def _kda(c: Any) -> dict[str, int]:
+    """KDA's heads and head dim (`linear_num_heads`, `linear_head_dim`: Kimi-Linear), else none."""
+    get = functools.partial(_get_any, c)
+    if get("linear_num_value_heads") or not (get("linear_num_heads") and get("linear_head_dim")):
+        return {}
+    return {"kda_heads": get("linear_num_heads"), "kda_head_dim": get("linear_head_dim")}
 
 
 def _conv(c: Any, hidden: int) -> dict[str, int]:
