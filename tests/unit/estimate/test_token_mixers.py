@@ -155,6 +155,23 @@ def _delta_rule_inputs(seq, k_heads, v_heads, k_dim, v_dim, dtype):
     return q, k, v, decay, beta
 
 
+def _saved_storages(kernel, *args, **kwargs) -> dict[int, int]:
+    """{storage: bytes} of every storage `kernel(*args, **kwargs)` saves for backward, its tensor arguments' aside."""
+    import torch
+
+    given = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in given:
+            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kernel(*args, **kwargs)
+    return saved
+
+
 def _delta_shape(v_heads, k_dim, v_dim):
     from transformers import AutoConfig
 
@@ -175,18 +192,8 @@ def test_the_torch_delta_rule_kernel_saves_what_the_estimate_counts(dtype_name, 
     import torch
 
     heads, k_dim, v_dim = 4, 8, 16
-    inputs = _delta_rule_inputs(seq, 2, heads, k_dim, v_dim, getattr(torch, dtype_name))
-    given = {t.untyped_storage().data_ptr() for t in inputs}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in given:
-            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    q, k, v, decay, beta = inputs
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        _delta_rule_kernel()(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
+    q, k, v, decay, beta = _delta_rule_inputs(seq, 2, heads, k_dim, v_dim, getattr(torch, dtype_name))
+    saved = _saved_storages(_delta_rule_kernel(), q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
     shape = _delta_shape(heads, k_dim, v_dim)
     assert (shape.delta_heads, shape.delta_key_dim, shape.delta_value_dim) == (heads, k_dim, v_dim)
     chunks = -(-seq // 64)
@@ -371,18 +378,8 @@ def test_the_torch_kda_kernel_saves_what_the_estimate_counts(seq, heads, dim, dt
     import torch
     from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
 
-    inputs = _kda_inputs(seq, heads, dim, getattr(torch, dtype_name))
-    given = {t.untyped_storage().data_ptr() for t in inputs}
-    saved = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in given:
-            saved.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        return t
-
-    q, k, v, g, beta = inputs
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        chunk_kimi_delta_attention(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    q, k, v, g, beta = _kda_inputs(seq, heads, dim, getattr(torch, dtype_name))
+    saved = _saved_storages(chunk_kimi_delta_attention, q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
     shape = _kda_shape(heads, dim)
     assert (shape.kda_heads, shape.kda_head_dim) == (heads, dim)
     assert shape.kda_saved_bytes(seq) == pytest.approx(sum(saved.values()), rel=5e-3)
