@@ -77,9 +77,12 @@ def _run(argv: list[str], debug: bool) -> int:
 def _failure_code(exc) -> int:
     """The first failed process's exit code; a line for one a signal killed, which could not say why itself.
     Failures are timed to the second: within the first second, a process that exited on its own (with its
-    message) comes before one killed by a signal (most likely the launcher's, stopping the others)."""
+    message) comes before one killed by a signal, and one killed by another signal before one killed by SIGTERM —
+    the launcher's, stopping the others once it saw the first (a full CI run of 2026-11-28 named rank 0's SIGTERM
+    where the test had killed rank 1 with SIGKILL, both recorded in the same second)."""
     rank, failure = min(exc.failures.items(), key=lambda item: (
-        item[1].exitcode == LOST_PEER_EXIT, item[1].timestamp, item[1].exitcode < 0, item[0]))
+        item[1].exitcode == LOST_PEER_EXIT, item[1].timestamp, item[1].exitcode < 0,
+        item[1].exitcode == -signal.SIGTERM, item[0]))
     code = failure.exitcode
     if code == LOST_PEER_EXIT:
         print(f"lstune: the process of rank {rank} lost contact with the others (a process of the run went away "

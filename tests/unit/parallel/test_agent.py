@@ -37,10 +37,16 @@ def test_a_process_that_said_why_gives_its_exit_code_and_nothing_more(monkeypatc
 
 
 def test_a_process_killed_by_a_signal_is_named_with_a_hint(monkeypatch, capsys):
-    _run_raising(monkeypatch, _failed(rank0=-15, rank1=-9))
-    assert agent.main(["x"]) == 128 + 15  # the same second, both signalled: the lower rank
+    _run_raising(monkeypatch, _failed(rank0=-15))
+    assert agent.main(["x"]) == 128 + 15
     err = capsys.readouterr().err
     assert "rank 0 was killed by SIGTERM" in err and "Traceback" not in err
+    # The same second, both signalled: SIGTERM is the launcher's own stopping of the others, not the cause
+    _run_raising(monkeypatch, _failed(rank0=-15, rank1=-9))
+    assert agent.main(["x"]) == 137
+    assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
+    _run_raising(monkeypatch, _failed(rank0=-9, rank1=-6))
+    assert agent.main(["x"]) == 137  # two other signals in the same second: the lower rank
     _run_raising(monkeypatch, _failed(rank1=-9))
     assert agent.main(["x"]) == 137
     assert "rank 1 was killed by SIGKILL (the kernel's out-of-memory killer" in capsys.readouterr().err
