@@ -122,7 +122,7 @@ class Settings:
     ring: int = 1  # the ring-attention part of sp (lstune.memory.attention_ring); sp // ring Ulysses ranks
     cuda_context: bool = True  # the CUDA context and allocator reserve counted (on CUDA); the trace sees tensors only
     save_attention: bool = False  # --recompute-attention off, resolved: attention's output kept per layer
-    fla_kernels: bool = False  # flash-linear-attention runs Gated DeltaNet (CUDA, installed); False: the torch kernel
+    fla_kernels: bool = False  # flash-linear-attention runs Gated DeltaNet and KDA (CUDA, installed); False: torch kernels
     mamba_kernels: bool = False  # mamba-ssm runs Mamba's selective scan (CUDA, installed); False: the torch scan
     metp_mlp: bool = False  # --metp-mlp under SP: every MLP sharded over the SP group and rotated (`_metp`)
 
