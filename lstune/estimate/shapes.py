@@ -76,8 +76,8 @@ class ModelShape:
     # Jamba's `slow_forward` 3; Mamba's and FalconMamba's reference `selective_scan_fn` (what runs without
     # mamba-ssm) 7, fitted to the trace (tests/unit/estimate/test_attention_free.py)
     mamba1_scan_copies: int = 3
-    # Mamba-2 (attention-free): its heads and chunk, for the torch chunked scan's per-chunk matrices
-    # (`mamba2_chunk_bytes`); 0 elsewhere (the hybrids' Mamba-2 layers are not modelled by it)
+    # Mamba-2 (attention-free, and the hybrids' Mamba-2 layers: Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid): its
+    # heads, chunk and state, for the torch chunked scan's per-chunk matrices (`mamba2_chunk_bytes`, `_mamba2_scan`)
     mamba2_heads: int = 0
     mamba2_chunk: int = 0
     mamba2_state: int = 0
@@ -105,7 +105,7 @@ class ModelShape:
             mixers=_mixers(c, layers), chunks=_chunks(c, layers), state_elements=_state_elements(c, hidden),
             **_conv(c, hidden), **_delta(c), **_kda(c), mamba1_scan_elements=_mamba1_elements(c, hidden),
             lightning_block=(getattr(c, "block_size", None) or 256) if getattr(c, "model_type", "") == "minimax" else 0,
-            sinks=getattr(c, "model_type", "") in _SINK_MODELS,
+            **_mamba2_scan(c), sinks=getattr(c, "model_type", "") in _SINK_MODELS,
         )
 
     @classmethod
@@ -125,9 +125,7 @@ class ModelShape:
             tied=bool(getattr(c, "tie_word_embeddings", False)), gated=False, windows=(None,) * layers,
             mixers=("linear",) * layers, chunks=(None,) * layers, state_elements=_state_elements(c, hidden),
             **_conv(c, hidden), mamba1_scan_elements=_mamba1_elements(c, hidden), mixer_params=params,
-            mixer_saved=saved, mixer_exchanged=_ssm_exchanged(c), mamba1_scan_copies=7, mamba2_heads=_ssm_dims(c).get("heads", 0),
-            mamba2_chunk=_get_any(c, "chunk_size") if model_type == "mamba2" else 0,
-            mamba2_state=_get_any(c, "state_size") if model_type == "mamba2" else 0)
+            mixer_saved=saved, mixer_exchanged=_ssm_exchanged(c), mamba1_scan_copies=7, **_mamba2_scan(c))
 
     @property
     def attention_free(self) -> bool:
@@ -332,6 +330,21 @@ def _ssm_dims(c: Any) -> dict[str, int]:
                 "groups": get("n_groups")}
     inner = get("intermediate_size") or get("expand") * c.hidden_size
     return {**dims, "inner": inner, "rank": get("time_step_rank")}
+
+
+def _mamba2_scan(c: Any) -> dict[str, int]:
+    """Mamba-2's heads, chunk and state size for the torch chunked scan's row (ModelShape.mamba2_chunk_bytes): the
+    attention-free Mamba-2 and the hybrids' Mamba-2 layers (Bamba, Nemotron-H, Falcon-H1, GraniteMoeHybrid), which
+    run the same reference `mamba_chunk_scan_combined`; {} for a model without Mamba-2 layers."""
+    get = functools.partial(_get_any, c)
+    if getattr(c, "model_type", "") == "mamba2":
+        heads, chunk, state = get("num_heads"), get("chunk_size"), get("state_size")
+    else:
+        heads = get("mamba_num_heads", "mamba_n_heads")
+        chunk, state = get("mamba_chunk_size", "chunk_size"), get("ssm_state_size", "mamba_d_state")
+    if not (heads and chunk and state):
+        return {}
+    return {"mamba2_heads": heads, "mamba2_chunk": chunk, "mamba2_state": state}
 
 
 def _ssm_exchanged(c: Any) -> int:
