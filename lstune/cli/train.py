@@ -82,7 +82,8 @@ def refuse(problems: list[str]) -> None:
 def model_problems(config, *, device: str | None = None) -> list[str]:
     """What a run refuses from the config and the model's config alone, before any weight or data loads
     (lstune.train.plan.refusals: the model resolving, the process layout, attention support, --rope-scaling,
-    4-bit weights a random init does not have). `device` ("cuda"/"cpu") is where the run will train; None: cuda
+    4-bit weights a random init does not have; a --resume's checkpoint of another model or parallel layout).
+    `device` ("cuda"/"cpu") is where the run will train; None: cuda
     when available. Reads the model's config (imports transformers): run it after the cheap checks pass."""
     from lstune.train.plan import refusals
 

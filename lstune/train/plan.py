@@ -211,9 +211,34 @@ def plan(config: TrainConfig, cluster, device: str | None = None, *, spec=None, 
 
 def refusals(config: TrainConfig, device: str | None = None) -> list[str]:
     """Every problem `plan` refuses from the config and the model's config alone, for --gpus processes on one node
-    (a --hostfile's world is the launcher's to learn), as a list (`device` None: cuda when available)."""
+    (a --hostfile's world is the launcher's to learn), as a list (`device` None: cuda when available); with a
+    --resume, then what the ranks would refuse of its checkpoint (`resume_refusals`)."""
+    world_known = config.parallel.hostfile is None
     try:
-        checked(config, config.parallel.gpus, device, world_known=config.parallel.hostfile is None)
+        _, dims, _ = checked(config, config.parallel.gpus, device, world_known=world_known)
+    except UserError as exc:
+        return exc.problems
+    return resume_refusals(config, dims) if world_known else []
+
+
+def resume_refusals(config: TrainConfig, dims) -> list[str]:
+    """What the launched ranks would refuse of a --resume before loading anything (lstune.train.preflight: the
+    checkpoint's model, LoRA, ZeRO shards and data order, then its parallel layout against `dims`'), found by the
+    launching process with the same functions and messages, before the ranks start (~15 s each). A --resume that
+    does not resolve is left to the ranks, which say why (lstune.train.outputs)."""
+    if not config.run.resume:
+        return []
+    from lstune.train.outputs import resolve_output_dir
+    from lstune.train.preflight import check_resume_compatible, check_resume_layout
+    from lstune.train.runtime import layout_of
+
+    try:
+        _, checkpoint = resolve_output_dir(config.run, config.model.name)
+        if checkpoint is None:
+            return []
+        check_resume_compatible(config, checkpoint, dims.world_size)
+        check_resume_layout(checkpoint, layout_of(dims.world_size, dims, config.parallel.metp_mlp,
+                                                  config.memory.attn_chunks))
     except UserError as exc:
         return exc.problems
     return []

@@ -63,15 +63,8 @@ class Runtime:
             self.dims.build_groups()
 
     def layout(self, metp_mlp: bool = False, attn_chunks: str | int = "off") -> dict:
-        """The parallel layout a checkpoint records and a resume must match (lstune.train.preflight). Under a ring
-        with chunked attention also `--attn-chunks`: its chunks cut the zigzag pieces (lstune.models.chunk_layout),
-        so they decide which tokens each rank holds (recorded only then: older checkpoints keep matching)."""
-        dims = self.dims
-        ring = dims.ring if dims is not None else 1
-        layout = {"world_size": self.world_size, "sp": self.sp, "ring": ring, "metp_mlp": bool(metp_mlp)}
-        if ring > 1 and attn_chunks != "off":
-            layout["attn_chunks"] = attn_chunks
-        return layout
+        """The parallel layout a checkpoint records and a resume must match (`layout_of`)."""
+        return layout_of(self.world_size, self.dims, metp_mlp, attn_chunks)
 
     @property
     def comm(self):
@@ -185,3 +178,15 @@ def set_cpu_threads(local_processes: int) -> str:
             f"{'es' if local_processes != 1 else ''}; set OMP_NUM_THREADS to choose)")
 
 
+def layout_of(world_size: int, dims: Any, metp_mlp: bool = False, attn_chunks: str | int = "off") -> dict:
+    """The parallel layout a checkpoint records and a resume must match (lstune.train.preflight.check_resume_layout):
+    a launched rank's (`Runtime.layout`) and, before launch, the parent's from the plan's dims (lstune.train.plan).
+    Under a ring with chunked attention also `--attn-chunks`: its chunks cut the zigzag pieces
+    (lstune.models.chunk_layout), so they decide which tokens each rank holds (recorded only then: older checkpoints
+    keep matching)."""
+    ring = dims.ring if dims is not None else 1
+    sp = dims.sp if dims is not None else 1
+    layout = {"world_size": world_size, "sp": sp, "ring": ring, "metp_mlp": bool(metp_mlp)}
+    if ring > 1 and attn_chunks != "off":
+        layout["attn_chunks"] = attn_chunks
+    return layout

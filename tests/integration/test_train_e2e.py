@@ -12,7 +12,10 @@ import torch
 from tests.integration.conftest import REPO, TINY_MODEL, read_metrics
 
 
-def test_embedded_demo_recipe_learns(cli, tmp_path):
+def test_embedded_demo_recipe_learns(cli, tmp_path, monkeypatch):
+    """The README's demo command as a user runs it: lstune picks the CPU threads (every core for one process), where
+    the suite's one thread per test (tests/conftest.py) made it take twice as long on CI's 2 cores."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     out = tmp_path / "demo"
     result = cli("train", "--config", REPO / "recipes/tiny-llama/4k-cpu-demo.yaml", "--output-dir", out)
     assert result.code == 0, result.err
@@ -33,6 +36,7 @@ def test_embedded_demo_recipe_learns(cli, tmp_path):
     assert "passkey_acc" in result.out and "passkey accuracy (step 60)" in result.out
     # `auto` tiling from the estimate: a tiny model at 4K on a CPU is not cut into tiles (it was cut into 32).
     assert "tiled MLP off" in result.out and "loss plain (1 tile)" in result.out
+    assert "cores ÷ 1 local process" in result.out  # the threads lstune chose, as for the README's command
 
 
 def test_final_model_reloads_with_from_pretrained(cli, tmp_path, text_data):

@@ -98,3 +98,15 @@ def test_the_launcher_tells_its_ranks_its_pid_and_no_one_else(monkeypatch):
     monkeypatch.setattr(torch.distributed.run, "run", lambda args: seen.append(os.environ.get(PARENT_ENV)))
     assert agent.main(["--standalone", "--nproc-per-node", "2", "--no-python", "true"]) == 0
     assert seen == [str(os.getpid())] and PARENT_ENV not in os.environ
+
+
+@pytest.mark.parametrize("program, code", [("true", 0), ("false", 1)])
+def test_a_launch_leaves_no_folder_behind(monkeypatch, tmp_path, program, code):
+    # torchrun's own default is a /tmp/torchelastic_* folder per run that nothing removes; the agent's is removed,
+    # whether the processes succeed or fail (the failure, read from it, still gives the exit code).
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    argv = ["--standalone", "--nproc-per-node", "2", "--no-python", program]
+    assert agent.main(argv) == code
+    assert list(tmp_path.iterdir()) == []
