@@ -294,7 +294,10 @@ def _first(config: Any, *names: str) -> int:
 
 
 def _shared_width(c: Any) -> int:
-    width = getattr(c, "shared_expert_intermediate_size", None)
+    """The width of an MoE layer's always-on shared experts: Qwen2-MoE's `shared_expert_intermediate_size`,
+    Granite-MoE-Shared's and GraniteMoeHybrid's `shared_intermediate_size` (their `shared_mlp`), DeepSeek's
+    `n_shared_experts` experts of `moe_intermediate_size`."""
+    width = getattr(c, "shared_expert_intermediate_size", None) or getattr(c, "shared_intermediate_size", None)
     if width:
         return width
     shared = getattr(c, "n_shared_experts", None) or 0

@@ -476,3 +476,24 @@ def test_a_falcon_h1_steps_traced_peak_has_its_mamba2_scan():
     comparable = traced_settings_estimate(config, hardware, model_config, analytic)
     traced = trace_step(config, model_config=model_config, target_cuda=True, sp=1)
     assert comparable.device_peak_bytes == pytest.approx(traced.device_peak_bytes, rel=0.06)
+
+
+@pytest.mark.parametrize("model_type", ["granitemoehybrid", "qwen2_moe"])
+def test_the_shared_experts_width_counts_the_weights_each_token_always_passes(model_type):
+    """A token passes through the top-k experts and the always-on shared MLP: GraniteMoeHybrid's `shared_mlp`
+    (`shared_intermediate_size`, missed before: its FLOPs and MLP row left out a width 16× the experts' here),
+    Qwen2-MoE's shared expert (`shared_expert_intermediate_size`)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lstune.estimate.shapes import ModelShape
+    from tests.support.archs import tiny_config
+
+    config = tiny_config(model_type)
+    torch.manual_seed(0)
+    layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+    shared = layer.shared_mlp if model_type == "granitemoehybrid" else layer.mlp.shared_expert
+    shape = ModelShape.from_config(config)
+    assert shape.shared_intermediate > 0
+    assert shape.mlp_matrices * shape.hidden * shape.shared_intermediate == sum(
+        p.numel() for p in shared.parameters() if p.dim() == 2)
