@@ -225,7 +225,8 @@ def resume_refusals(config: TrainConfig, dims) -> list[str]:
     """What the launched ranks would refuse of a --resume before loading anything (lstune.train.preflight: the
     checkpoint's model, LoRA, ZeRO shards and data order, then its parallel layout against `dims`'), found by the
     launching process with the same functions and messages, before the ranks start (~15 s each). A --resume that
-    does not resolve is left to the ranks, which say why (lstune.train.outputs)."""
+    does not resolve is refused here too, with the ranks' message (lstune.train.outputs); one with nothing to resume
+    yet (`auto` before the first checkpoint) passes, as in the ranks."""
     if not config.run.resume:
         return []
     from lstune.train.outputs import resolve_output_dir
